@@ -1,0 +1,254 @@
+"""The ``kvtier`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier._version import __version__
+from kvtier.config import Config, load_config, render_toml
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.protocol.client import Client
+from kvtier.protocol.codec import LookupMode, State
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISS = 0, 1, 2, 3
+
+
+def _hex_key(text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a hex key") from None
+    if not key:
+        raise argparse.ArgumentTypeError("a key needs at least one byte")
+    return key
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, dict[str, Any]] = {}
+
+    def put(section: str, key: str, value: Any) -> None:
+        if value is not None:
+            out.setdefault(section, {})[key] = value
+
+    put("server", "socket_path", getattr(args, "socket", None))
+    put("metrics", "port", getattr(args, "metrics_port", None))
+    put("metrics", "host", getattr(args, "metrics_host", None))
+    put("ram", "capacity", getattr(args, "ram_capacity", None))
+    put("log", "level", getattr(args, "log_level", None))
+    return out
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(getattr(args, "config", None), _overrides(args))
+
+
+def _socket(args: argparse.Namespace) -> Path:
+    if args.socket is not None:
+        return Path(args.socket)
+    return _config(args).server.socket_path
+
+
+def _run_client(args: argparse.Namespace, fn: Callable[[Client], Coroutine[Any, Any, int]]) -> int:
+    async def main() -> int:
+        async with await Client.connect(_socket(args), timeout=args.timeout) as client:
+            return await fn(client)
+
+    return asyncio.run(main())
+
+
+# -- commands
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _config(args)
+    logging.basicConfig(
+        level=config.log.level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from kvtier.daemon import run
+
+    run(config)
+    return EXIT_OK
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    async def go(client: Client) -> int:
+        started = time.perf_counter()
+        await client.ping()
+        elapsed = (time.perf_counter() - started) * 1e3
+        name = client.server.server_name if client.server else "?"
+        print(f"pong from {name} at {client.path} in {elapsed:.3f} ms")
+        return EXIT_OK
+
+    return _run_client(args, go)
+
+
+def _table(stats: dict[str, Any]) -> str:
+    rows: list[tuple[str, str]] = []
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for key in sorted(node):
+                walk(f"{prefix}.{key}" if prefix else key, node[key])
+        else:
+            rows.append((prefix, str(node)))
+
+    walk("", stats)
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    async def go(client: Client) -> int:
+        stats = await client.stats()
+        print(json.dumps(stats, indent=2, sort_keys=True) if args.json else _table(stats))
+        return EXIT_OK
+
+    return _run_client(args, go)
+
+
+def cmd_put(args: argparse.Namespace) -> int:
+    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+
+    async def go(client: Client) -> int:
+        status = await client.put(args.key, data, durable=args.durable)
+        print(f"{status.name.lower()} {args.key.hex()} ({len(data)} bytes)")
+        return EXIT_OK
+
+    return _run_client(args, go)
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    async def go(client: Client) -> int:
+        value = await client.get(args.key)
+        if value is None:
+            print(f"kvtier: {args.key.hex()}: not found", file=sys.stderr)
+            return EXIT_MISS
+        out.append(bytes(value))
+        return EXIT_OK
+
+    out: list[bytes] = []
+    code = _run_client(args, go)
+    if out:
+        if args.output:
+            Path(args.output).write_bytes(out[0])
+        else:
+            sys.stdout.buffer.write(out[0])
+            sys.stdout.buffer.flush()
+    return code
+
+
+def cmd_lookup(args: argparse.Namespace) -> int:
+    mode = LookupMode.KEYS
+    if args.window:
+        mode = LookupMode.SLIDING_WINDOW
+    elif args.prefix:
+        mode = LookupMode.PREFIX
+
+    async def go(client: Client) -> int:
+        reply = await client.lookup(args.keys, mode=mode, window=args.window or 0, wait=args.wait)
+        for key, state in zip(args.keys, reply.raw_states, strict=True):
+            print(f"{key.hex()}  {State(state).name}")
+        if mode != LookupMode.KEYS:
+            print(f"prefix hits: {reply.prefix_hits}  defer: {'yes' if reply.defer else 'no'}")
+        return EXIT_OK
+
+    return _run_client(args, go)
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    config = load_config(args.path or getattr(args, "config", None))
+    sys.stdout.write(render_toml(config))
+    print(f"# ram capacity in effect: {config.ram.capacity_bytes()} bytes", file=sys.stderr)
+    return EXIT_OK
+
+
+# -- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache block sidecar.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser, client: bool = True) -> None:
+        p.add_argument("--socket", help="daemon socket path (default: from config)")
+        p.add_argument("--config", help="TOML config file (default: $KVTIER_CONFIG)")
+        if client:
+            p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+
+    p = sub.add_parser("serve", help="run the daemon")
+    common(p, client=False)
+    p.add_argument("--metrics-host")
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--ram-capacity", help="bytes or a size such as 8GiB; 'auto' by default")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("ping", help="check that the daemon answers")
+    common(p)
+    p.set_defaults(func=cmd_ping)
+
+    p = sub.add_parser("stats", help="show daemon statistics")
+    common(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("put", help="store FILE (or - for stdin) under a hex KEY")
+    common(p)
+    p.add_argument("key", type=_hex_key, metavar="KEY")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--durable", action="store_true", help="acknowledge once durable")
+    p.set_defaults(func=cmd_put)
+
+    p = sub.add_parser("get", help="print the block under a hex KEY")
+    common(p)
+    p.add_argument("key", type=_hex_key, metavar="KEY")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("lookup", help="per-key states of hex KEYs")
+    common(p)
+    p.add_argument("keys", type=_hex_key, nargs="+", metavar="KEY")
+    p.add_argument("--prefix", action="store_true", help="report the leading hit count")
+    p.add_argument("--window", type=int, default=0, help="sliding-window size")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for keys to settle")
+    p.set_defaults(func=cmd_lookup)
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    c = csub.add_parser("check", help="print the effective config or the error")
+    c.add_argument("path", nargs="?", help="TOML file (default: --config or $KVTIER_CONFIG)")
+    c.set_defaults(func=cmd_config_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KvtierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Public client API: ``from kvtier.client import Client, BlockingClient``."""
+
+from kvtier.protocol.client import DEFAULT_TIMEOUT, BlockingClient, Client
+from kvtier.protocol.codec import LookupMode, LookupReply, PutStatus, State
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "BlockingClient",
+    "Client",
+    "LookupMode",
+    "LookupReply",
+    "PutStatus",
+    "State",
+]

@@ -1,0 +1,241 @@
+"""Configuration: one validated object built from defaults, a TOML file,
+``KVTIER_*`` environment variables and command-line flags (in rising order
+of precedence).
+
+Environment variables name nested fields with ``__``:
+``KVTIER_RAM__CAPACITY=8GiB``, ``KVTIER_SERVER__SOCKET_PATH=/run/kvtier.sock``.
+``KVTIER_CONFIG`` names the TOML file when ``--config`` is not given.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from kvtier.errors import ConfigError
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+DEFAULT_METRICS_PORT = 9477
+RAM_AUTO_FRACTION = 0.25
+RAM_AUTO_CAP = 16 * GiB
+RAM_AUTO_FLOOR = 64 * MiB
+
+
+def default_socket_path() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "kvtier" / "kvtier.sock"
+    return Path(f"/tmp/kvtier-{os.getuid()}") / "kvtier.sock"
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo, else physical memory."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def auto_ram_capacity(available: int) -> int:
+    """A quarter of available memory, at most 16 GiB, at least 64 MiB."""
+    return max(RAM_AUTO_FLOOR, min(RAM_AUTO_CAP, int(available * RAM_AUTO_FRACTION)))
+
+
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+def parse_size(value: Any) -> int:
+    """A positive byte count from an int or a string such as ``"512MiB"``."""
+    try:
+        size = int(_BYTE_SIZE.validate_python(value))
+    except ValidationError:
+        raise ValueError(
+            f"expected a size such as 1048576, '512MiB' or '8GiB', got {value!r}"
+        ) from None
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerConfig(_Section):
+    socket_path: Path = Field(default_factory=default_socket_path)
+    max_frame_bytes: ByteSize = Field(default=ByteSize(64 * MiB), ge=4096, le=0xFFFFFFFF)
+    max_key_bytes: int = Field(default=256, ge=1, le=4096)
+    max_batch: int = Field(default=65536, ge=1, le=1 << 24)
+    max_block_bytes: ByteSize = Field(default=ByteSize(16 * MiB), ge=1)
+    max_inflight_per_connection: int = Field(default=1024, ge=1)
+    shutdown_grace: float = Field(default=10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _block_fits_frame(self) -> ServerConfig:
+        if self.max_block_bytes + self.max_key_bytes + 64 > self.max_frame_bytes:
+            raise ValueError(
+                f"max_block_bytes ({self.max_block_bytes}) must fit in one frame "
+                f"(max_frame_bytes {self.max_frame_bytes}, less key and header room)"
+            )
+        return self
+
+
+class RamConfig(_Section):
+    #: bytes, or "auto": a quarter of available memory, capped at 16 GiB
+    capacity: int | Literal["auto"] = "auto"
+    policy: Literal["lru"] = "lru"
+
+    def capacity_bytes(self) -> int:
+        if self.capacity == "auto":
+            return auto_ram_capacity(available_memory())
+        return int(self.capacity)
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _parse_capacity(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        return parse_size(value)
+
+
+class MetricsConfig(_Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    #: 0 picks a free port (logged at startup)
+    port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+_toml_path: ContextVar[Path | None] = ContextVar("kvtier_toml_path", default=None)
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self.path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ returns the whole document
+
+    def __call__(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            with open(self.path, "rb") as fh:
+                return tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {self.path} does not exist") from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {self.path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {self.path} is not valid TOML: {exc}") from exc
+
+
+class Config(BaseSettings):
+    """Every setting of the daemon. Build with :func:`load_config`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVTIER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    ram: RamConfig = Field(default_factory=RamConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Precedence: command-line flags (init), then the environment, then TOML.
+        return init_settings, env_settings, _TomlSource(settings_cls, _toml_path.get())
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"]) or "(root)"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{loc}: {err['msg']}{shown}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build the effective config; raise :class:`ConfigError` naming any bad field.
+
+    ``path`` falls back to ``$KVTIER_CONFIG``; ``overrides`` is a nested dict
+    of command-line values (``{"server": {"socket_path": ...}}``).
+    """
+    if path is None:
+        path = os.environ.get("KVTIER_CONFIG") or None
+    token = _toml_path.set(Path(path) if path else None)
+    saved = os.environ.pop("KVTIER_CONFIG", None)  # not a field; keep it out of the env source
+    try:
+        return Config(**(overrides or {}))
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+    finally:
+        _toml_path.reset(token)
+        if saved is not None:
+            os.environ["KVTIER_CONFIG"] = saved
+
+
+def render_toml(config: Config) -> str:
+    """The effective config as TOML (for ``kvtier config check``)."""
+    out: list[str] = []
+    for section, model in config.model_dump(mode="json").items():
+        out.append(f"[{section}]")
+        for key, value in model.items():
+            out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

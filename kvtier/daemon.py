@@ -1,0 +1,151 @@
+"""The daemon: the one place that wires config, tiers, service, server and
+metrics together, and owns their lifetime (startup -> serve -> shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from kvtier._version import __version__
+from kvtier.config import Config
+from kvtier.metrics import Metrics, start_metrics_server
+from kvtier.protocol.server import Server, bind_unix_socket
+from kvtier.service import Limits, Service
+from kvtier.tiers.policy import make_policy
+from kvtier.tiers.ram import RamTier
+
+log = logging.getLogger("kvtier.daemon")
+
+READY_MESSAGE = "kvtier ready"
+
+
+class Daemon:
+    """One kvtier daemon. ``await Daemon(config).run()`` serves until :meth:`stop`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.ram = RamTier(config.ram.capacity_bytes(), make_policy(config.ram.policy))
+        self.metrics.add_tier(self.ram.stats)
+        self.service = Service(
+            Limits(
+                max_key_bytes=config.server.max_key_bytes,
+                max_batch=config.server.max_batch,
+                max_block_bytes=int(config.server.max_block_bytes),
+            ),
+            self.ram,
+            self.metrics,
+        )
+        self.server: Server | None = None
+        self.socket_path: Path = config.server.socket_path
+        self.metrics_port: int | None = None
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._socket_ino: int | None = None
+
+    def __repr__(self) -> str:
+        state = "stopping" if self._stop.is_set() else ("serving" if self.ready.is_set() else "new")
+        return f"<Daemon {state} socket={self.socket_path} {self.service!r}>"
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (safe to call more than once)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        # Startup failures (socket in use, metrics port taken) raise plainly,
+        # before any background task exists.
+        sock = bind_unix_socket(self.socket_path)
+        self._socket_ino = os.stat(self.socket_path).st_ino
+        runner: web.AppRunner | None = None
+        try:
+            runner = await self._start_metrics()
+        except BaseException:
+            sock.close()
+            self._remove_socket()
+            raise
+        async with asyncio.TaskGroup() as tasks:
+            self.server = Server(
+                self.service,
+                self.metrics,
+                tasks.create_task,
+                max_frame=int(self.config.server.max_frame_bytes),
+                max_inflight=self.config.server.max_inflight_per_connection,
+            )
+            try:
+                await self.server.start(sock)
+                self._announce()
+                await self._stop.wait()
+            finally:
+                await self._shutdown(self.server, runner)
+
+    async def _start_metrics(self) -> web.AppRunner | None:
+        mc = self.config.metrics
+        if not mc.enabled:
+            return None
+        try:
+            runner, self.metrics_port = await start_metrics_server(self.metrics, mc.host, mc.port)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot serve metrics on {mc.host}:{mc.port}: {exc.strerror}"
+            ) from exc
+        return runner
+
+    def _announce(self) -> None:
+        mc = self.config.metrics
+        metrics_url = f"http://{mc.host}:{self.metrics_port}/metrics" if mc.enabled else "disabled"
+        log.info(
+            "%s: kvtier %s socket=%s metrics=%s ram=%d bytes",
+            READY_MESSAGE,
+            __version__,
+            self.socket_path,
+            metrics_url,
+            self.ram.capacity,
+        )
+        self.ready.set()
+
+    async def _shutdown(self, server: Server, runner: web.AppRunner | None) -> None:
+        log.info(
+            "shutting down: draining in-flight requests (grace %.1fs)",
+            self.config.server.shutdown_grace,
+        )
+        await server.shutdown(self.config.server.shutdown_grace)
+        self._remove_socket()
+        await self.ram.close()
+        if runner is not None:
+            await runner.cleanup()
+        log.info("kvtier stopped")
+
+    def _remove_socket(self) -> None:
+        # Only remove the file we bound: another daemon may have replaced it.
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.socket_path).st_ino == self._socket_ino:
+                os.unlink(self.socket_path)
+
+
+def install_signal_handlers(daemon: Daemon) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+
+
+async def serve(config: Config) -> None:
+    daemon = Daemon(config)
+    install_signal_handlers(daemon)
+    await daemon.run()
+
+
+def run(config: Config) -> None:
+    """Run the daemon to completion on uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))

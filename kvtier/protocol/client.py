@@ -1,0 +1,458 @@
+"""The reference client: async, pipelined over one connection, plus a
+blocking wrapper for synchronous engine code.
+
+Every call sends one or more frames with fresh request ids and awaits the
+matching replies, so any number of calls may be in flight at once on one
+connection. A miss is ``None``; failures raise :class:`~kvtier.errors.KvtierError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future as ConcurrentFuture
+from pathlib import Path
+from types import EllipsisType
+from typing import Any, TypeVar, cast
+
+from kvtier._version import __version__
+from kvtier.errors import (
+    ConnectionClosedError,
+    DaemonUnavailableError,
+    KvtierError,
+    ProtocolError,
+    RequestTimeoutError,
+    error_from_code,
+)
+from kvtier.protocol import codec
+from kvtier.protocol.codec import (
+    FLAG_DURABLE,
+    Buffer,
+    Frame,
+    LookupMode,
+    LookupReply,
+    Op,
+    PutStatus,
+)
+
+T = TypeVar("T")
+#: seconds, None for no limit, or ``...`` for the client's default
+Timeout = float | None | EllipsisType
+
+DEFAULT_TIMEOUT = 30.0
+#: values at least this large travel one per frame (received without a copy)
+_SOLO_VALUE_BYTES = 64 * 1024
+
+
+class _ClientProtocol(asyncio.BufferedProtocol):
+    def __init__(self, max_frame: int) -> None:
+        self.reader = codec.FrameReader(max_frame)
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future[Frame]] = {}
+        self.closed_exc: Exception | None = None
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self.closed_event = asyncio.Event()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the Transport API without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            frames = self.reader.buffer_updated(nbytes)
+        except codec.CodecError as exc:
+            self._fail(ProtocolError(f"bad reply stream from the server: {exc}"))
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        for frame in frames:
+            fut = self.pending.pop(frame.header.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(frame)
+            # else: the caller timed out or was cancelled; the late reply is dropped
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(ConnectionClosedError(f"connection to the daemon closed: {exc or 'EOF'}"))
+        self._can_write.set()
+        self.closed_event.set()
+
+    def _fail(self, exc: Exception) -> None:
+        if self.closed_exc is None:
+            self.closed_exc = exc
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    async def drain(self) -> None:
+        await self._can_write.wait()
+
+
+class Client:
+    """Async client. Create with :meth:`connect`; use as an async context manager."""
+
+    def __init__(
+        self, protocol: _ClientProtocol, path: Path, timeout: float | None, name: str
+    ) -> None:
+        self._protocol = protocol
+        self.path = path
+        self.timeout = timeout
+        self.name = name
+        self._ids = itertools.count(1)
+        self.server: codec.HelloReply | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<Client {self.path} {state} in_flight={len(self._protocol.pending)}>"
+
+    @classmethod
+    async def connect(
+        cls,
+        path: str | Path | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        name: str = f"kvtier-python/{__version__}",
+    ) -> Client:
+        """Connect and negotiate the protocol version (HELLO).
+
+        ``path`` defaults to the daemon's default socket path.
+        """
+        if path is None:
+            from kvtier.config import default_socket_path
+
+            path = default_socket_path()
+        path = Path(path)
+        loop = asyncio.get_running_loop()
+        try:
+            _, protocol = await loop.create_unix_connection(
+                lambda: _ClientProtocol(codec.MAX_FRAME_BYTES_V1), str(path)
+            )
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DaemonUnavailableError(f"no kvtier daemon is listening on {path}: {exc}") from exc
+        except OSError as exc:
+            raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from exc
+        client = cls(protocol, path, timeout, name)
+        try:
+            client.server = await client.hello()
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._protocol.transport is None
+
+    async def close(self) -> None:
+        transport = self._protocol.transport
+        if transport is not None:
+            transport.close()
+            await self._protocol.closed_event.wait()
+
+    # -- plumbing
+
+    def _send(
+        self, op: int, meta: Buffer, data: Sequence[Buffer] = (), flags: int = 0
+    ) -> asyncio.Future[Frame]:
+        proto = self._protocol
+        if proto.transport is None or proto.transport.is_closing():
+            raise proto.closed_exc or ConnectionClosedError("the client is closed")
+        rid = next(self._ids)
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        proto.pending[rid] = fut
+        proto.transport.writelines(codec.frame_parts(op, rid, meta, data, flags=flags))
+        fut.add_done_callback(lambda _f: proto.pending.pop(rid, None))
+        return fut
+
+    async def _await(
+        self, futs: Sequence[asyncio.Future[Frame]], timeout: float | None
+    ) -> list[Frame]:
+        try:
+            await self._protocol.drain()
+            if timeout is None:
+                frames = await asyncio.gather(*futs)
+            else:
+                async with asyncio.timeout(timeout):
+                    frames = await asyncio.gather(*futs)
+        except TimeoutError:
+            raise RequestTimeoutError(f"no reply within {timeout}s") from None
+        finally:
+            for fut in futs:
+                fut.cancel()  # no-op when done; frees the slot when abandoned
+        for frame in frames:
+            if frame.header.status:
+                raise error_from_code(frame.header.status, codec.decode_error(frame.meta))
+        return frames
+
+    async def _call(
+        self,
+        op: int,
+        meta: Buffer,
+        data: Sequence[Buffer] = (),
+        flags: int = 0,
+        timeout: Timeout = ...,
+    ) -> Frame:
+        fut = self._send(op, meta, data, flags)
+        return (await self._await([fut], self._timeout(timeout)))[0]
+
+    def _timeout(self, timeout: Timeout) -> float | None:
+        return self.timeout if isinstance(timeout, EllipsisType) else timeout
+
+    def _max_batch(self) -> int:
+        return self.server.max_batch if self.server else 65536
+
+    def _max_frame(self) -> int:
+        return self.server.max_frame_bytes if self.server else 64 * 1024 * 1024
+
+    # -- operations
+
+    async def hello(self) -> codec.HelloReply:
+        frame = await self._call(
+            Op.HELLO, codec.encode_hello(codec.Hello(1, codec.VERSION, self.name))
+        )
+        return codec.decode_hello_reply(frame.meta)
+
+    async def ping(self, payload: bytes = b"", *, timeout: Timeout = ...) -> bytes:
+        frame = await self._call(Op.PING, payload, timeout=timeout)
+        return bytes(frame.meta)
+
+    async def stats(self, *, timeout: Timeout = ...) -> dict[str, Any]:
+        frame = await self._call(Op.STATS, b"", timeout=timeout)
+        result: dict[str, Any] = codec.decode_json(frame.meta)
+        return result
+
+    async def lookup(
+        self,
+        keys: Sequence[bytes],
+        *,
+        mode: LookupMode = LookupMode.KEYS,
+        window: int = 0,
+        wait: float = 0.0,
+        max_pending_wait: float = 0.0,
+        request_tag: bytes = b"",
+        timeout: Timeout = ...,
+    ) -> LookupReply:
+        """Per-key states of ``keys`` and the usable prefix (``prefix_hits``, ``defer``)."""
+        meta = codec.encode_lookup(
+            codec.Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag)
+        )
+        frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
+        return codec.decode_lookup_reply(frame.meta)
+
+    async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> LookupReply:
+        return await self.lookup(keys, mode=LookupMode.PREFIX, timeout=timeout)
+
+    async def get(self, key: bytes, *, timeout: Timeout = ...) -> memoryview | None:
+        """The block stored under ``key``, or None."""
+        return (await self.get_many([key], timeout=timeout))[0]
+
+    async def get_many(
+        self, keys: Sequence[bytes], *, timeout: Timeout = ...
+    ) -> list[memoryview | None]:
+        """Blocks of ``keys`` in order (None where missing); read-only views, no copy."""
+        step = self._max_batch()
+        futs = [
+            self._send(Op.GET, codec.encode_keys(keys[i : i + step]))
+            for i in range(0, len(keys), step)
+        ]
+        frames = await self._await(futs, self._timeout(timeout))
+        out: list[memoryview | None] = []
+        for frame in frames:
+            out.extend(codec.decode_get_reply(frame.meta, frame.data))
+        return out
+
+    async def put(
+        self,
+        key: bytes,
+        value: Buffer,
+        *,
+        durable: bool = False,
+        timeout: Timeout = ...,
+    ) -> PutStatus:
+        """Store one block; EXISTS if it was already there (PUT is idempotent)."""
+        return (await self.put_many([key], [value], durable=durable, timeout=timeout))[0]
+
+    async def put_many(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        *,
+        durable: bool = False,
+        timeout: Timeout = ...,
+    ) -> list[PutStatus]:
+        """Store blocks, pipelined. Large values travel one per frame."""
+        if len(keys) != len(values):
+            raise ValueError("put_many needs one value per key")
+        flags = FLAG_DURABLE if durable else 0
+        futs = [
+            self._send(Op.PUT, *codec.encode_put(k, v), flags=flags)
+            for k, v in self._put_batches(keys, values)
+        ]
+        frames = await self._await(futs, self._timeout(timeout))
+        out: list[PutStatus] = []
+        for frame in frames:
+            out.extend(codec.decode_put_reply(frame.meta))
+        return out
+
+    def _put_batches(
+        self, keys: Sequence[bytes], values: Sequence[Buffer]
+    ) -> list[tuple[Sequence[bytes], Sequence[Buffer]]]:
+        budget = self._max_frame() // 2
+        max_batch = self._max_batch()
+        batches: list[tuple[Sequence[bytes], Sequence[Buffer]]] = []
+        cur_k: list[bytes] = []
+        cur_v: list[Buffer] = []
+        size = 0
+        for key, value in zip(keys, values, strict=True):
+            n = len(value)
+            if n >= _SOLO_VALUE_BYTES:
+                batches.append(([key], [value]))
+                continue
+            if cur_k and (size + n + len(key) > budget or len(cur_k) >= max_batch):
+                batches.append((cur_k, cur_v))
+                cur_k, cur_v, size = [], [], 0
+            cur_k.append(key)
+            cur_v.append(value)
+            size += n + len(key) + 6
+        if cur_k:
+            batches.append((cur_k, cur_v))
+        return batches
+
+    async def delete(self, key: bytes, *, timeout: Timeout = ...) -> bool:
+        return (await self.delete_many([key], timeout=timeout))[0]
+
+    async def delete_many(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> list[bool]:
+        frame = await self._call(Op.DELETE, codec.encode_keys(keys), timeout=timeout)
+        return codec.decode_delete_reply(frame.meta)
+
+    async def raw_request(
+        self,
+        op: int,
+        meta: Buffer = b"",
+        data: Sequence[Buffer] = (),
+        flags: int = 0,
+        *,
+        timeout: Timeout = ...,
+    ) -> Frame:
+        """Send any frame and return the reply frame (error replies raise)."""
+        return await self._call(op, meta, data, flags, timeout)
+
+
+class BlockingClient:
+    """The same operations for synchronous code.
+
+    Runs a private event loop in a daemon thread; each method blocks the
+    calling thread until its reply arrives. Safe to share between threads:
+    calls from several threads are pipelined on the one connection.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        name: str = f"kvtier-python-blocking/{__version__}",
+    ) -> None:
+        self._loop = _new_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvtier-client", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._client: Client = self._run(Client.connect(path, timeout=timeout, name=name))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def __repr__(self) -> str:
+        return f"<BlockingClient {self._client!r}>"
+
+    def __enter__(self) -> BlockingClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        fut: ConcurrentFuture[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(KvtierError):
+            self._run(self._client.close())
+        self._stop_loop()
+
+    @property
+    def server(self) -> codec.HelloReply | None:
+        return self._client.server
+
+    def ping(self, payload: bytes = b"", **kw: Any) -> bytes:
+        return self._run(self._client.ping(payload, **kw))
+
+    def stats(self, **kw: Any) -> dict[str, Any]:
+        return self._run(self._client.stats(**kw))
+
+    def lookup(self, keys: Sequence[bytes], **kw: Any) -> LookupReply:
+        return self._run(self._client.lookup(keys, **kw))
+
+    def lookup_prefix(self, keys: Sequence[bytes], **kw: Any) -> LookupReply:
+        return self._run(self._client.lookup_prefix(keys, **kw))
+
+    def get(self, key: bytes, **kw: Any) -> memoryview | None:
+        return self._run(self._client.get(key, **kw))
+
+    def get_many(self, keys: Sequence[bytes], **kw: Any) -> list[memoryview | None]:
+        return self._run(self._client.get_many(keys, **kw))
+
+    def put(self, key: bytes, value: Buffer, **kw: Any) -> PutStatus:
+        return self._run(self._client.put(key, value, **kw))
+
+    def put_many(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], **kw: Any
+    ) -> list[PutStatus]:
+        return self._run(self._client.put_many(keys, values, **kw))
+
+    def delete(self, key: bytes, **kw: Any) -> bool:
+        return self._run(self._client.delete(key, **kw))
+
+    def delete_many(self, keys: Sequence[bytes], **kw: Any) -> list[bool]:
+        return self._run(self._client.delete_many(keys, **kw))
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop

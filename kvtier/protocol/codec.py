@@ -1,0 +1,582 @@
+"""Wire protocol v1: framing and message layouts. Pure: bytes in, messages out.
+
+Nothing here does I/O or imports the rest of kvtier; see docs/protocol.md for
+the specification this module implements. Structural errors raise
+:class:`CodecError` subclasses; the server and client map them onto the
+kvtier error hierarchy at their edges.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Buffer = bytes | bytearray | memoryview
+
+MAGIC = b"KV"
+VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+#: magic, version, opcode, flags, status, request id, meta length, data length
+HEADER = struct.Struct("<2sBBHHQII")
+HEADER_SIZE = HEADER.size  # 24
+
+FLAG_REPLY = 0x0001
+FLAG_DURABLE = 0x0002  # PUT: acknowledge once the block is durable
+KNOWN_REQUEST_FLAGS = FLAG_DURABLE
+
+MISSING = 0xFFFFFFFF  # a GET reply length meaning "no such block"
+
+#: Hard ceilings of the v1 encoding (the configured limits must be below them).
+MAX_KEY_BYTES_V1 = 0xFFFF
+MAX_FRAME_BYTES_V1 = 0xFFFFFFFF
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_KEYS_HEAD = struct.Struct("<IH")  # count, uniform key length (0: a lengths array follows)
+_LOOKUP_HEAD = struct.Struct("<BBHdd")  # mode, reserved, window, wait, max_pending_wait
+_LOOKUP_REPLY_HEAD = struct.Struct("<IB3xI")  # prefix hits, defer, count
+_HELLO_REQ = struct.Struct("<BB")
+_HELLO_REPLY = struct.Struct("<BxHIII")  # version, max key, max batch, max frame, max block
+
+
+class Op(enum.IntEnum):
+    HELLO = 0x01
+    PING = 0x02
+    STATS = 0x03
+    LOOKUP = 0x10
+    GET = 0x11
+    PUT = 0x12
+    DELETE = 0x13
+    RESERVE = 0x20
+    ABORT = 0x21
+    RELEASE = 0x22
+
+
+class State(enum.IntEnum):
+    """Per-key lookup answer."""
+
+    MISS = 0
+    HIT = 1
+    PENDING = 2
+    RETRY = 3
+
+
+class LookupMode(enum.IntEnum):
+    KEYS = 0  # per-key states only
+    PREFIX = 1  # leading run of HIT
+    SLIDING_WINDOW = 2  # longest prefix whose last `window` blocks all hit
+
+
+class PutStatus(enum.IntEnum):
+    STORED = 0
+    EXISTS = 1
+
+
+class CodecError(Exception):
+    """A frame or message does not follow the v1 encoding."""
+
+
+class BadMagic(CodecError):
+    """The stream does not carry kvtier frames; framing is lost."""
+
+
+class OversizedFrame(CodecError):
+    """A header announces a body above the frame limit; framing is abandoned."""
+
+    def __init__(self, header: Header, limit: int) -> None:
+        super().__init__(
+            f"frame body of {header.meta_len + header.data_len} bytes exceeds "
+            f"the maximum frame size of {limit} bytes"
+        )
+        self.header = header
+
+
+@dataclass(slots=True, frozen=True)
+class Header:
+    version: int
+    opcode: int
+    flags: int
+    status: int
+    request_id: int
+    meta_len: int
+    data_len: int
+
+
+@dataclass(slots=True, frozen=True)
+class Frame:
+    header: Header
+    meta: Buffer
+    data: Buffer
+
+
+def pack_header(
+    opcode: int, request_id: int, meta_len: int, data_len: int, flags: int = 0, status: int = 0
+) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, opcode, flags, status, request_id, meta_len, data_len)
+
+
+def unpack_header(buf: Buffer, offset: int = 0) -> Header:
+    magic, version, opcode, flags, status, rid, meta_len, data_len = HEADER.unpack_from(buf, offset)
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    return Header(version, opcode, flags, status, rid, meta_len, data_len)
+
+
+def frame_parts(
+    opcode: int,
+    request_id: int,
+    meta: Buffer = b"",
+    data: Sequence[Buffer] = (),
+    flags: int = 0,
+    status: int = 0,
+) -> list[Buffer]:
+    """The buffers of one frame, for a vectored write (no re-joining)."""
+    data_len = 0
+    for part in data:
+        data_len += len(part)
+    parts: list[Buffer] = [pack_header(opcode, request_id, len(meta), data_len, flags, status)]
+    if meta:
+        parts.append(meta)
+    parts.extend(data)
+    return parts
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def encode_keys(keys: Sequence[bytes]) -> bytes:
+    n = len(keys)
+    if n == 0:
+        return _KEYS_HEAD.pack(0, 0)
+    first = len(keys[0])
+    if 0 < first <= MAX_KEY_BYTES_V1 and all(len(k) == first for k in keys):
+        return _KEYS_HEAD.pack(n, first) + b"".join(keys)
+    lengths = [len(k) for k in keys]
+    if max(lengths) > MAX_KEY_BYTES_V1:
+        raise CodecError(f"a key is longer than {MAX_KEY_BYTES_V1} bytes")
+    return b"".join((_KEYS_HEAD.pack(n, 0), struct.pack(f"<{n}H", *lengths), *keys))
+
+
+def decode_keys(buf: Buffer, offset: int = 0) -> tuple[list[bytes], int]:
+    """Decode a key list; returns the keys and the offset after it."""
+    end = len(buf)
+    if offset + _KEYS_HEAD.size > end:
+        raise CodecError("truncated key list header")
+    n, uniform = _KEYS_HEAD.unpack_from(buf, offset)
+    offset += _KEYS_HEAD.size
+    if uniform:
+        stop = offset + n * uniform
+        if stop > end:
+            raise CodecError(f"key list announces {n} keys of {uniform} bytes; frame too short")
+        raw = bytes(buf[offset:stop])
+        return [raw[i : i + uniform] for i in range(0, n * uniform, uniform)], stop
+    if offset + 2 * n > end:
+        raise CodecError(f"key list announces {n} keys; frame too short")
+    lengths = struct.unpack_from(f"<{n}H", buf, offset)
+    offset += 2 * n
+    stop = offset + sum(lengths)
+    if stop > end:
+        raise CodecError("key bytes run past the end of the frame")
+    raw = bytes(buf[offset:stop])
+    keys = []
+    pos = 0
+    for length in lengths:
+        keys.append(raw[pos : pos + length])
+        pos += length
+    return keys, stop
+
+
+def _expect_end(buf: Buffer, offset: int) -> None:
+    if offset != len(buf):
+        raise CodecError(f"{len(buf) - offset} unexpected trailing bytes in message")
+
+
+def _encode_str(text: str) -> bytes:
+    raw = text.encode()[:0xFFFF]
+    return _U16.pack(len(raw)) + raw
+
+
+def _decode_str(buf: Buffer, offset: int) -> tuple[str, int]:
+    if offset + 2 > len(buf):
+        raise CodecError("truncated string")
+    (n,) = _U16.unpack_from(buf, offset)
+    offset += 2
+    if offset + n > len(buf):
+        raise CodecError("truncated string")
+    try:
+        return bytes(buf[offset : offset + n]).decode(), offset + n
+    except UnicodeDecodeError as exc:
+        raise CodecError("string is not UTF-8") from exc
+
+
+def _decode_u32_array(buf: Buffer, offset: int, n: int) -> tuple[tuple[int, ...], int]:
+    stop = offset + 4 * n
+    if stop > len(buf):
+        raise CodecError("truncated length array")
+    return struct.unpack_from(f"<{n}I", buf, offset), stop
+
+
+def _decode_count_bytes(buf: Buffer, offset: int = 0) -> bytes:
+    if offset + 4 > len(buf):
+        raise CodecError("truncated count")
+    (n,) = _U32.unpack_from(buf, offset)
+    offset += 4
+    _expect_end(buf, offset + n)
+    return bytes(buf[offset : offset + n])
+
+
+def _encode_count_bytes(values: Iterable[int]) -> bytes:
+    raw = bytes(values)
+    return _U32.pack(len(raw)) + raw
+
+
+# --------------------------------------------------------------------------- HELLO
+
+
+@dataclass(slots=True, frozen=True)
+class Hello:
+    min_version: int
+    max_version: int
+    client_name: str
+
+
+@dataclass(slots=True, frozen=True)
+class HelloReply:
+    version: int
+    max_key_bytes: int
+    max_batch: int
+    max_frame_bytes: int
+    max_block_bytes: int
+    server_name: str
+
+
+def encode_hello(hello: Hello) -> bytes:
+    return _HELLO_REQ.pack(hello.min_version, hello.max_version) + _encode_str(hello.client_name)
+
+
+def decode_hello(buf: Buffer) -> Hello:
+    if len(buf) < _HELLO_REQ.size:
+        raise CodecError("truncated HELLO")
+    lo, hi = _HELLO_REQ.unpack_from(buf, 0)
+    name, end = _decode_str(buf, _HELLO_REQ.size)
+    _expect_end(buf, end)
+    return Hello(lo, hi, name)
+
+
+def encode_hello_reply(reply: HelloReply) -> bytes:
+    return _HELLO_REPLY.pack(
+        reply.version,
+        reply.max_key_bytes,
+        reply.max_batch,
+        reply.max_frame_bytes,
+        reply.max_block_bytes,
+    ) + _encode_str(reply.server_name)
+
+
+def decode_hello_reply(buf: Buffer) -> HelloReply:
+    if len(buf) < _HELLO_REPLY.size:
+        raise CodecError("truncated HELLO reply")
+    version, max_key, max_batch, max_frame, max_block = _HELLO_REPLY.unpack_from(buf, 0)
+    name, end = _decode_str(buf, _HELLO_REPLY.size)
+    _expect_end(buf, end)
+    return HelloReply(version, max_key, max_batch, max_frame, max_block, name)
+
+
+def negotiate_version(hello: Hello) -> int | None:
+    """The highest version both sides speak, or None."""
+    common = [v for v in SUPPORTED_VERSIONS if hello.min_version <= v <= hello.max_version]
+    return max(common) if common else None
+
+
+# --------------------------------------------------------------------------- LOOKUP
+
+
+@dataclass(slots=True, frozen=True)
+class Lookup:
+    keys: list[bytes]
+    mode: LookupMode = LookupMode.KEYS
+    window: int = 0
+    wait: float = 0.0
+    max_pending_wait: float = 0.0
+    request_tag: bytes = b""
+
+
+@dataclass(slots=True, frozen=True)
+class LookupReply:
+    """Per-key states (one byte each, values of :class:`State`) and the prefix answer."""
+
+    raw_states: bytes
+    prefix_hits: int
+    defer: bool
+
+    @property
+    def states(self) -> list[State]:
+        return [State(s) for s in self.raw_states]
+
+    def __len__(self) -> int:
+        return len(self.raw_states)
+
+
+def encode_lookup(req: Lookup) -> bytes:
+    tag = req.request_tag
+    if len(tag) > 255:
+        raise CodecError("request tag longer than 255 bytes")
+    return b"".join(
+        (
+            _LOOKUP_HEAD.pack(int(req.mode), 0, req.window, req.wait, req.max_pending_wait),
+            _U8.pack(len(tag)),
+            tag,
+            encode_keys(req.keys),
+        )
+    )
+
+
+def decode_lookup(buf: Buffer) -> Lookup:
+    if len(buf) < _LOOKUP_HEAD.size + 1:
+        raise CodecError("truncated LOOKUP")
+    mode, _reserved, window, wait, max_pending_wait = _LOOKUP_HEAD.unpack_from(buf, 0)
+    try:
+        lookup_mode = LookupMode(mode)
+    except ValueError as exc:
+        raise CodecError(f"unknown lookup mode {mode}") from exc
+    if not (math.isfinite(wait) and wait >= 0):
+        raise CodecError(f"wait must be a finite number >= 0, got {wait}")
+    offset = _LOOKUP_HEAD.size
+    (tag_len,) = _U8.unpack_from(buf, offset)
+    offset += 1
+    tag = bytes(buf[offset : offset + tag_len])
+    if len(tag) != tag_len:
+        raise CodecError("truncated request tag")
+    keys, end = decode_keys(buf, offset + tag_len)
+    _expect_end(buf, end)
+    return Lookup(keys, lookup_mode, window, wait, max_pending_wait, tag)
+
+
+def encode_lookup_reply(reply: LookupReply) -> bytes:
+    return (
+        _LOOKUP_REPLY_HEAD.pack(reply.prefix_hits, int(reply.defer), len(reply.raw_states))
+        + reply.raw_states
+    )
+
+
+def decode_lookup_reply(buf: Buffer) -> LookupReply:
+    if len(buf) < _LOOKUP_REPLY_HEAD.size:
+        raise CodecError("truncated LOOKUP reply")
+    hits, defer, n = _LOOKUP_REPLY_HEAD.unpack_from(buf, 0)
+    start = _LOOKUP_REPLY_HEAD.size
+    _expect_end(buf, start + n)
+    return LookupReply(bytes(buf[start : start + n]), hits, bool(defer))
+
+
+# --------------------------------------------------------------------------- GET
+
+
+def encode_get_reply(values: Sequence[Buffer | None]) -> tuple[bytes, list[Buffer]]:
+    """Meta (lengths, MISSING for absent blocks) and the data parts."""
+    lengths = [MISSING if v is None else len(v) for v in values]
+    meta = _U32.pack(len(lengths)) + struct.pack(f"<{len(lengths)}I", *lengths)
+    return meta, [v for v in values if v is not None]
+
+
+def decode_get_reply(meta: Buffer, data: Buffer) -> list[memoryview | None]:
+    if len(meta) < 4:
+        raise CodecError("truncated GET reply")
+    (n,) = _U32.unpack_from(meta, 0)
+    lengths, end = _decode_u32_array(meta, 4, n)
+    _expect_end(meta, end)
+    view = memoryview(data)
+    out: list[memoryview | None] = []
+    pos = 0
+    for length in lengths:
+        if length == MISSING:
+            out.append(None)
+            continue
+        out.append(view[pos : pos + length])
+        pos += length
+    if pos != len(view):
+        raise CodecError("GET reply data length does not match its lengths")
+    return out
+
+
+# --------------------------------------------------------------------------- PUT
+
+
+def encode_put(keys: Sequence[bytes], values: Sequence[Buffer]) -> tuple[bytes, list[Buffer]]:
+    if len(keys) != len(values):
+        raise CodecError("PUT needs one value per key")
+    lengths = [len(v) for v in values]
+    meta = encode_keys(keys) + struct.pack(f"<{len(lengths)}I", *lengths)
+    return meta, list(values)
+
+
+def decode_put(meta: Buffer, data: Buffer) -> tuple[list[bytes], list[Buffer]]:
+    """Keys and values. A value is a zero-copy view when the frame holds one."""
+    keys, offset = decode_keys(meta, 0)
+    lengths, end = _decode_u32_array(meta, offset, len(keys))
+    _expect_end(meta, end)
+    if sum(lengths) != len(data):
+        raise CodecError(
+            f"PUT value lengths add up to {sum(lengths)} bytes but the frame carries {len(data)}"
+        )
+    if len(keys) == 1:
+        return keys, [data]
+    # Several values share one receive buffer: copy each out so that a block
+    # evicted later does not keep its neighbours' memory alive.
+    view = memoryview(data)
+    values: list[Buffer] = []
+    pos = 0
+    for length in lengths:
+        values.append(bytes(view[pos : pos + length]))
+        pos += length
+    return keys, values
+
+
+def encode_put_reply(statuses: Sequence[PutStatus]) -> bytes:
+    return _encode_count_bytes(int(s) for s in statuses)
+
+
+def decode_put_reply(buf: Buffer) -> list[PutStatus]:
+    return [PutStatus(s) for s in _decode_count_bytes(buf)]
+
+
+# --------------------------------------------------------------------------- DELETE
+
+
+def encode_delete_reply(deleted: Sequence[bool]) -> bytes:
+    return _encode_count_bytes(int(d) for d in deleted)
+
+
+def decode_delete_reply(buf: Buffer) -> list[bool]:
+    return [bool(d) for d in _decode_count_bytes(buf)]
+
+
+# --------------------------------------------------------------------------- STATS / errors
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_json(buf: Buffer) -> Any:
+    try:
+        return json.loads(bytes(buf))
+    except ValueError as exc:
+        raise CodecError("invalid JSON body") from exc
+
+
+def encode_error(message: str) -> bytes:
+    return message.encode()[:4096]
+
+
+def decode_error(buf: Buffer) -> str:
+    return bytes(buf).decode(errors="replace")
+
+
+# --------------------------------------------------------------------------- framing
+
+
+_MIN_TAIL = 16 * 1024
+
+
+class FrameReader:
+    """Incremental frame assembler for ``asyncio.BufferedProtocol``.
+
+    Small frames are received into one reusable buffer and many are parsed per
+    ``recv``; a frame whose body exceeds ``direct_threshold`` is received
+    straight into a buffer of its own (no copy), which becomes the frame's
+    ``meta``/``data`` views. Bodies above ``max_frame`` raise
+    :class:`OversizedFrame` and leave the reader unusable (the caller closes).
+    """
+
+    def __init__(
+        self,
+        max_frame: int,
+        buffer_size: int = 256 * 1024,
+        direct_threshold: int = 64 * 1024,
+    ) -> None:
+        if buffer_size < direct_threshold + HEADER_SIZE:
+            raise ValueError("buffer_size must hold a header plus a direct_threshold body")
+        self.max_frame = max_frame
+        self.direct_threshold = direct_threshold
+        self._buf = bytearray(buffer_size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._body: bytearray | None = None
+        self._body_filled = 0
+        self._body_header: Header | None = None
+
+    def __repr__(self) -> str:
+        mode = f"direct {self._body_filled}/{len(self._body)}" if self._body is not None else "ring"
+        return f"<FrameReader {mode} buffered={self._end - self._start}>"
+
+    @property
+    def idle(self) -> bool:
+        """True when no partial frame is buffered."""
+        return self._body is None and self._start == self._end
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._body is not None:
+            return memoryview(self._body)[self._body_filled :]
+        # Compact before the tail gets small, so that a recv never reads a
+        # few bytes at a time; a partial frame here is at most
+        # HEADER_SIZE + direct_threshold bytes, which always fits.
+        if len(self._buf) - self._end < _MIN_TAIL and self._start > 0:
+            self._compact()
+        return self._view[self._end :]
+
+    def _compact(self) -> None:
+        pending = self._end - self._start
+        self._buf[:pending] = self._view[self._start : self._end]
+        self._start, self._end = 0, pending
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        frames: list[Frame] = []
+        if self._body is not None:
+            self._body_filled += nbytes
+            if self._body_filled < len(self._body):
+                return frames
+            frames.append(self._finish_direct())
+            return frames
+        self._end += nbytes
+        self._parse(frames)
+        return frames
+
+    def _finish_direct(self) -> Frame:
+        assert self._body is not None and self._body_header is not None
+        body, header = memoryview(self._body), self._body_header
+        self._body, self._body_header, self._body_filled = None, None, 0
+        return Frame(header, body[: header.meta_len], body[header.meta_len :])
+
+    def _parse(self, frames: list[Frame]) -> None:
+        view = self._view
+        while self._end - self._start >= HEADER_SIZE:
+            header = unpack_header(view, self._start)
+            body_len = header.meta_len + header.data_len
+            if body_len > self.max_frame:
+                raise OversizedFrame(header, self.max_frame)
+            body_start = self._start + HEADER_SIZE
+            available = self._end - body_start
+            if available >= body_len:
+                meta_end = body_start + header.meta_len
+                frame_end = meta_end + header.data_len
+                frames.append(
+                    Frame(header, bytes(view[body_start:meta_end]), bytes(view[meta_end:frame_end]))
+                )
+                self._start = frame_end
+                continue
+            if body_len > self.direct_threshold:
+                body = bytearray(body_len)
+                body[:available] = view[body_start : self._end]
+                self._body, self._body_header, self._body_filled = body, header, available
+                self._start = self._end = 0
+            break
+        if self._start == self._end:
+            self._start = self._end = 0

@@ -1,0 +1,64 @@
+"""The interface every tier implements.
+
+Local tiers (RAM, disk) also answer ``contains`` synchronously from an
+in-memory index, so a lookup of a local block never awaits. Remote tiers
+(S3, peers) are probed through ``batch_lookup``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(slots=True)
+class TierStats:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    evictions: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Tier(abc.ABC):
+    """A place blocks live. All batch methods keep the order of ``keys``."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present."""
+
+    @abc.abstractmethod
+    async def batch_load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """Each key's value, or None where absent."""
+
+    @abc.abstractmethod
+    async def batch_store(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
+        """Store every pair (idempotent for keys already present)."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """Remove each key; True where it was present."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the tier's occupancy."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; called once at shutdown."""
+
+
+class LocalTier(Tier):
+    """A tier whose index lives in memory and answers without I/O."""
+
+    @abc.abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is resident, answered from the index."""
+
+    async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.contains(k) for k in keys]

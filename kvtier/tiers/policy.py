@@ -1,0 +1,62 @@
+"""Eviction policies: which resident key goes first. Pure; imports nothing of kvtier.
+
+A policy only orders keys. The tier decides which of them may actually go
+(pinned blocks are skipped) and does the removal.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from typing import Generic, Protocol, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class EvictionPolicy(Protocol[K]):
+    def admit(self, key: K) -> None:
+        """``key`` became resident."""
+
+    def touch(self, key: K) -> None:
+        """``key`` was read or written again."""
+
+    def remove(self, key: K) -> None:
+        """``key`` is no longer resident (evicted or deleted)."""
+
+    def candidates(self) -> Iterator[K]:
+        """Resident keys, the one to evict first coming first."""
+
+    def __len__(self) -> int: ...
+
+
+class LRUPolicy(Generic[K]):
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[K, None] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<LRUPolicy keys={len(self._order)}>"
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def admit(self, key: K) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: K) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: K) -> None:
+        self._order.pop(key, None)
+
+    def candidates(self) -> Iterator[K]:
+        return iter(self._order)
+
+
+def make_policy(name: str) -> EvictionPolicy[bytes]:
+    if name == "lru":
+        return LRUPolicy()
+    raise ValueError(f"unknown eviction policy {name!r}")
