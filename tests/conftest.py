@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.daemon import Daemon
+from tests.helpers import running_daemon, short_tmpdir
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    path = short_tmpdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
+    async with running_daemon(sock_dir) as d:
+        yield d

@@ -1,0 +1,201 @@
+"""Test helpers: in-process and subprocess daemons, raw frame sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import load_config
+from kvtier.daemon import READY_MESSAGE, Daemon
+from kvtier.protocol import codec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def short_tmpdir() -> Path:
+    """A short directory: Unix socket paths are limited to ~107 bytes."""
+    return Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(sock_dir: Path, **sections: dict[str, Any]) -> AsyncIterator[Daemon]:
+    """An in-process daemon on the test's event loop."""
+    overrides: dict[str, dict[str, Any]] = {
+        "server": {"socket_path": sock_dir / "d.sock"},
+        "metrics": {"port": 0},
+        "ram": {"capacity": "64MiB"},
+    }
+    for name, values in sections.items():
+        overrides.setdefault(name, {}).update(values)
+    daemon = Daemon(load_config(None, overrides))
+    task = asyncio.create_task(daemon.run())
+    ready = asyncio.create_task(daemon.ready.wait())
+    await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        task.result()  # raises the startup error
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        await task
+
+
+async def wait_until(predicate: Callable[[], bool], limit: int = 100_000) -> None:
+    """Yield to the event loop until ``predicate()`` holds (no timed sleeps)."""
+    for _ in range(limit):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never became true")
+
+
+class DaemonProcess:
+    """``kvtier serve`` as a real child process."""
+
+    def __init__(self, sock_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.socket_path = sock_dir / "d.sock"
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lines: list[str] = []
+        self.metrics_url: str | None = None
+        self._ready = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "serve",
+            "--socket",
+            str(self.socket_path),
+            "--metrics-port",
+            "0",
+            *self.args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, cwd=ROOT
+        )
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+            self.stop(signal.SIGKILL)
+            raise RuntimeError("daemon did not become ready:\n" + "\n".join(self.lines))
+        return self
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            self.lines.append(line)
+            if READY_MESSAGE in line:
+                match = re.search(r"metrics=(\S+)", line)
+                if match and match.group(1).startswith("http"):
+                    self.metrics_url = match.group(1)
+                self._ready.set()
+        self._ready.set()  # EOF: the process is gone; start() reports it
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def send_signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        return code
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.wait(timeout)
+
+    def scrape(self) -> str:
+        assert self.metrics_url is not None
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text: str = resp.read().decode()
+            return text
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in a Prometheus text exposition."""
+    needle = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(needle + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+class RawConnection:
+    """A blocking socket speaking frames by hand, for malformed-input tests."""
+
+    def __init__(self, path: Path, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send_frame(
+        self,
+        op: int,
+        rid: int,
+        meta: bytes = b"",
+        data: bytes = b"",
+        *,
+        version: int = codec.VERSION,
+        flags: int = 0,
+    ) -> None:
+        header = codec.HEADER.pack(codec.MAGIC, version, op, flags, 0, rid, len(meta), len(data))
+        self.send(header + meta + data)
+
+    def recv_exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError(f"EOF after {len(buf)} of {n} bytes")
+            buf += chunk
+        return bytes(buf)
+
+    def recv_frame(self) -> codec.Frame:
+        header = codec.unpack_header(self.recv_exact(codec.HEADER_SIZE))
+        meta = self.recv_exact(header.meta_len)
+        data = self.recv_exact(header.data_len)
+        return codec.Frame(header, meta, data)
+
+    def at_eof(self) -> bool:
+        """True when the server closed the connection (reads EOF)."""
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True

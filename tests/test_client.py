@@ -1,0 +1,204 @@
+"""The client against an in-process daemon, and against a scripted fake server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import BlockingClient, Client, LookupMode, PutStatus, State
+from kvtier.daemon import Daemon
+from kvtier.errors import (
+    BadKeyError,
+    ConnectionClosedError,
+    DaemonUnavailableError,
+    RequestTimeoutError,
+    ValueTooLargeError,
+)
+from kvtier.protocol import codec
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+async def test_put_get_lookup_delete(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path) as client:
+        assert client.server is not None and client.server.version == 1
+        assert await client.put(key(1), b"one") == PutStatus.STORED
+        assert await client.put(key(1), b"one") == PutStatus.EXISTS
+        assert await client.get(key(1)) == b"one"
+        assert await client.get(key(2)) is None
+        reply = await client.lookup([key(1), key(2)])
+        assert reply.states == [State.HIT, State.MISS]
+        assert await client.delete(key(1)) is True
+        assert await client.delete(key(1)) is False
+        assert await client.get(key(1)) is None
+
+
+async def test_many_concurrent_calls_on_one_connection(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path) as client:
+        values = {key(i): bytes([i % 251]) * (1 + i * 97 % 5000) for i in range(300)}
+        statuses = await asyncio.gather(*(client.put(k, v) for k, v in values.items()))
+        assert set(statuses) == {PutStatus.STORED}
+        got = await asyncio.gather(*(client.get(k) for k in values))
+        assert [bytes(g or b"") for g in got] == list(values.values())
+
+
+async def test_put_many_splits_and_keeps_order(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path) as client:
+        keys = [key(i) for i in range(50)]
+        values = [bytes([i]) * (200_000 if i % 10 == 0 else 100) for i in range(50)]
+        assert await client.put_many(keys, values) == [PutStatus.STORED] * 50
+        assert [bytes(v or b"") for v in await client.get_many(keys)] == values
+        reply = await client.lookup([*keys, key(999)], mode=LookupMode.PREFIX)
+        assert (reply.prefix_hits, reply.defer) == (50, False)
+
+
+async def test_errors_are_typed_and_leave_the_connection_usable(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path) as client:
+        with pytest.raises(BadKeyError, match=r"1\.\.256"):
+            await client.get(b"")
+        with pytest.raises(BadKeyError):
+            await client.put(b"k" * 257, b"v")
+        with pytest.raises(ValueTooLargeError, match="maximum block size"):
+            await client.put(b"k", bytes(16 * 1024 * 1024 + 1))
+        assert await client.ping(b"still here") == b"still here"
+
+
+async def test_connect_to_nothing_is_a_clear_error(sock_dir: Path) -> None:
+    with pytest.raises(DaemonUnavailableError, match="no kvtier daemon"):
+        await Client.connect(sock_dir / "absent.sock")
+
+
+def test_blocking_client(daemon_thread: Path) -> None:
+    with BlockingClient(daemon_thread) as client:
+        assert client.put(b"key", b"value") == PutStatus.STORED
+        assert client.get(b"key") == b"value"
+        assert client.get(b"nope") is None
+        assert client.lookup_prefix([b"key", b"nope"]).prefix_hits == 1
+        assert client.stats()["tiers"]["ram"]["blocks"] == 1
+        with pytest.raises(BadKeyError):
+            client.get(b"")
+
+
+@pytest.fixture
+def daemon_thread(sock_dir: Path) -> Iterator[Path]:
+    """A daemon on its own loop in a thread, for the blocking client."""
+    import threading
+
+    from tests.helpers import running_daemon
+
+    started = threading.Event()
+    loop = asyncio.new_event_loop()
+    stop: asyncio.Event | None = None
+
+    async def main() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        async with running_daemon(sock_dir):
+            started.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),))
+    thread.start()
+    assert started.wait(30)
+    yield sock_dir / "d.sock"
+    assert stop is not None
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(30)
+    loop.close()
+
+
+# ------------------------------------------------------------ scripted server
+
+
+FrameHandler = Callable[[list[codec.Frame], asyncio.StreamWriter], None]
+
+
+async def scripted_server(
+    path: Path, on_frames: Callable[[codec.Frame, asyncio.StreamWriter], None]
+) -> asyncio.AbstractServer:
+    """A server answering HELLO properly and routing other frames to ``on_frames``."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                header = codec.unpack_header(await reader.readexactly(codec.HEADER_SIZE))
+                meta = await reader.readexactly(header.meta_len)
+                data = await reader.readexactly(header.data_len)
+                frame = codec.Frame(header, meta, data)
+                if header.opcode == codec.Op.HELLO:
+                    reply = codec.encode_hello_reply(
+                        codec.HelloReply(1, 256, 1000, 1 << 26, 1 << 24, "scripted")
+                    )
+                    writer.writelines(
+                        codec.frame_parts(codec.Op.HELLO, header.request_id, reply, flags=1)
+                    )
+                else:
+                    on_frames(frame, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return await asyncio.start_unix_server(handle, str(path))
+
+
+async def test_replies_out_of_order_reach_their_callers(sock_dir: Path) -> None:
+    held: list[codec.Frame] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    def on_frame(frame: codec.Frame, writer: asyncio.StreamWriter) -> None:
+        held.append(frame)
+        writers.append(writer)
+        if len(held) == 3:  # answer in reverse order
+            for f in reversed(held):
+                writer.writelines(
+                    codec.frame_parts(f.header.opcode, f.header.request_id, f.meta, flags=1)
+                )
+
+    server = await scripted_server(sock_dir / "s.sock", on_frame)
+    async with server, await Client.connect(sock_dir / "s.sock") as client:
+        results = await asyncio.gather(client.ping(b"a"), client.ping(b"b"), client.ping(b"c"))
+    assert list(results) == [b"a", b"b", b"c"]
+
+
+async def test_timeout_drops_the_late_reply(sock_dir: Path) -> None:
+    held: list[tuple[codec.Frame, asyncio.StreamWriter]] = []
+    arrived = asyncio.Event()
+
+    def on_frame(frame: codec.Frame, writer: asyncio.StreamWriter) -> None:
+        if frame.meta == b"slow":
+            held.append((frame, writer))
+            arrived.set()
+            return
+        writer.writelines(
+            codec.frame_parts(frame.header.opcode, frame.header.request_id, frame.meta, flags=1)
+        )
+
+    server = await scripted_server(sock_dir / "s.sock", on_frame)
+    async with server, await Client.connect(sock_dir / "s.sock") as client:
+        with pytest.raises(RequestTimeoutError):
+            await client.ping(b"slow", timeout=0.05)
+        assert arrived.is_set()
+        frame, writer = held[0]
+        writer.writelines(
+            codec.frame_parts(frame.header.opcode, frame.header.request_id, b"late", flags=1)
+        )
+        assert await client.ping(b"fast") == b"fast"  # the late reply went nowhere
+        assert repr(client).endswith("in_flight=0>")
+
+
+async def test_server_closing_fails_pending_calls(sock_dir: Path) -> None:
+    def on_frame(frame: codec.Frame, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await scripted_server(sock_dir / "s.sock", on_frame)
+    async with server:
+        client = await Client.connect(sock_dir / "s.sock")
+        with pytest.raises(ConnectionClosedError):
+            await client.ping()
+        with pytest.raises(ConnectionClosedError):
+            await client.ping()
+        await client.close()

@@ -1,0 +1,230 @@
+"""The codec alone: bytes in, messages out."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+
+from kvtier.protocol import codec
+from kvtier.protocol.codec import (
+    FrameReader,
+    Lookup,
+    LookupMode,
+    LookupReply,
+    Op,
+    PutStatus,
+)
+
+
+def frame_bytes(op: int, rid: int, meta: bytes = b"", data: bytes = b"", **kw: int) -> bytes:
+    return b"".join(
+        bytes(p) for p in codec.frame_parts(op, rid, meta, [data] if data else [], **kw)
+    )
+
+
+def test_header_round_trip() -> None:
+    raw = codec.pack_header(Op.GET, 2**64 - 1, 10, 20, flags=3, status=7)
+    assert len(raw) == codec.HEADER_SIZE == 24
+    h = codec.unpack_header(raw)
+    assert (h.version, h.opcode, h.flags, h.status) == (1, Op.GET, 3, 7)
+    assert (h.request_id, h.meta_len, h.data_len) == (2**64 - 1, 10, 20)
+
+
+def test_bad_magic_is_rejected() -> None:
+    with pytest.raises(codec.BadMagic):
+        codec.unpack_header(b"XX" + bytes(22))
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [],
+        [b"a" * 32] * 5,
+        [b"\x00", b"/..", b"x" * 300, b"\xff" * 7],
+        [bytes([i]) * 32 for i in range(100)],
+    ],
+)
+def test_keys_round_trip(keys: list[bytes]) -> None:
+    encoded = codec.encode_keys(keys)
+    decoded, end = codec.decode_keys(encoded)
+    assert decoded == keys
+    assert end == len(encoded)
+
+
+def test_uniform_keys_use_compact_form() -> None:
+    keys = [bytes([i]) * 32 for i in range(10)]
+    assert len(codec.encode_keys(keys)) == 6 + 32 * 10
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        struct.pack("<IH", 3, 32) + b"x" * 95,  # uniform, one byte short
+        struct.pack("<IH", 2, 0) + struct.pack("<H", 1),  # lengths array cut
+        struct.pack("<IH", 1, 0) + struct.pack("<H", 5) + b"abc",  # key bytes cut
+        struct.pack("<IH", 0xFFFFFFFF, 0),  # absurd count
+    ],
+)
+def test_truncated_key_lists_raise(raw: bytes) -> None:
+    with pytest.raises(codec.CodecError):
+        codec.decode_keys(raw)
+
+
+def test_lookup_round_trip() -> None:
+    req = Lookup([b"k1", b"k2"], LookupMode.SLIDING_WINDOW, 4, 0.5, 2.0, b"req-7")
+    assert codec.decode_lookup(codec.encode_lookup(req)) == req
+
+
+@pytest.mark.parametrize("wait", [-1.0, math.nan, math.inf])
+def test_lookup_rejects_bad_wait(wait: float) -> None:
+    raw = codec.encode_lookup(Lookup([b"k"], wait=0.0))
+    raw = codec._LOOKUP_HEAD.pack(0, 0, 0, wait, 0.0) + raw[codec._LOOKUP_HEAD.size :]
+    with pytest.raises(codec.CodecError, match="wait"):
+        codec.decode_lookup(raw)
+
+
+def test_lookup_rejects_unknown_mode_and_trailing_bytes() -> None:
+    good = codec.encode_lookup(Lookup([b"k"]))
+    with pytest.raises(codec.CodecError, match="mode"):
+        codec.decode_lookup(bytes([9]) + good[1:])
+    with pytest.raises(codec.CodecError, match="trailing"):
+        codec.decode_lookup(good + b"!")
+
+
+def test_lookup_reply_round_trip() -> None:
+    reply = LookupReply(bytes([1, 1, 2, 0]), 2, True)
+    decoded = codec.decode_lookup_reply(codec.encode_lookup_reply(reply))
+    assert decoded == reply
+    assert decoded.states == [
+        codec.State.HIT,
+        codec.State.HIT,
+        codec.State.PENDING,
+        codec.State.MISS,
+    ]
+
+
+def test_put_round_trip_single_value_is_zero_copy() -> None:
+    meta, _data = codec.encode_put([b"k"], [b"value"])
+    body = bytearray(b"value")
+    keys, values = codec.decode_put(meta, body)
+    assert keys == [b"k"]
+    assert values[0] is body
+
+
+def test_put_round_trip_many_values_are_copied_out() -> None:
+    meta, data = codec.encode_put([b"a", b"b", b"c"], [b"1", b"", b"333"])
+    joined = b"".join(data)
+    keys, values = codec.decode_put(meta, joined)
+    assert keys == [b"a", b"b", b"c"]
+    assert [bytes(v) for v in values] == [b"1", b"", b"333"]
+    assert all(isinstance(v, bytes) for v in values)
+
+
+def test_put_length_mismatch_raises() -> None:
+    meta, _ = codec.encode_put([b"a"], [b"12345"])
+    with pytest.raises(codec.CodecError, match="lengths"):
+        codec.decode_put(meta, b"1234")
+
+
+def test_get_reply_round_trip_with_misses() -> None:
+    meta, data = codec.encode_get_reply([b"one", None, b"", b"four"])
+    out = codec.decode_get_reply(meta, b"".join(data))
+    assert [None if v is None else bytes(v) for v in out] == [b"one", None, b"", b"four"]
+
+
+def test_hello_and_negotiation() -> None:
+    hello = codec.Hello(1, 3, "me")
+    assert codec.decode_hello(codec.encode_hello(hello)) == hello
+    assert codec.negotiate_version(hello) == 1
+    assert codec.negotiate_version(codec.Hello(2, 3, "future")) is None
+    reply = codec.HelloReply(1, 256, 65536, 1 << 26, 1 << 24, "kvtier/x")
+    assert codec.decode_hello_reply(codec.encode_hello_reply(reply)) == reply
+
+
+def test_small_status_replies_round_trip() -> None:
+    statuses = [PutStatus.STORED, PutStatus.EXISTS]
+    assert codec.decode_put_reply(codec.encode_put_reply(statuses)) == statuses
+    assert codec.decode_delete_reply(codec.encode_delete_reply([True, False])) == [True, False]
+
+
+# ------------------------------------------------------------------ FrameReader
+
+
+def feed(reader: FrameReader, stream: bytes, chunk: int) -> list[codec.Frame]:
+    frames: list[codec.Frame] = []
+    pos = 0
+    while pos < len(stream):
+        buf = reader.get_buffer(-1)
+        n = min(chunk, len(buf), len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        frames.extend(reader.buffer_updated(n))
+    return frames
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 24, 1000, 1 << 20])
+def test_reader_reassembles_any_chunking(chunk: int) -> None:
+    big = bytes(range(256)) * 1024  # 256 KiB: received directly
+    stream = b"".join(
+        [
+            frame_bytes(Op.PING, 1, b"hello"),
+            frame_bytes(Op.PUT, 2, b"m" * 10, big),
+            frame_bytes(Op.PING, 3),
+            frame_bytes(Op.PUT, 4, b"", b"x" * 70_000),
+        ]
+        * 3
+    )
+    reader = FrameReader(max_frame=1 << 22, buffer_size=128 * 1024, direct_threshold=64 * 1024)
+    frames = feed(reader, stream, chunk)
+    assert [f.header.request_id for f in frames] == [1, 2, 3, 4] * 3
+    assert bytes(frames[0].meta) == b"hello"
+    assert bytes(frames[1].meta) == b"m" * 10 and bytes(frames[1].data) == big
+    assert bytes(frames[3].data) == b"x" * 70_000
+    assert reader.idle
+
+
+def test_reader_direct_frames_are_views_of_their_own_buffer() -> None:
+    reader = FrameReader(max_frame=1 << 22)
+    frames = feed(reader, frame_bytes(Op.PUT, 9, b"", b"z" * 200_000), 4096)
+    assert isinstance(frames[0].data, memoryview)
+    # The next frame must not overwrite the previous frame's bytes.
+    feed(reader, frame_bytes(Op.PUT, 10, b"", b"y" * 200_000), 4096)
+    assert bytes(frames[0].data) == b"z" * 200_000
+
+
+def test_reader_reports_partial_frames() -> None:
+    reader = FrameReader(max_frame=1 << 20)
+    raw = frame_bytes(Op.PING, 1, b"abc")
+    assert feed(reader, raw[:-1], 100) == []
+    assert not reader.idle
+    assert len(feed(reader, raw[-1:], 100)) == 1
+    assert reader.idle
+
+
+def test_reader_rejects_oversized_frame_with_its_header() -> None:
+    reader = FrameReader(max_frame=1000)
+    with pytest.raises(codec.OversizedFrame) as info:
+        feed(reader, codec.pack_header(Op.PUT, 77, 0, 5000), 100)
+    assert info.value.header.request_id == 77
+
+
+def test_reader_rejects_garbage() -> None:
+    reader = FrameReader(max_frame=1000)
+    with pytest.raises(codec.BadMagic):
+        feed(reader, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 100)
+
+
+def test_protocol_doc_example_matches_the_codec() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    keys = [bytes.fromhex("00000001"), bytes.fromhex("00000002")]
+    meta = codec.encode_lookup(Lookup(keys, LookupMode.PREFIX))
+    request = codec.pack_header(Op.LOOKUP, 7, len(meta), 0) + meta
+    reply_meta = codec.encode_lookup_reply(LookupReply(bytes([1, 0]), 1, False))
+    reply = codec.pack_header(Op.LOOKUP, 7, len(reply_meta), 0, flags=codec.FLAG_REPLY)
+    assert f"request `{request.hex()}`" in doc
+    assert f"reply `{(reply + reply_meta).hex()}`" in doc

@@ -1,0 +1,164 @@
+"""End to end against ``kvtier serve`` as a real child process."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import Client, LookupMode, PutStatus
+from tests.helpers import DaemonProcess, metric_value
+
+BLOCK = 256 * 1024
+
+
+def block_key(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "big"), digest_size=32).digest()
+
+
+def block_value(i: int) -> bytes:
+    # Distinct content per block, cheap to build: a seed repeated.
+    return hashlib.blake2b(i.to_bytes(8, "little")).digest() * (BLOCK // 64)
+
+
+@pytest.fixture
+def big_daemon(sock_dir: Path) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(sock_dir, "--ram-capacity", "512MiB").start()
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture
+def small_daemon(sock_dir: Path) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(sock_dir, "--ram-capacity", "64MiB").start()
+    yield proc
+    assert proc.stop() == 0
+
+
+async def test_thousand_blocks_pipelined_round_trip(big_daemon: DaemonProcess) -> None:
+    keys = [block_key(i) for i in range(1000)]
+    values = [block_value(i) for i in range(1000)]
+    async with await Client.connect(big_daemon.socket_path) as client:
+        statuses = await client.put_many(keys, values)  # 1,000 frames in flight at once
+        assert statuses == [PutStatus.STORED] * 1000
+
+        chain = [*keys[:600], block_key(5000), *keys[600:]]
+        reply = await client.lookup(chain, mode=LookupMode.PREFIX)
+        assert (reply.prefix_hits, reply.defer) == (600, False)
+
+        got = await client.get_many(keys)
+        assert all(g is not None and g == v for g, v in zip(got, values, strict=True))
+        stats = await client.stats()
+    assert stats["tiers"]["ram"]["blocks"] == 1000
+    assert stats["tiers"]["ram"]["used_bytes"] == 1000 * BLOCK
+
+
+async def test_capacity_is_respected_and_evictions_counted(small_daemon: DaemonProcess) -> None:
+    capacity = 64 * 1024 * 1024
+    async with await Client.connect(small_daemon.socket_path) as client:
+        for start in range(0, 1000, 100):  # 250 MiB through a 64 MiB tier
+            keys = [block_key(i) for i in range(start, start + 100)]
+            await client.put_many(keys, [block_value(i) for i in range(start, start + 100)])
+            ram = (await client.stats())["tiers"]["ram"]
+            assert ram["used_bytes"] <= capacity
+        assert ram["blocks"] == capacity // BLOCK
+        # The most recent blocks are resident and intact; the oldest were evicted.
+        assert await client.get(block_key(999)) == block_value(999)
+        assert await client.get(block_key(0)) is None
+    text = small_daemon.scrape()
+    assert metric_value(text, "kvtier_tier_evictions_total", 'tier="ram"') == 1000 - 256
+    assert metric_value(text, "kvtier_tier_used_bytes", 'tier="ram"') <= capacity
+    assert metric_value(text, "kvtier_requests_total", 'op="put",outcome="ok"') == 1000
+
+
+def test_socket_permissions(small_daemon: DaemonProcess) -> None:
+    path = small_daemon.socket_path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+
+
+async def test_sigterm_finishes_in_flight_replies(sock_dir: Path) -> None:
+    """A 64 MiB reply is mid-flight when SIGTERM lands: it arrives whole, then exit 0."""
+    from tests.helpers import RawConnection
+
+    proc = DaemonProcess(sock_dir, "--ram-capacity", "256MiB").start()
+    keys = [block_key(i) for i in range(64)]
+    values = [bytes([i]) * (1024 * 1024) for i in range(64)]
+    async with await Client.connect(proc.socket_path) as client:
+        await client.put_many(keys, values)
+    from kvtier.protocol import codec
+
+    raw = RawConnection(proc.socket_path)
+    raw.send_frame(codec.Op.GET, 1, codec.encode_keys(keys))
+    header = codec.unpack_header(raw.recv_exact(codec.HEADER_SIZE))  # reply has begun
+    assert header.data_len == 64 * 1024 * 1024
+    proc.send_signal(signal.SIGTERM)
+    meta = raw.recv_exact(header.meta_len)
+    data = raw.recv_exact(header.data_len)
+    out = codec.decode_get_reply(meta, data)
+    assert all(o == v for o, v in zip(out, values, strict=True))
+    assert raw.at_eof()
+    raw.close()
+    assert proc.wait() == 0
+    assert not proc.socket_path.exists()
+
+
+def test_stale_socket_is_replaced_and_live_one_is_not_stolen(sock_dir: Path) -> None:
+    first = DaemonProcess(sock_dir).start()
+    first.stop(signal.SIGKILL)  # leaves its socket file behind
+    assert first.socket_path.exists()
+
+    second = DaemonProcess(sock_dir).start()
+    third = DaemonProcess(sock_dir)
+    with pytest.raises(RuntimeError, match="another kvtier daemon is serving"):
+        third.start()
+    assert third.proc is not None and third.proc.returncode == 1
+    assert second.stop() == 0
+
+
+def test_make_run_serves_and_ping_answers(sock_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    sock = sock_dir / "d.sock"
+    env = {
+        "KVTIER_SERVER__SOCKET_PATH": str(sock),
+        "KVTIER_METRICS__PORT": "0",
+        "KVTIER_RAM__CAPACITY": "64MiB",
+    }
+    proc = DaemonProcess(sock_dir, env=env)
+    proc.socket_path = sock
+    # DaemonProcess starts `python -m kvtier serve`; here the README's command runs it.
+    from tests.helpers import ROOT
+
+    proc.proc = subprocess.Popen(
+        ["make", "-s", "run"],
+        cwd=ROOT,
+        env=proc.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    import threading
+
+    proc._reader = threading.Thread(target=proc._drain, daemon=True)
+    proc._reader.start()
+    assert proc._ready.wait(120), "\n".join(proc.lines)
+    try:
+        ping = subprocess.run(
+            [sys.executable, "-m", "kvtier", "ping", "--socket", str(sock)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert ping.returncode == 0, ping.stderr
+        assert ping.stdout.startswith("pong from kvtier/")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+    assert not sock.exists()

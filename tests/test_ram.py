@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+
+from kvtier.errors import NoCapacityError, ValueTooLargeError
+from kvtier.tiers.policy import LRUPolicy
+from kvtier.tiers.ram import RamTier
+
+
+def test_lru_policy_orders_by_recency() -> None:
+    lru: LRUPolicy[str] = LRUPolicy()
+    for key in "abc":
+        lru.admit(key)
+    lru.touch("a")
+    assert list(lru.candidates()) == ["b", "c", "a"]
+    lru.remove("c")
+    assert list(lru.candidates()) == ["b", "a"]
+    assert len(lru) == 2
+
+
+def test_put_is_idempotent() -> None:
+    ram = RamTier(100)
+    assert ram.put(b"k", b"12345") == (True, [])
+    assert ram.put(b"k", b"other") == (False, [])
+    assert ram.get(b"k") == b"12345"
+    assert ram.used_bytes == 5
+
+
+def test_evicts_least_recently_used() -> None:
+    ram = RamTier(30)
+    for key in (b"a", b"b", b"c"):
+        ram.put(key, b"x" * 10)
+    ram.get(b"a")
+    stored, evicted = ram.put(b"d", b"y" * 10)
+    assert stored
+    assert [k for k, _ in evicted] == [b"b"]
+    assert ram.evictions == 1
+    assert not ram.contains(b"b") and ram.contains(b"a")
+
+
+def test_pinned_blocks_are_never_evicted() -> None:
+    ram = RamTier(30)
+    for key in (b"a", b"b", b"c"):
+        ram.put(key, b"x" * 10)
+    assert ram.pin(b"a") == b"x" * 10
+    _, evicted = ram.put(b"d", b"y" * 10)
+    assert [k for k, _ in evicted] == [b"b"]  # a was older but pinned
+    ram.pin(b"c")
+    ram.pin(b"d")
+    with pytest.raises(NoCapacityError):
+        ram.put(b"e", b"z" * 10)
+    assert ram.used_bytes == 30
+    ram.unpin(b"a")
+    _, evicted = ram.put(b"e", b"z" * 10)
+    assert [k for k, _ in evicted] == [b"a"]
+
+
+def test_value_larger_than_tier_is_a_clear_error() -> None:
+    ram = RamTier(10)
+    with pytest.raises(ValueTooLargeError, match="larger than the RAM tier"):
+        ram.put(b"k", b"x" * 11)
+    assert ram.used_bytes == 0
+
+
+def test_capacity_is_never_exceeded_under_random_load() -> None:
+    rng = random.Random(1234)
+    ram = RamTier(10_000)
+    pinned: set[bytes] = set()
+    for _ in range(5000):
+        key = rng.randrange(200).to_bytes(2, "big")
+        action = rng.random()
+        if action < 0.6:
+            with contextlib.suppress(NoCapacityError):
+                ram.put(key, b"v" * rng.randrange(1, 2000))
+        elif action < 0.7 and ram.contains(key) and key not in pinned:
+            ram.pin(key)
+            pinned.add(key)
+        elif action < 0.8 and pinned:
+            k = pinned.pop()
+            ram.unpin(k)
+        elif action < 0.9:
+            if key not in pinned:
+                ram.remove(key)
+        else:
+            ram.get(key)
+        assert ram.used_bytes <= ram.capacity
+        assert all(ram.contains(k) for k in pinned)
+    assert ram.used_bytes == sum(len(ram.get(k) or b"") for k in list(ram._blocks))
+
+
+def test_repr_shows_state() -> None:
+    ram = RamTier(100)
+    ram.put(b"k", b"123")
+    ram.pin(b"k")
+    assert repr(ram) == "<RamTier used=3/100 blocks=1 pinned=1 evictions=0>"
