@@ -8,7 +8,7 @@ from kvtier._version import __version__
 from kvtier.config import Config, load_config
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.protocol.client import BlockingClient, Client
-from kvtier.protocol.codec import LookupMode, LookupReply, PutStatus, State
+from kvtier.protocol.codec import LookupMode, LookupReply, PutStatus, ReserveStatus, State
 
 __all__ = [
     "BlockingClient",
@@ -19,6 +19,7 @@ __all__ = [
     "LookupMode",
     "LookupReply",
     "PutStatus",
+    "ReserveStatus",
     "State",
     "__version__",
     "load_config",

@@ -1,7 +1,7 @@
 """Public client API: ``from kvtier.client import Client, BlockingClient``."""
 
 from kvtier.protocol.client import DEFAULT_TIMEOUT, BlockingClient, Client
-from kvtier.protocol.codec import LookupMode, LookupReply, PutStatus, State
+from kvtier.protocol.codec import LookupMode, LookupReply, PutStatus, ReserveStatus, State
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -10,5 +10,6 @@ __all__ = [
     "LookupMode",
     "LookupReply",
     "PutStatus",
+    "ReserveStatus",
     "State",
 ]

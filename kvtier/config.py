@@ -123,6 +123,41 @@ class RamConfig(_Section):
         return parse_size(value)
 
 
+class LookupConfig(_Section):
+    #: seconds a remote existence probe may take before it resolves as an error (MISS)
+    probe_timeout: float = Field(default=2.0, gt=0)
+    #: probes arriving within this window go to a tier in one batch_lookup call
+    probe_batch_window: float = Field(default=0.001, ge=0)
+    probe_max_batch: int = Field(default=1024, ge=1)
+    #: how long a probe's verdict answers later lookups without a new probe
+    verdict_ttl: float = Field(default=5.0, gt=0)
+    #: how long a failed probe is remembered (short: errors are transient; 0 = not at all)
+    error_ttl: float = Field(default=0.5, ge=0)
+    max_verdicts: int = Field(default=100_000, ge=1)
+    #: write deadline of every PENDING block (reservations and promotions)
+    pending_deadline: float = Field(default=30.0, gt=0)
+    #: seconds a promotion's load from a remote tier may take
+    load_timeout: float = Field(default=10.0, gt=0)
+    #: "promote": a remote hit starts a promotion into RAM and reads PENDING
+    #: until it lands; "hit": it reads HIT and GET loads it on demand
+    remote_hit: Literal["promote", "hit"] = "promote"
+    #: idle per-request lookup state (max_pending_wait) is dropped after this
+    request_state_ttl: float = Field(default=60.0, gt=0)
+    max_request_states: int = Field(default=100_000, ge=1)
+    #: how often stale verdicts and idle request state are swept
+    sweep_interval: float = Field(default=1.0, gt=0)
+
+
+class MemoryTierConfig(_Section):
+    """An in-memory remote tier, for demos and tests of the probe path."""
+
+    kind: Literal["memory"] = "memory"
+    name: str = "memory"
+
+
+RemoteTierConfig = MemoryTierConfig
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -171,6 +206,8 @@ class Config(BaseSettings):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     ram: RamConfig = Field(default_factory=RamConfig)
+    lookup: LookupConfig = Field(default_factory=LookupConfig)
+    remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
@@ -221,6 +258,12 @@ def render_toml(config: Config) -> str:
     """The effective config as TOML (for ``kvtier config check``)."""
     out: list[str] = []
     for section, model in config.model_dump(mode="json").items():
+        if isinstance(model, list):
+            for item in model:
+                out.append(f"[[{section}]]")
+                out.extend(f"{key} = {_toml_value(value)}" for key, value in item.items())
+                out.append("")
+            continue
         out.append(f"[{section}]")
         for key, value in model.items():
             out.append(f"{key} = {_toml_value(value)}")

@@ -9,15 +9,20 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from kvtier._version import __version__
-from kvtier.config import Config
+from kvtier.config import Config, RemoteTierConfig
 from kvtier.metrics import Metrics, start_metrics_server
 from kvtier.protocol.server import Server, bind_unix_socket
+from kvtier.scheduler import Scheduler
 from kvtier.service import Limits, Service
+from kvtier.tiers.base import Tier
+from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.tiers.policy import make_policy
 from kvtier.tiers.ram import RamTier
 
@@ -26,14 +31,28 @@ log = logging.getLogger("kvtier.daemon")
 READY_MESSAGE = "kvtier ready"
 
 
+def build_remote_tier(tc: RemoteTierConfig) -> Tier:
+    if tc.kind == "memory":
+        return MemoryRemoteTier(tc.name)
+    raise ValueError(f"unknown remote tier kind {tc.kind!r}")
+
+
 class Daemon:
     """One kvtier daemon. ``await Daemon(config).run()`` serves until :meth:`stop`."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, remote_tiers: Sequence[Tier] | None = None) -> None:
+        """``remote_tiers`` replaces the configured remote tiers (tests inject doubles)."""
         self.config = config
         self.metrics = Metrics()
         self.ram = RamTier(config.ram.capacity_bytes(), make_policy(config.ram.policy))
         self.metrics.add_tier(self.ram.stats)
+        if remote_tiers is None:
+            remote_tiers = [build_remote_tier(tc) for tc in config.remote_tiers]
+        self.remote_tiers = list(remote_tiers)
+        self.scheduler = Scheduler(
+            batch_window=config.lookup.probe_batch_window,
+            max_batch=config.lookup.probe_max_batch,
+        )
         self.service = Service(
             Limits(
                 max_key_bytes=config.server.max_key_bytes,
@@ -42,7 +61,11 @@ class Daemon:
             ),
             self.ram,
             self.metrics,
+            lookup=config.lookup,
+            remotes=self.remote_tiers,
+            scheduler=self.scheduler,
         )
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Server | None = None
         self.socket_path: Path = config.server.socket_path
         self.metrics_port: int | None = None
@@ -71,10 +94,19 @@ class Daemon:
             self._remove_socket()
             raise
         async with asyncio.TaskGroup() as tasks:
+
+            def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+                task = tasks.create_task(coro)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return task
+
+            scheduler_task = tasks.create_task(self.scheduler.run(), name="kvtier-scheduler")
+            self.service.start(spawn)
             self.server = Server(
                 self.service,
                 self.metrics,
-                tasks.create_task,
+                spawn,
                 max_frame=int(self.config.server.max_frame_bytes),
                 max_inflight=self.config.server.max_inflight_per_connection,
             )
@@ -84,6 +116,8 @@ class Daemon:
                 await self._stop.wait()
             finally:
                 await self._shutdown(self.server, runner)
+                self.scheduler.stop()
+                await scheduler_task
 
     async def _start_metrics(self) -> web.AppRunner | None:
         mc = self.config.metrics

@@ -7,6 +7,7 @@ request path are bound once, so recording a request costs a dict lookup.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import (
@@ -71,6 +72,48 @@ class _TierCollector(Collector):
         yield from (used, blocks, cap, evictions)
 
 
+@dataclass(slots=True)
+class StateSnapshot:
+    """Sizes of the service's maps, read at scrape time."""
+
+    probes_inflight: dict[str, int] = field(default_factory=dict)
+    verdicts_cached: dict[str, int] = field(default_factory=dict)
+    pending_writes: int = 0
+    request_states: int = 0
+
+
+class _StateCollector(Collector):
+    def __init__(self, source: Callable[[], StateSnapshot | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._source()
+        if snap is None:
+            return
+        inflight = GaugeMetricFamily(
+            "kvtier_probes_inflight", "Remote existence probes in flight", labels=["tier"]
+        )
+        verdicts = GaugeMetricFamily(
+            "kvtier_verdicts_cached", "Probe verdicts held for reuse", labels=["tier"]
+        )
+        for tier, n in snap.probes_inflight.items():
+            inflight.add_metric([tier], n)
+        for tier, n in snap.verdicts_cached.items():
+            verdicts.add_metric([tier], n)
+        yield inflight
+        yield verdicts
+        yield GaugeMetricFamily(
+            "kvtier_pending_writes",
+            "Blocks reading PENDING: reservations and promotions in flight",
+            value=snap.pending_writes,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_request_states",
+            "Request tags with reader-side PENDING state",
+            value=snap.request_states,
+        )
+
+
 class Metrics:
     """All series of one daemon."""
 
@@ -112,6 +155,66 @@ class Metrics:
         self.sent_bytes = Counter(
             "kvtier_sent_bytes", "Bytes of frames sent to clients", registry=r
         )
+        # -- lookup core
+        self.probes = Counter(
+            "kvtier_probes",
+            "Remote-tier key probes by outcome: started (backend asked), joined (a probe "
+            "was in flight), cached (answered by a kept verdict)",
+            ["tier", "outcome"],
+            registry=r,
+        )
+        self.probe_verdicts = Counter(
+            "kvtier_probe_verdicts", "Probe results by verdict", ["tier", "verdict"], registry=r
+        )
+        self.probe_failures = Counter(
+            "kvtier_probe_failures",
+            "Keys whose probe failed, by kind: error, timeout, bad_result",
+            ["tier", "kind"],
+            registry=r,
+        )
+        self.probe_superseded = Counter(
+            "kvtier_probe_superseded",
+            "Probe results dropped because the key was invalidated meanwhile",
+            ["tier"],
+            registry=r,
+        )
+        self.probe_batch_size = Histogram(
+            "kvtier_probe_batch_size",
+            "Keys per batch_lookup call",
+            ["tier"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+            registry=r,
+        )
+        self.reservations = Counter(
+            "kvtier_reservations",
+            "Pending-write events: granted, refused, completed, aborted, released, expired",
+            ["event"],
+            registry=r,
+        )
+        self.pending_deadline_expired = Counter(
+            "kvtier_pending_deadline_expired",
+            "PENDING blocks aborted at their write deadline",
+            registry=r,
+        )
+        self.lookup_pending_expired = Counter(
+            "kvtier_lookup_pending_expired",
+            "PENDING keys answered MISS to a request past its max_pending_wait",
+            registry=r,
+        )
+        self.lookup_deferred_seconds = Histogram(
+            "kvtier_lookup_deferred_seconds",
+            "How long a request tag was deferred behind one PENDING key",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=r,
+        )
+        self.promotions = Counter(
+            "kvtier_promotions",
+            "Loads from a lower tier into RAM by outcome: started, completed, absent, failed",
+            ["tier", "outcome"],
+            registry=r,
+        )
+        self._state_source: Callable[[], StateSnapshot | None] = lambda: None
+        r.register(_StateCollector(lambda: self._state_source()))
         self._tier_sources: list[Callable[[], TierStats]] = []
         r.register(_TierCollector(lambda: [source() for source in self._tier_sources]))
         self._request_children: dict[tuple[str, str], Counter] = {}
@@ -119,6 +222,9 @@ class Metrics:
 
     def __repr__(self) -> str:
         return f"<Metrics tiers={len(self._tier_sources)}>"
+
+    def set_state_source(self, source: Callable[[], StateSnapshot]) -> None:
+        self._state_source = source
 
     def add_tier(self, stats: Callable[[], TierStats]) -> None:
         self._tier_sources.append(stats)

@@ -1,23 +1,70 @@
-"""The cache service: lookup / get / put / delete orchestration over the tiers.
+"""The cache service: lookup / get / put / delete / reserve orchestration.
 
-The service knows nothing about sockets or frames; the server decodes a
-request, calls one method here, and encodes what it returns. Requests are
-validated here against the configured limits.
+The service knows nothing about sockets or frames: the server decodes a
+request, calls one method here, and encodes what it returns. A method
+returns its answer directly when it needs no I/O (the common case: a
+lookup answered from local indexes) and a coroutine otherwise; the server
+runs those as tasks.
+
+Where the two invariants live:
+
+* *A probe is shared while in flight, and always ends*: remote existence
+  probes go through one :class:`~kvtier.probes.ProbeMap` per remote tier.
+  A probe is a future in the map plus a key queued on the scheduler, which
+  flushes each tick's keys into one ``batch_lookup`` task per tier. Callers
+  only ever wait on the future (never on the task), so a caller going away
+  cannot cancel a probe; the task resolves every key it covered in
+  ``finally``.
+* *Nothing is pending forever*: every PENDING key is a
+  :class:`~kvtier.reservations.Reservation` with a deadline timer in the
+  scheduler; however it ends, its ``done`` future is resolved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+import math
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import BadArgumentError, BadKeyError, BatchTooLargeError, ValueTooLargeError
-from kvtier.metrics import Metrics
-from kvtier.prefix import prefix_answer
-from kvtier.protocol.codec import Buffer, Lookup, LookupMode, LookupReply, PutStatus, State
+from kvtier.config import LookupConfig
+from kvtier.deferral import DeferralTracker
+from kvtier.errors import (
+    BadArgumentError,
+    BadKeyError,
+    BatchTooLargeError,
+    KvtierError,
+    NoCapacityError,
+    TierError,
+    ValueTooLargeError,
+)
+from kvtier.metrics import Metrics, StateSnapshot
+from kvtier.prefix import HIT, MISS, PENDING, RETRY, prefix_answer
+from kvtier.probes import Probe, ProbeMap, Verdict
+from kvtier.protocol.codec import (
+    Buffer,
+    Lookup,
+    LookupMode,
+    LookupReply,
+    PutStatus,
+    Reserve,
+    ReserveStatus,
+)
+from kvtier.reservations import End, Reservation, ReservationTable
+from kvtier.scheduler import Scheduler
+from kvtier.tiers.base import Tier
 from kvtier.tiers.ram import RamTier
 
-_STATE_NAMES = {int(s): s.name.lower() for s in State}
+log = logging.getLogger("kvtier.service")
+
+_STATE_NAMES = {MISS: "miss", HIT: "hit", PENDING: "pending", RETRY: "retry"}
+#: a GET gives up on a key after this many rounds of waiting on writes that
+#: ended without the block (each round is bounded by a write deadline)
+_MAX_READ_ROUNDS = 8
+
+Spawn = Any  # Callable[[Coroutine], asyncio.Task]
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,19 +74,100 @@ class Limits:
     max_block_bytes: int
 
 
+class RemoteSlot:
+    """A remote tier with its probe map."""
+
+    def __init__(self, tier: Tier, probes: ProbeMap) -> None:
+        self.tier = tier
+        self.probes = probes
+        self.name = tier.name
+
+    def __repr__(self) -> str:
+        return f"<RemoteSlot {self.name} {self.probes!r}>"
+
+
 class Service:
-    def __init__(self, limits: Limits, ram: RamTier, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        ram: RamTier,
+        metrics: Metrics,
+        *,
+        lookup: LookupConfig | None = None,
+        remotes: Sequence[Tier] = (),
+        scheduler: Scheduler | None = None,
+        spawn: Spawn | None = None,
+    ) -> None:
         self.limits = limits
         self.ram = ram
         self.metrics = metrics
+        self.cfg = lookup if lookup is not None else LookupConfig()
+        self.scheduler = scheduler or Scheduler(
+            batch_window=self.cfg.probe_batch_window, max_batch=self.cfg.probe_max_batch
+        )
+        self._spawn = spawn
+        self.reservations = ReservationTable()
+        self.deferrals = DeferralTracker(self.cfg.request_state_ttl, self.cfg.max_request_states)
+        self.remotes = [
+            RemoteSlot(
+                tier,
+                ProbeMap(
+                    tier.name,
+                    verdict_ttl=self.cfg.verdict_ttl,
+                    error_ttl=self.cfg.error_ttl,
+                    max_verdicts=self.cfg.max_verdicts,
+                ),
+            )
+            for tier in remotes
+        ]
+        for slot in self.remotes:
+            self.scheduler.add_prober(slot.name, self._dispatcher(slot))
+        self._closing: asyncio.Future[None] | None = None
         self._state_counters = {
-            s: metrics.lookup_keys.labels(name) for s, name in _STATE_NAMES.items()
+            state: metrics.lookup_keys.labels(name) for state, name in _STATE_NAMES.items()
         }
+        metrics.set_state_source(self.snapshot)
 
     def __repr__(self) -> str:
-        return f"<Service ram={self.ram!r}>"
+        return (
+            f"<Service ram={self.ram!r} remotes={self.remotes!r} "
+            f"{self.reservations!r} {self.deferrals!r}>"
+        )
 
-    # -- validation
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, spawn: Spawn) -> None:
+        """Attach to the daemon's task group and start periodic sweeps."""
+        self._spawn = spawn
+        self._closing = asyncio.get_running_loop().create_future()
+        self.scheduler.every(self.cfg.sweep_interval, self.sweep)
+
+    def begin_shutdown(self) -> None:
+        """Wake every waiting lookup and GET so that it answers now."""
+        if self._closing is not None and not self._closing.done():
+            self._closing.set_result(None)
+
+    def close(self) -> None:
+        """End every pending write (waiters answered MISS)."""
+        for res in self.reservations.all():
+            self._end(res, End.ABORTED)
+
+    def sweep(self) -> None:
+        now = self.scheduler.now()
+        for slot in self.remotes:
+            slot.probes.expire(now)
+        self.deferrals.expire(now)
+
+    def _now(self) -> float:
+        return self.scheduler.now()
+
+    def _task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        if self._spawn is None:
+            raise RuntimeError("service not started")
+        task: asyncio.Task[None] = self._spawn(coro)
+        return task
+
+    # ------------------------------------------------------------ validation
 
     def check_keys(self, keys: Sequence[bytes]) -> None:
         if len(keys) > self.limits.max_batch:
@@ -51,34 +179,410 @@ class Service:
             if not 0 < len(key) <= limit:
                 raise BadKeyError(f"key {i} is {len(key)} bytes; keys must be 1..{limit} bytes")
 
-    # -- operations
+    @staticmethod
+    def _check_seconds(name: str, value: float) -> None:
+        if math.isnan(value) or value < 0 or math.isinf(value):
+            raise BadArgumentError(f"{name} must be a finite number >= 0, got {value}")
 
-    def lookup(self, req: Lookup) -> LookupReply:
+    # ------------------------------------------------------------ LOOKUP
+
+    def lookup(
+        self, req: Lookup, conn_id: int = 0
+    ) -> LookupReply | Coroutine[Any, Any, LookupReply]:
         self.check_keys(req.keys)
+        self._check_seconds("wait", req.wait)
+        self._check_seconds("max_pending_wait", req.max_pending_wait)
+        if req.max_pending_wait > 0 and not req.request_tag:
+            raise BadArgumentError("max_pending_wait needs a request tag to accrue against")
         if req.mode == LookupMode.SLIDING_WINDOW and req.window <= 0:
             raise BadArgumentError("sliding-window lookup needs a window of at least 1")
-        contains = self.ram.contains
-        raw = bytes(1 if contains(k) else 0 for k in req.keys)
-        window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
-        hits, defer = prefix_answer(raw, window)
-        hit_count = raw.count(1)
-        if hit_count:
-            self._state_counters[State.HIT].inc(hit_count)
-        if len(raw) - hit_count:
-            self._state_counters[State.MISS].inc(len(raw) - hit_count)
-        return LookupReply(raw, hits, defer)
+        now = self._now()
+        if req.wait > 0:
+            return self._lookup_waiting(req, now + req.wait)
+        reply, _, _ = self._evaluate(req, now, None)
+        self._count(reply.raw_states)
+        return reply
 
-    def get_pinned(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+    async def _lookup_waiting(self, req: Lookup, deadline: float) -> LookupReply:
+        """Re-evaluate whenever a key settles, until all settled or ``deadline``."""
+        # Probes this lookup has already seen end: a key whose probe failed is
+        # answered MISS rather than probed again in a loop (errors are not kept
+        # as verdicts for long, possibly not at all).
+        seen: dict[tuple[str, bytes], asyncio.Future[Verdict]] = {}
+        while True:
+            now = self._now()
+            waits: list[asyncio.Future[Any]] = []
+            reply, waits, bound_at = self._evaluate(req, now, waits, seen)
+            until = deadline if bound_at is None else min(deadline, bound_at)
+            if not waits or now >= until or self._closing_now():
+                self._count(reply.raw_states)
+                return reply
+            if self._closing is not None:
+                waits.append(self._closing)
+            # asyncio.wait never cancels what it waits on: shared probe and
+            # write futures survive this caller going away.
+            await asyncio.wait(waits, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)
+
+    def _closing_now(self) -> bool:
+        return self._closing is not None and self._closing.done()
+
+    def _evaluate(
+        self,
+        req: Lookup,
+        now: float,
+        waits: list[asyncio.Future[Any]] | None,
+        seen: dict[tuple[str, bytes], asyncio.Future[Verdict]] | None = None,
+    ) -> tuple[LookupReply, list[asyncio.Future[Any]], float | None]:
+        keys = req.keys
+        futures: list[asyncio.Future[Any] | None] = []
+        if not self.remotes and not self.reservations:
+            contains = self.ram.contains
+            states = bytearray(HIT if contains(k) else MISS for k in keys)
+        else:
+            state_of = self._state
+            states = bytearray(state_of(k, now, futures, seen) for k in keys)
+        bound_at: float | None = None
+        if req.max_pending_wait > 0:
+            result = self.deferrals.observe(
+                req.request_tag, keys, states, req.max_pending_wait, now
+            )
+            if result.ends_deferral is not None:
+                self.metrics.lookup_deferred_seconds.observe(result.ends_deferral)
+            if result.expired_index is not None:
+                # Past the reader's bound: a MISS for this request, never a hit.
+                states[result.expired_index] = MISS
+                if result.newly_expired:
+                    self.metrics.lookup_pending_expired.inc()
+            bound_at = result.expires_at
+        window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
+        hits, defer = prefix_answer(states, window)
+        collected: list[asyncio.Future[Any]] = []
+        if waits is not None and futures:
+            # Wait only on keys that can still change the answer: in prefix
+            # mode, those before the first MISS.
+            stop = len(states)
+            if req.mode == LookupMode.PREFIX:
+                first_miss = states.find(MISS)
+                stop = first_miss if first_miss >= 0 else stop
+            for i, fut in enumerate(futures[:stop]):
+                if fut is not None and states[i] in (PENDING, RETRY):
+                    collected.append(fut)
+        return LookupReply(bytes(states), hits, defer), collected, bound_at
+
+    def _count(self, raw: bytes) -> None:
+        for state, counter in self._state_counters.items():
+            n = raw.count(state)
+            if n:
+                counter.inc(n)
+
+    def _state(
+        self,
+        key: bytes,
+        now: float,
+        futures: list[asyncio.Future[Any] | None],
+        seen: dict[tuple[str, bytes], asyncio.Future[Verdict]] | None = None,
+    ) -> int:
+        """One key's state; appends the future to wait on (or None)."""
+        if self.ram.contains(key):
+            futures.append(None)
+            return HIT
+        res = self.reservations.get(key)
+        if res is not None:
+            futures.append(res.done)
+            return PENDING
+        state = MISS
+        waiting: asyncio.Future[Any] | None = None
+        for slot in self.remotes:
+            verdict = slot.probes.verdict(key, now)
+            if verdict is None and seen is not None:
+                earlier = seen.get((slot.name, key))
+                if earlier is not None and earlier.done():
+                    verdict = earlier.result()
+            if verdict is Verdict.PRESENT:
+                self.metrics.probes.labels(slot.name, "cached").inc()
+                if self.cfg.remote_hit == "hit":
+                    futures.append(None)
+                    return HIT
+                res = self._promote(slot, key, now)
+                futures.append(res.done)
+                return PENDING
+            if verdict is not None:
+                self.metrics.probes.labels(slot.name, "cached").inc()
+                continue
+            probe = slot.probes.inflight(key)
+            if probe is None:
+                probe = self._begin_probe(slot, key)
+            else:
+                self.metrics.probes.labels(slot.name, "joined").inc()
+            if seen is not None:
+                seen[(slot.name, key)] = probe.future
+            state = RETRY
+            waiting = waiting or probe.future
+        futures.append(waiting)
+        return state
+
+    # ------------------------------------------------------------ probes
+
+    def _begin_probe(self, slot: RemoteSlot, key: bytes) -> Probe:
+        probe = slot.probes.begin(key, asyncio.get_running_loop())
+        self.metrics.probes.labels(slot.name, "started").inc()
+        self.scheduler.enqueue_probe(slot.name, key)
+        return probe
+
+    def _dispatcher(self, slot: RemoteSlot) -> Any:
+        def dispatch(keys: list[bytes]) -> None:
+            probes = [p for p in (slot.probes.inflight(k) for k in keys) if p is not None]
+            if not probes:
+                return  # every key was invalidated before its batch left
+            self.metrics.probe_batch_size.labels(slot.name).observe(len(probes))
+            self._task(self._run_probe(slot, probes))
+
+        return dispatch
+
+    async def _run_probe(self, slot: RemoteSlot, probes: list[Probe]) -> None:
+        """One ``batch_lookup`` for ``probes``; every probe is resolved, whatever happens."""
+        keys = [p.key for p in probes]
+        verdicts: list[Verdict] | None = None
+        failure = "error"
+        try:
+            async with asyncio.timeout(self.cfg.probe_timeout):
+                answers = await slot.tier.batch_lookup(keys)
+                found = [bool(a) for a in answers]  # an iterable may fail mid-way
+            if len(found) != len(keys):
+                failure = "bad_result"
+                raise TierError(
+                    f"{slot.name}: batch_lookup returned {len(found)} results for {len(keys)} keys"
+                )
+            verdicts = [Verdict.PRESENT if f else Verdict.ABSENT for f in found]
+        except TimeoutError:
+            failure = "timeout"
+            log.warning(
+                "%s: probe of %d key(s) timed out after %.3fs",
+                slot.name,
+                len(keys),
+                self.cfg.probe_timeout,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("%s: probe of %d key(s) failed: %s", slot.name, len(keys), exc)
+        finally:
+            now = self._now()
+            if verdicts is None:
+                self.metrics.probe_failures.labels(slot.name, failure).inc(len(keys))
+            for i, probe in enumerate(probes):
+                verdict = verdicts[i] if verdicts is not None else Verdict.ERROR
+                owned = slot.probes.complete(probe, verdict, now)
+                self.metrics.probe_verdicts.labels(slot.name, verdict.value).inc()
+                if not owned:
+                    self.metrics.probe_superseded.labels(slot.name).inc()
+                elif (
+                    verdict is Verdict.PRESENT
+                    and self.cfg.remote_hit == "promote"
+                    and not self._closing_now()
+                    and not self.ram.contains(probe.key)
+                    and probe.key not in self.reservations
+                ):
+                    # Start loading now, so the next lookup finds it PENDING or HIT.
+                    self._promote(slot, probe.key, now)
+
+    def _invalidate(self, key: bytes) -> None:
+        for slot in self.remotes:
+            slot.probes.invalidate(key)
+
+    # ------------------------------------------------------------ pending writes
+
+    def _reserve(
+        self, key: bytes, owner: str, owner_id: int, deadline: float, size: int, now: float
+    ) -> Reservation:
+        res = self.reservations.add(
+            key, owner, owner_id, now + deadline, size, now, asyncio.get_running_loop()
+        )
+        res.timer = self.scheduler.call_at(res.deadline, lambda: self._expire(res))
+        return res
+
+    def _end(self, res: Reservation, how: End) -> bool:
+        """End ``res`` (resolving its waiters); False if it had already ended."""
+        if not self.reservations.end(res, how):
+            return False
+        self.scheduler.cancel(res.timer)
+        if res.size:
+            self.ram.release(res.size)
+        if res.owner_id:
+            self.metrics.reservations.labels(how.value).inc()
+        return True
+
+    def _expire(self, res: Reservation) -> None:
+        if not self._end(res, End.EXPIRED):
+            return
+        self.metrics.pending_deadline_expired.inc()
+        log.warning(
+            "pending write of key %s by %s missed its deadline after %.3fs; aborted",
+            res.key.hex(),
+            res.owner,
+            res.deadline - res.started,
+        )
+        if res.task is not None:
+            res.task.cancel()
+
+    def _promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
+        res = self._reserve(key, f"promotion:{slot.name}", 0, self.cfg.pending_deadline, 0, now)
+        self.metrics.promotions.labels(slot.name, "started").inc()
+        res.task = self._task(self._run_promotion(slot, res))
+        return res
+
+    async def _run_promotion(self, slot: RemoteSlot, res: Reservation) -> None:
+        """Load ``res.key`` from ``slot`` into RAM; the reservation ends whatever happens."""
+        key = res.key
+        outcome = "failed"
+        try:
+            async with asyncio.timeout(self.cfg.load_timeout):
+                values = await slot.tier.batch_load([key])
+            if len(values) != 1:
+                raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
+            value = values[0]
+            if value is None:
+                outcome = "absent"
+            elif self.reservations.get(key) is res:
+                self._store_local(key, value)  # completes res
+                outcome = "completed"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            log.warning("%s: loading key %s failed: %s", slot.name, key.hex(), exc)
+        finally:
+            if outcome in ("failed", "absent"):
+                # The tier claimed the block and could not deliver: answer MISS
+                # for it until the verdict ages out (no HIT/failed-load livelock).
+                slot.probes.force(key, Verdict.ABSENT, self._now())
+            self.metrics.promotions.labels(slot.name, outcome).inc()
+            self._end(res, End.ABORTED)  # no-op when completed
+
+    def reserve(self, req: Reserve, conn_id: int) -> list[ReserveStatus]:
+        self.check_keys(req.keys)
+        self._check_seconds("deadline", req.deadline)
+        limit = self.limits.max_block_bytes
+        for i, size in enumerate(req.sizes):
+            if size > limit:
+                raise ValueTooLargeError(
+                    f"size {i} is {size} bytes; the maximum block size is {limit}"
+                )
+        deadline = req.deadline or self.cfg.pending_deadline
+        now = self._now()
+        statuses: list[ReserveStatus] = []
+        for key, size in zip(req.keys, req.sizes, strict=True):
+            if self.ram.contains(key) or any(
+                s.probes.verdict(key, now) is Verdict.PRESENT for s in self.remotes
+            ):
+                statuses.append(ReserveStatus.PRESENT)
+                continue
+            if key in self.reservations:
+                statuses.append(ReserveStatus.PENDING)
+                continue
+            if size:
+                try:
+                    evicted = self.ram.reserve(size)
+                except (NoCapacityError, ValueTooLargeError):
+                    statuses.append(ReserveStatus.REFUSED)
+                    self.metrics.reservations.labels("refused").inc()
+                    continue
+                for victim, _ in evicted:
+                    self._invalidate(victim)
+            self._reserve(key, f"conn#{conn_id}", conn_id, deadline, size, now)
+            self.metrics.reservations.labels("granted").inc()
+            statuses.append(ReserveStatus.GRANTED)
+        return statuses
+
+    def abort(self, keys: Sequence[bytes], conn_id: int) -> list[bool]:
+        """End ``conn_id``'s reservations of ``keys``; other writers' are untouched."""
+        self.check_keys(keys)
+        out = []
+        for key in keys:
+            res = self.reservations.get(key)
+            out.append(res is not None and res.owner_id == conn_id and self._end(res, End.ABORTED))
+        return out
+
+    def release(self, tag: bytes) -> bool:
+        """Forget a request tag's reader-side state."""
+        existed = self.deferrals.get(tag) is not None
+        deferred = self.deferrals.release(tag, self._now())
+        if deferred is not None:
+            self.metrics.lookup_deferred_seconds.observe(deferred)
+        return existed
+
+    def connection_closed(self, conn_id: int) -> None:
+        """A writer went away: its reservations end at once."""
+        owned = self.reservations.owned_by(conn_id)
+        for res in owned:
+            self._end(res, End.RELEASED)
+        if owned:
+            log.info("connection #%d closed; released %d reservation(s)", conn_id, len(owned))
+
+    # ------------------------------------------------------------ GET
+
+    def get_pinned(
+        self, keys: Sequence[bytes]
+    ) -> list[Buffer | None] | Coroutine[Any, Any, list[Buffer | None]]:
         """Values of ``keys``, each present one pinned until :meth:`unpin`."""
         self.check_keys(keys)
         pin = self.ram.pin
-        return [pin(k) for k in keys]
+        values = [pin(k) for k in keys]
+        if (not self.remotes and not self.reservations) or all(v is not None for v in values):
+            return values
+        return self._get_slow(keys, values)
+
+    async def _get_slow(
+        self, keys: Sequence[bytes], values: list[Buffer | None]
+    ) -> list[Buffer | None]:
+        missing = [i for i, v in enumerate(values) if v is None]
+        try:
+            found = await asyncio.gather(*(self._read_through(keys[i]) for i in missing))
+        except BaseException:
+            self.unpin(keys, values)
+            raise
+        for i, value in zip(missing, found, strict=True):
+            values[i] = value
+        return values
+
+    async def _read_through(self, key: bytes) -> Buffer | None:
+        """Wait for a pending write of ``key`` or promote it from a remote tier.
+
+        Concurrent readers of one key share one reservation, hence one load.
+        """
+        for _ in range(_MAX_READ_ROUNDS):
+            value = self.ram.pin(key)
+            if value is not None:
+                return value
+            if self._closing_now():
+                return None
+            res = self.reservations.get(key)
+            if res is None:
+                now = self._now()
+                slot = next(
+                    (
+                        s
+                        for s in self.remotes
+                        if s.probes.verdict(key, now) not in (Verdict.ABSENT, Verdict.ERROR)
+                    ),
+                    None,
+                )
+                if slot is None:
+                    return None
+                res = self._promote(slot, key, now)
+            waits: list[asyncio.Future[Any]] = [res.done]
+            if self._closing is not None:
+                waits.append(self._closing)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return None
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         unpin = self.ram.unpin
         for key, value in zip(keys, values, strict=True):
             if value is not None:
                 unpin(key)
+
+    # ------------------------------------------------------------ PUT / DELETE
 
     def put(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[PutStatus]:
         self.check_keys(keys)
@@ -93,26 +597,81 @@ class Service:
                     f"value {i} is {len(value)} bytes, larger than the RAM tier "
                     f"({self.ram.capacity} bytes)"
                 )
-        statuses = []
-        for key, value in zip(keys, values, strict=True):
-            stored, _evicted = self.ram.put(key, value)
-            statuses.append(PutStatus.STORED if stored else PutStatus.EXISTS)
-        return statuses
+        return [self._store_local(k, v) for k, v in zip(keys, values, strict=True)]
 
-    def delete(self, keys: Sequence[bytes]) -> list[bool]:
+    def _store_local(self, key: bytes, value: Buffer) -> PutStatus:
+        """Store into RAM and complete a pending write of ``key``, if any."""
+        res = self.reservations.get(key)
+        if res is not None and res.size:
+            self.ram.release(res.size)
+            res.size = 0
+        try:
+            stored, evicted = self.ram.put(key, value)
+        except KvtierError:
+            if res is not None:
+                self._end(res, End.ABORTED)
+            raise
+        if res is not None:
+            self._end(res, End.COMPLETED)
+        self._invalidate(key)
+        for victim, _ in evicted:
+            self._invalidate(victim)
+        return PutStatus.STORED if stored else PutStatus.EXISTS
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool] | Coroutine[Any, Any, list[bool]]:
         self.check_keys(keys)
-        return [self.ram.remove(k) for k in keys]
+        local = [self.ram.remove(k) for k in keys]
+        for key in keys:
+            self._invalidate(key)
+        if not self.remotes:
+            return local
+        return self._delete_remote(keys, local)
+
+    async def _delete_remote(self, keys: Sequence[bytes], local: list[bool]) -> list[bool]:
+        results = await asyncio.gather(
+            *(slot.tier.delete(keys) for slot in self.remotes), return_exceptions=True
+        )
+        out = list(local)
+        for slot, result in zip(self.remotes, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                raise TierError(f"{slot.name}: delete failed: {result}") from result
+            out = [a or bool(b) for a, b in zip(out, result, strict=True)]
+        for key in keys:
+            self._invalidate(key)
+        return out
+
+    # ------------------------------------------------------------ STATS
+
+    def snapshot(self) -> StateSnapshot:
+        return StateSnapshot(
+            probes_inflight={s.name: s.probes.inflight_count for s in self.remotes},
+            verdicts_cached={s.name: s.probes.verdict_count for s in self.remotes},
+            pending_writes=len(self.reservations),
+            request_states=len(self.deferrals),
+        )
 
     def stats(self) -> dict[str, Any]:
-        st = self.ram.stats()
+        tiers: dict[str, Any] = {}
+        for st in [self.ram.stats(), *(s.tier.stats() for s in self.remotes)]:
+            tiers[st.name] = {
+                "capacity_bytes": st.capacity_bytes,
+                "used_bytes": st.used_bytes,
+                "blocks": st.blocks,
+                "evictions": st.evictions,
+                **st.extra,
+            }
         return {
-            "tiers": {
-                st.name: {
-                    "capacity_bytes": st.capacity_bytes,
-                    "used_bytes": st.used_bytes,
-                    "blocks": st.blocks,
-                    "evictions": st.evictions,
-                    **st.extra,
-                }
+            "tiers": tiers,
+            "maps": {
+                "probes_inflight": sum(s.probes.inflight_count for s in self.remotes),
+                "verdicts": sum(s.probes.verdict_count for s in self.remotes),
+                "reservations": len(self.reservations),
+                "request_states": len(self.deferrals),
+            },
+            "probes": {
+                s.name: {"inflight": s.probes.inflight_count, "verdicts": s.probes.verdict_count}
+                for s in self.remotes
             },
         }

@@ -13,13 +13,14 @@ import sys
 import tempfile
 import threading
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.config import load_config
 from kvtier.daemon import READY_MESSAGE, Daemon
 from kvtier.protocol import codec
+from kvtier.tiers.base import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +31,9 @@ def short_tmpdir() -> Path:
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(sock_dir: Path, **sections: dict[str, Any]) -> AsyncIterator[Daemon]:
+async def running_daemon(
+    sock_dir: Path, remote_tiers: Sequence[Tier] | None = None, **sections: dict[str, Any]
+) -> AsyncIterator[Daemon]:
     """An in-process daemon on the test's event loop."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"socket_path": sock_dir / "d.sock"},
@@ -39,7 +42,7 @@ async def running_daemon(sock_dir: Path, **sections: dict[str, Any]) -> AsyncIte
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
-    daemon = Daemon(load_config(None, overrides))
+    daemon = Daemon(load_config(None, overrides), remote_tiers=remote_tiers)
     task = asyncio.create_task(daemon.run())
     ready = asyncio.create_task(daemon.ready.wait())
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import struct
 
 import pytest
@@ -78,12 +77,17 @@ def test_lookup_round_trip() -> None:
     assert codec.decode_lookup(codec.encode_lookup(req)) == req
 
 
-@pytest.mark.parametrize("wait", [-1.0, math.nan, math.inf])
-def test_lookup_rejects_bad_wait(wait: float) -> None:
-    raw = codec.encode_lookup(Lookup([b"k"], wait=0.0))
-    raw = codec._LOOKUP_HEAD.pack(0, 0, 0, wait, 0.0) + raw[codec._LOOKUP_HEAD.size :]
-    with pytest.raises(codec.CodecError, match="wait"):
-        codec.decode_lookup(raw)
+def test_reserve_round_trip() -> None:
+    req = codec.Reserve([b"a", b"bb"], [100, 0], 2.5)
+    assert codec.decode_reserve(codec.encode_reserve(req)) == req
+    with pytest.raises(codec.CodecError):
+        codec.decode_reserve(codec.encode_reserve(req)[:-1])
+
+
+def test_tag_round_trip() -> None:
+    assert codec.decode_tag(codec.encode_tag(b"req-1")) == b"req-1"
+    with pytest.raises(codec.CodecError):
+        codec.encode_tag(b"x" * 256)
 
 
 def test_lookup_rejects_unknown_mode_and_trailing_bytes() -> None:

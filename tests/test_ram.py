@@ -95,4 +95,19 @@ def test_repr_shows_state() -> None:
     ram = RamTier(100)
     ram.put(b"k", b"123")
     ram.pin(b"k")
-    assert repr(ram) == "<RamTier used=3/100 blocks=1 pinned=1 evictions=0>"
+    assert repr(ram) == "<RamTier used=3/100 reserved=0 blocks=1 pinned=1 evictions=0>"
+
+
+def test_reserved_bytes_count_against_capacity() -> None:
+    ram = RamTier(30)
+    ram.put(b"a", b"x" * 10)
+    ram.put(b"b", b"x" * 10)
+    evicted = ram.reserve(15)
+    assert [k for k, _ in evicted] == [b"a"]
+    assert ram.used_bytes + ram.reserved_bytes <= 30
+    with pytest.raises(NoCapacityError):
+        ram.pin(b"b")
+        ram.put(b"c", b"y" * 10)
+    ram.release(15)
+    assert ram.reserved_bytes == 0
+    ram.put(b"c", b"y" * 10)

@@ -36,6 +36,7 @@ from kvtier.protocol.codec import (
     LookupReply,
     Op,
     PutStatus,
+    ReserveStatus,
 )
 
 T = TypeVar("T")
@@ -348,6 +349,36 @@ class Client:
         frame = await self._call(Op.DELETE, codec.encode_keys(keys), timeout=timeout)
         return codec.decode_delete_reply(frame.meta)
 
+    async def reserve(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int] | None = None,
+        *,
+        deadline: float = 0.0,
+        timeout: Timeout = ...,
+    ) -> list[ReserveStatus]:
+        """Announce blocks this connection is about to PUT; others read them PENDING.
+
+        ``sizes`` (expected bytes per block) make the daemon hold room for
+        them; ``deadline`` (seconds, 0 = the daemon's ``pending_deadline``)
+        bounds how long they may stay pending. Reservations end with the PUT,
+        :meth:`abort`, the deadline, or this connection closing.
+        """
+        sizes = list(sizes) if sizes is not None else [0] * len(keys)
+        meta = codec.encode_reserve(codec.Reserve(list(keys), sizes, deadline))
+        frame = await self._call(Op.RESERVE, meta, timeout=timeout)
+        return [ReserveStatus(s) for s in codec.decode_status_bytes(frame.meta)]
+
+    async def abort(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> list[bool]:
+        """Drop this connection's reservations of ``keys``; True where one ended."""
+        frame = await self._call(Op.ABORT, codec.encode_keys(keys), timeout=timeout)
+        return [bool(s) for s in codec.decode_status_bytes(frame.meta)]
+
+    async def release(self, request_tag: bytes, *, timeout: Timeout = ...) -> bool:
+        """Free the daemon's per-request lookup state of ``request_tag``."""
+        frame = await self._call(Op.RELEASE, codec.encode_tag(request_tag), timeout=timeout)
+        return bool(frame.meta and frame.meta[0])
+
     async def raw_request(
         self,
         op: int,
@@ -447,6 +478,17 @@ class BlockingClient:
 
     def delete_many(self, keys: Sequence[bytes], **kw: Any) -> list[bool]:
         return self._run(self._client.delete_many(keys, **kw))
+
+    def reserve(
+        self, keys: Sequence[bytes], sizes: Sequence[int] | None = None, **kw: Any
+    ) -> list[ReserveStatus]:
+        return self._run(self._client.reserve(keys, sizes, **kw))
+
+    def abort(self, keys: Sequence[bytes], **kw: Any) -> list[bool]:
+        return self._run(self._client.abort(keys, **kw))
+
+    def release(self, request_tag: bytes, **kw: Any) -> bool:
+        return self._run(self._client.release(request_tag, **kw))
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -77,6 +76,15 @@ class LookupMode(enum.IntEnum):
 class PutStatus(enum.IntEnum):
     STORED = 0
     EXISTS = 1
+
+
+class ReserveStatus(enum.IntEnum):
+    """Per-key answer to RESERVE."""
+
+    GRANTED = 0  # the caller now owns the pending write
+    PRESENT = 1  # already readable: nothing to compute
+    PENDING = 2  # another write is in flight: wait for it instead
+    REFUSED = 3  # no room can be made for the announced size
 
 
 class CodecError(Exception):
@@ -346,8 +354,6 @@ def decode_lookup(buf: Buffer) -> Lookup:
         lookup_mode = LookupMode(mode)
     except ValueError as exc:
         raise CodecError(f"unknown lookup mode {mode}") from exc
-    if not (math.isfinite(wait) and wait >= 0):
-        raise CodecError(f"wait must be a finite number >= 0, got {wait}")
     offset = _LOOKUP_HEAD.size
     (tag_len,) = _U8.unpack_from(buf, offset)
     offset += 1
@@ -455,6 +461,62 @@ def encode_delete_reply(deleted: Sequence[bool]) -> bytes:
 
 def decode_delete_reply(buf: Buffer) -> list[bool]:
     return [bool(d) for d in _decode_count_bytes(buf)]
+
+
+# ---------------------------------------------------------------- RESERVE / ABORT / RELEASE
+
+_F64 = struct.Struct("<d")
+
+
+@dataclass(slots=True, frozen=True)
+class Reserve:
+    keys: list[bytes]
+    sizes: list[int]  # expected block sizes; 0 = unknown (no room is held)
+    deadline: float = 0.0  # seconds; 0 = the server's pending_deadline
+
+
+def encode_reserve(req: Reserve) -> bytes:
+    if len(req.sizes) != len(req.keys):
+        raise CodecError("RESERVE needs one size per key")
+    return b"".join(
+        (
+            _F64.pack(req.deadline),
+            encode_keys(req.keys),
+            struct.pack(f"<{len(req.sizes)}I", *req.sizes),
+        )
+    )
+
+
+def decode_reserve(buf: Buffer) -> Reserve:
+    if len(buf) < _F64.size:
+        raise CodecError("truncated RESERVE")
+    (deadline,) = _F64.unpack_from(buf, 0)
+    keys, offset = decode_keys(buf, _F64.size)
+    sizes, end = _decode_u32_array(buf, offset, len(keys))
+    _expect_end(buf, end)
+    return Reserve(keys, list(sizes), deadline)
+
+
+def encode_status_bytes(values: Iterable[int]) -> bytes:
+    return _encode_count_bytes(values)
+
+
+def decode_status_bytes(buf: Buffer) -> list[int]:
+    return list(_decode_count_bytes(buf))
+
+
+def encode_tag(tag: bytes) -> bytes:
+    if len(tag) > 255:
+        raise CodecError("request tag longer than 255 bytes")
+    return _U8.pack(len(tag)) + tag
+
+
+def decode_tag(buf: Buffer) -> bytes:
+    if len(buf) < 1:
+        raise CodecError("truncated request tag")
+    n = buf[0]
+    _expect_end(buf, 1 + n)
+    return bytes(buf[1 : 1 + n])
 
 
 # --------------------------------------------------------------------------- STATS / errors

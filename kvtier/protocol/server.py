@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from kvtier._version import __version__
 from kvtier.errors import (
@@ -136,8 +136,10 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
-        self.server.connection_closed(self)
-        self.done.set()
+        try:
+            self.server.connection_closed(self)
+        finally:
+            self.done.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -347,6 +349,9 @@ class Server:
             Op.GET: self._get,
             Op.PUT: self._put,
             Op.DELETE: self._delete,
+            Op.RESERVE: self._reserve,
+            Op.ABORT: self._abort,
+            Op.RELEASE: self._release,
         }
 
     def __repr__(self) -> str:
@@ -371,6 +376,7 @@ class Server:
         self.connections.discard(conn)
         self._busy_at_shutdown.discard(conn)
         self.metrics.connections_open.dec()
+        self.service.connection_closed(conn.conn_id)
 
     def admits_during_shutdown(self, conn: Connection) -> bool:
         """A frame that was partly received when shutdown began is still served."""
@@ -436,15 +442,20 @@ class Server:
         stats["server"] = {"connections": len(self.connections), "version": self.server_name}
         return Reply(codec.encode_json(stats))
 
-    def _lookup(self, conn: Connection, frame: Frame) -> Reply:
-        reply = self.service.lookup(codec.decode_lookup(frame.meta))
-        return Reply(codec.encode_lookup_reply(reply))
+    def _lookup(self, conn: Connection, frame: Frame) -> Reply | Awaitable[Reply]:
+        result = self.service.lookup(codec.decode_lookup(frame.meta), conn.conn_id)
+        if isinstance(result, codec.LookupReply):
+            return Reply(codec.encode_lookup_reply(result))
+        return _then(result, lambda r: Reply(codec.encode_lookup_reply(r)))
 
-    def _get(self, conn: Connection, frame: Frame) -> Reply:
-        keys, end = codec.decode_keys(frame.meta)
-        if end != len(frame.meta) or frame.data:
-            raise codec.CodecError("GET carries only a key list")
-        values = self.service.get_pinned(keys)
+    def _get(self, conn: Connection, frame: Frame) -> Reply | Awaitable[Reply]:
+        keys = _only_keys(frame, "GET")
+        result = self.service.get_pinned(keys)
+        if isinstance(result, list):
+            return self._get_reply(keys, result)
+        return _then(result, lambda values: self._get_reply(keys, values))
+
+    def _get_reply(self, keys: list[bytes], values: list[Buffer | None]) -> Reply:
         try:
             meta, data = codec.encode_get_reply(values)
         except BaseException:
@@ -457,8 +468,38 @@ class Server:
         statuses = self.service.put(keys, values)
         return Reply(codec.encode_put_reply(statuses))
 
-    def _delete(self, conn: Connection, frame: Frame) -> Reply:
-        keys, end = codec.decode_keys(frame.meta)
-        if end != len(frame.meta) or frame.data:
-            raise codec.CodecError("DELETE carries only a key list")
-        return Reply(codec.encode_delete_reply(self.service.delete(keys)))
+    def _delete(self, conn: Connection, frame: Frame) -> Reply | Awaitable[Reply]:
+        result = self.service.delete(_only_keys(frame, "DELETE"))
+        if isinstance(result, list):
+            return Reply(codec.encode_delete_reply(result))
+        return _then(result, lambda r: Reply(codec.encode_delete_reply(r)))
+
+    def _reserve(self, conn: Connection, frame: Frame) -> Reply:
+        if frame.data:
+            raise codec.CodecError("RESERVE carries no data")
+        statuses = self.service.reserve(codec.decode_reserve(frame.meta), conn.conn_id)
+        return Reply(codec.encode_status_bytes(statuses))
+
+    def _abort(self, conn: Connection, frame: Frame) -> Reply:
+        aborted = self.service.abort(_only_keys(frame, "ABORT"), conn.conn_id)
+        return Reply(codec.encode_status_bytes(aborted))
+
+    def _release(self, conn: Connection, frame: Frame) -> Reply:
+        if frame.data:
+            raise codec.CodecError("RELEASE carries no data")
+        existed = self.service.release(codec.decode_tag(frame.meta))
+        return Reply(bytes([int(existed)]))
+
+
+T = TypeVar("T")
+
+
+async def _then(pending: Awaitable[T], make: Callable[[T], Reply]) -> Reply:
+    return make(await pending)
+
+
+def _only_keys(frame: Frame, op: str) -> list[bytes]:
+    keys, end = codec.decode_keys(frame.meta)
+    if end != len(frame.meta) or frame.data:
+        raise codec.CodecError(f"{op} carries only a key list")
+    return keys

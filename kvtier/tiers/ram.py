@@ -47,8 +47,9 @@ def plan_eviction(
 class RamTier(LocalTier):
     """Blocks in process memory.
 
-    Invariants: ``used_bytes <= capacity`` at all times; a pinned block is
-    never evicted; storing a key that is resident is a no-op (idempotent).
+    Invariants: ``used_bytes + reserved_bytes <= capacity`` at all times; a
+    pinned block is never evicted; storing a key that is resident is a no-op
+    (idempotent). Reserved bytes hold room for blocks announced by RESERVE.
     """
 
     name = "ram"
@@ -58,6 +59,7 @@ class RamTier(LocalTier):
             raise ValueError("capacity must be positive")
         self.capacity = capacity
         self.used_bytes = 0
+        self.reserved_bytes = 0
         self.evictions = 0
         self._blocks: dict[bytes, _Block] = {}
         self._policy: EvictionPolicy[bytes] = policy if policy is not None else LRUPolicy()
@@ -65,8 +67,8 @@ class RamTier(LocalTier):
     def __repr__(self) -> str:
         pinned = sum(1 for b in self._blocks.values() if b.pins)
         return (
-            f"<RamTier used={self.used_bytes}/{self.capacity} blocks={len(self._blocks)} "
-            f"pinned={pinned} evictions={self.evictions}>"
+            f"<RamTier used={self.used_bytes}/{self.capacity} reserved={self.reserved_bytes} "
+            f"blocks={len(self._blocks)} pinned={pinned} evictions={self.evictions}>"
         )
 
     def __len__(self) -> int:
@@ -116,15 +118,32 @@ class RamTier(LocalTier):
             raise ValueTooLargeError(
                 f"value of {size} bytes is larger than the RAM tier ({self.capacity} bytes)"
             )
-        victims = plan_eviction(
-            size, self.capacity - self.used_bytes, self._policy.candidates(), self._blocks
-        )
-        evicted = [(victim, self._remove(victim).value) for victim in victims]
-        self.evictions += len(evicted)
+        evicted = self._make_room(size)
         self._blocks[key] = _Block(value, size)
         self.used_bytes += size
         self._policy.admit(key)
         return True, evicted
+
+    def _make_room(self, size: int) -> list[tuple[bytes, Buffer]]:
+        free = self.capacity - self.used_bytes - self.reserved_bytes
+        victims = plan_eviction(size, free, self._policy.candidates(), self._blocks)
+        evicted = [(victim, self._remove(victim).value) for victim in victims]
+        self.evictions += len(evicted)
+        return evicted
+
+    def reserve(self, size: int) -> list[tuple[bytes, Buffer]]:
+        """Hold ``size`` bytes for a block about to arrive; returns evicted pairs."""
+        if size > self.capacity:
+            raise ValueTooLargeError(
+                f"cannot reserve {size} bytes in a RAM tier of {self.capacity} bytes"
+            )
+        evicted = self._make_room(size)
+        self.reserved_bytes += size
+        return evicted
+
+    def release(self, size: int) -> None:
+        """Give back bytes held by :meth:`reserve`."""
+        self.reserved_bytes = max(0, self.reserved_bytes - size)
 
     def remove(self, key: bytes) -> bool:
         if key not in self._blocks:
@@ -157,5 +176,8 @@ class RamTier(LocalTier):
             used_bytes=self.used_bytes,
             blocks=len(self._blocks),
             evictions=self.evictions,
-            extra={"pinned": sum(1 for b in self._blocks.values() if b.pins)},
+            extra={
+                "pinned": sum(1 for b in self._blocks.values() if b.pins),
+                "reserved_bytes": self.reserved_bytes,
+            },
         )

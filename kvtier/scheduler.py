@@ -1,0 +1,141 @@
+"""The scheduler loop: one long-lived task that owns every timer.
+
+It fires per-key write deadlines, flushes probe batches (keys that arrive
+within one ``batch_window`` go to the backend in one call per tier) and runs
+periodic sweeps. Timer callbacks are synchronous and short; anything that
+does I/O is spawned as a task by the callback's owner. The loop never
+blocks: it waits on one future, woken by the earliest deadline or by a
+new, earlier timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.timers import Timer, TimerHeap
+
+log = logging.getLogger("kvtier.scheduler")
+
+
+class _Batch:
+    __slots__ = ("dispatch", "keys", "timer")
+
+    def __init__(self, dispatch: Callable[[list[bytes]], None]) -> None:
+        self.dispatch = dispatch
+        self.keys: list[bytes] = []
+        self.timer: Timer | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        batch_window: float,
+        max_batch: int,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.batch_window = batch_window
+        self.max_batch = max_batch
+        self._clock = clock
+        self._timers = TimerHeap()
+        self._batches: dict[str, _Batch] = {}
+        self._wake: asyncio.Future[None] | None = None
+        self._armed_for: float | None = None
+        self._stopping = False
+
+    def __repr__(self) -> str:
+        queued = sum(len(b.keys) for b in self._batches.values())
+        return f"<Scheduler timers={len(self._timers)} queued_probes={queued}>"
+
+    def now(self) -> float:
+        if self._clock is not None:
+            return self._clock()
+        return asyncio.get_running_loop().time()
+
+    @property
+    def timer_count(self) -> int:
+        return len(self._timers)
+
+    # -- timers
+
+    def call_at(self, deadline: float, callback: Callable[[], Any]) -> Timer:
+        timer = self._timers.push(deadline, callback)
+        if self._armed_for is None or deadline < self._armed_for:
+            self._poke()
+        return timer
+
+    def cancel(self, timer: Timer | None) -> None:
+        if timer is not None:
+            self._timers.cancel(timer)
+
+    def every(self, interval: float, callback: Callable[[], Any]) -> None:
+        """Run ``callback`` every ``interval`` seconds for the scheduler's life."""
+
+        def tick() -> None:
+            try:
+                callback()
+            finally:
+                self.call_at(self.now() + interval, tick)
+
+        self.call_at(self.now() + interval, tick)
+
+    # -- probe batching
+
+    def add_prober(self, name: str, dispatch: Callable[[list[bytes]], None]) -> None:
+        """``dispatch(keys)`` is called with each batch of ``name``'s probes."""
+        self._batches[name] = _Batch(dispatch)
+
+    def enqueue_probe(self, name: str, key: bytes) -> None:
+        batch = self._batches[name]
+        batch.keys.append(key)
+        if len(batch.keys) >= self.max_batch:
+            self._flush(batch)
+        elif batch.timer is None:
+            batch.timer = self.call_at(self.now() + self.batch_window, lambda: self._flush(batch))
+
+    def _flush(self, batch: _Batch) -> None:
+        self.cancel(batch.timer)
+        batch.timer = None
+        keys, batch.keys = batch.keys, []
+        if keys:
+            batch.dispatch(keys)
+
+    # -- the loop
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def run_due(self, now: float) -> int:
+        """Fire every timer due at ``now``; returns how many fired."""
+        fired = self._timers.pop_due(now)
+        for timer in fired:
+            try:
+                timer.callback()
+            except Exception:
+                log.exception("scheduler callback failed")
+        return len(fired)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            self.run_due(self.now())
+            self._wake = loop.create_future()
+            deadline = self._timers.next_deadline()
+            self._armed_for = deadline
+            handle = None
+            if deadline is not None:
+                handle = loop.call_at(deadline, self._poke)
+            try:
+                await self._wake
+            finally:
+                self._armed_for = None
+                if handle is not None:
+                    handle.cancel()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._poke()

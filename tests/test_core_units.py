@@ -1,0 +1,196 @@
+"""The lookup core's pure parts, tested without a daemon."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtier.deferral import HIT, MISS, PENDING, RETRY, DeferralTracker, blocking_pending
+from kvtier.probes import ProbeMap, Verdict
+from kvtier.scheduler import Scheduler
+from kvtier.timers import TimerHeap
+
+# ------------------------------------------------------------------ timers
+
+
+def test_timer_heap_fires_in_order_and_skips_cancelled() -> None:
+    heap = TimerHeap()
+    fired: list[str] = []
+    heap.push(3.0, lambda: fired.append("c"))
+    b = heap.push(2.0, lambda: fired.append("b"))
+    heap.push(1.0, lambda: fired.append("a"))
+    heap.cancel(b)
+    assert len(heap) == 2
+    assert heap.next_deadline() == 1.0
+    for t in heap.pop_due(2.5):
+        t.callback()
+    assert fired == ["a"]
+    assert heap.next_deadline() == 3.0
+    heap.cancel(b)  # cancelling twice changes nothing
+    assert len(heap) == 1
+    assert [t.deadline for t in heap.pop_due(10.0)] == [3.0]
+    assert len(heap) == 0 and heap.next_deadline() is None
+
+
+# ------------------------------------------------------------------ probe map
+
+
+def probe_map(**kw: float) -> ProbeMap:
+    opts: dict[str, float] = {"verdict_ttl": 5.0, "error_ttl": 0.5, "max_verdicts": 3, **kw}
+    return ProbeMap(
+        "t",
+        verdict_ttl=opts["verdict_ttl"],
+        error_ttl=opts["error_ttl"],
+        max_verdicts=int(opts["max_verdicts"]),
+    )
+
+
+async def test_probe_map_caches_verdicts_for_their_ttl() -> None:
+    loop = asyncio.get_running_loop()
+    pm = probe_map()
+    probe = pm.begin(b"k", loop)
+    assert pm.inflight(b"k") is probe and pm.verdict(b"k", 0.0) is None
+    assert pm.complete(probe, Verdict.PRESENT, now=10.0)
+    assert probe.future.result() is Verdict.PRESENT
+    assert pm.inflight_count == 0
+    assert pm.verdict(b"k", 14.9) is Verdict.PRESENT
+    assert pm.verdict(b"k", 15.0) is None  # expired and dropped
+    assert pm.verdict_count == 0
+
+
+async def test_errors_are_kept_shorter_than_verdicts() -> None:
+    loop = asyncio.get_running_loop()
+    pm = probe_map()
+    pm.complete(pm.begin(b"e", loop), Verdict.ERROR, now=0.0)
+    pm.complete(pm.begin(b"a", loop), Verdict.ABSENT, now=0.0)
+    assert pm.verdict(b"e", 0.4) is Verdict.ERROR
+    assert pm.verdict(b"e", 0.6) is None
+    assert pm.verdict(b"a", 0.6) is Verdict.ABSENT
+
+
+async def test_superseded_probe_resolves_but_writes_nothing() -> None:
+    loop = asyncio.get_running_loop()
+    pm = probe_map()
+    old = pm.begin(b"k", loop)
+    pm.invalidate(b"k")
+    new = pm.begin(b"k", loop)
+    assert pm.complete(new, Verdict.ABSENT, now=0.0)
+    assert not pm.complete(old, Verdict.PRESENT, now=1.0)  # arrives last: dropped
+    assert old.future.result() is Verdict.PRESENT  # its own waiters still wake
+    assert pm.verdict(b"k", 1.0) is Verdict.ABSENT
+
+
+async def test_force_supersedes_and_sets_the_verdict() -> None:
+    loop = asyncio.get_running_loop()
+    pm = probe_map()
+    probe = pm.begin(b"k", loop)
+    pm.force(b"k", Verdict.ABSENT, now=0.0)
+    assert pm.inflight(b"k") is None
+    assert not pm.complete(probe, Verdict.PRESENT, now=0.1)
+    assert pm.verdict(b"k", 0.1) is Verdict.ABSENT
+
+
+async def test_verdicts_are_bounded_in_count_and_expire() -> None:
+    loop = asyncio.get_running_loop()
+    pm = probe_map(max_verdicts=3)
+    for i in range(5):
+        pm.complete(pm.begin(bytes([i]), loop), Verdict.ABSENT, now=float(i))
+    assert pm.verdict_count == 3
+    assert pm.verdict(bytes([0]), 4.0) is None
+    assert pm.expire(now=100.0) == 3
+    assert repr(pm) == "<ProbeMap t inflight=0 verdicts=0>"
+
+
+# ------------------------------------------------------------------ reader-side bound
+
+KEYS = [b"a", b"b", b"c"]
+
+
+def test_blocking_pending_is_the_first_pending_before_a_miss() -> None:
+    assert blocking_pending([HIT, PENDING, PENDING]) == 1
+    assert blocking_pending([HIT, RETRY, PENDING]) == 2
+    assert blocking_pending([HIT, MISS, PENDING]) is None
+    assert blocking_pending([HIT, RETRY]) is None
+
+
+def test_same_key_accrues_until_the_bound() -> None:
+    tr = DeferralTracker(idle_ttl=60, max_tags=10)
+    r = tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=0.0)
+    assert r.expired_index is None and r.expires_at == 1.0
+    r = tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=0.6)
+    assert r.expired_index is None and r.expires_at == 1.0  # accrued, not restarted
+    r = tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=1.0)
+    assert (r.expired_index, r.newly_expired) == (1, True)
+    r = tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=1.5)
+    assert (r.expired_index, r.newly_expired) == (1, False)  # counted once
+
+
+def test_a_different_blocking_key_re_arms() -> None:
+    tr = DeferralTracker(idle_ttl=60, max_tags=10)
+    tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=0.0)
+    r = tr.observe(b"req", KEYS, [HIT, HIT, PENDING], bound=1.0, now=0.9)
+    assert r.expired_index is None and r.expires_at == pytest.approx(1.9)
+    assert r.ends_deferral == pytest.approx(0.9)
+
+
+def test_nothing_pending_disarms() -> None:
+    tr = DeferralTracker(idle_ttl=60, max_tags=10)
+    tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=0.0)
+    r = tr.observe(b"req", KEYS, [HIT, HIT, HIT], bound=1.0, now=0.9)
+    assert r.expires_at is None and r.ends_deferral == pytest.approx(0.9)
+    r = tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=1.2)
+    assert r.expired_index is None and r.expires_at == pytest.approx(2.2)  # fresh timer
+
+
+def test_retry_never_expires() -> None:
+    tr = DeferralTracker(idle_ttl=60, max_tags=10)
+    for now in (0.0, 5.0, 50.0):
+        r = tr.observe(b"req", KEYS, [HIT, RETRY, HIT], bound=1.0, now=now)
+        assert r.expired_index is None and r.expires_at is None
+
+
+def test_idle_tags_are_dropped_and_bounded() -> None:
+    tr = DeferralTracker(idle_ttl=10, max_tags=2)
+    tr.observe(b"one", KEYS, [PENDING], bound=1.0, now=0.0)
+    tr.observe(b"two", KEYS, [PENDING], bound=1.0, now=5.0)
+    tr.observe(b"three", KEYS, [PENDING], bound=1.0, now=6.0)
+    assert len(tr) == 2 and tr.get(b"one") is None  # bounded: oldest went
+    assert tr.expire(now=15.5) == 1  # "two" idle for 10.5 s
+    assert tr.get(b"three") is not None
+    assert tr.release(b"three", now=16.0) == pytest.approx(10.0)
+    assert len(tr) == 0
+
+
+# ------------------------------------------------------------------ scheduler
+
+
+def test_scheduler_batches_probes_per_tick_and_splits_at_max() -> None:
+    clock = [100.0]
+    batches: list[list[bytes]] = []
+    sched = Scheduler(batch_window=0.01, max_batch=3, clock=lambda: clock[0])
+    sched.add_prober("t", batches.append)
+    for key in (b"a", b"b"):
+        sched.enqueue_probe("t", key)
+    assert batches == []  # waiting for the tick
+    sched.run_due(100.005)
+    assert batches == []
+    sched.run_due(100.01)
+    assert batches == [[b"a", b"b"]]
+    for key in (b"c", b"d", b"e", b"f"):
+        sched.enqueue_probe("t", key)
+    assert batches[-1] == [b"c", b"d", b"e"]  # a full batch leaves at once
+    sched.run_due(100.02)
+    assert batches[-1] == [b"f"]
+    assert sched.timer_count == 0
+
+
+async def test_scheduler_loop_fires_timers_and_stops() -> None:
+    sched = Scheduler(batch_window=0.0, max_batch=10)
+    fired = asyncio.Event()
+    task = asyncio.create_task(sched.run())
+    sched.call_at(sched.now() + 0.01, fired.set)
+    await fired.wait()
+    sched.stop()
+    await task
+    assert sched.timer_count == 0
