@@ -149,9 +149,19 @@ class Daemon:
             "shutting down: draining in-flight requests (grace %.1fs)",
             self.config.server.shutdown_grace,
         )
+        self.service.begin_shutdown()  # waiting lookups and GETs answer now
         await server.shutdown(self.config.server.shutdown_grace)
         self._remove_socket()
+        # Probes and promotions still running are cut short; each resolves
+        # its waiters in its own finally.
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        self.service.close()
         await self.ram.close()
+        for tier in self.remote_tiers:
+            await tier.close()
         if runner is not None:
             await runner.cleanup()
         log.info("kvtier stopped")

@@ -128,6 +128,14 @@ class ProbeMap:
         self._inflight.pop(key, None)
         self._remember(key, verdict, now)
 
+    def abandon_all(self) -> int:
+        """Resolve every probe in flight as ERROR and forget it (shutdown)."""
+        probes, self._inflight = list(self._inflight.values()), {}
+        for probe in probes:
+            if not probe.future.done():
+                probe.future.set_result(Verdict.ERROR)
+        return len(probes)
+
     def expire(self, now: float) -> int:
         """Drop stale verdicts; returns how many went."""
         stale = [k for k, c in self._verdicts.items() if c.expires <= now]

@@ -148,9 +148,11 @@ class Service:
             self._closing.set_result(None)
 
     def close(self) -> None:
-        """End every pending write (waiters answered MISS)."""
+        """End every pending write and probe (waiters answered MISS)."""
         for res in self.reservations.all():
             self._end(res, End.ABORTED)
+        for slot in self.remotes:
+            slot.probes.abandon_all()
 
     def sweep(self) -> None:
         now = self.scheduler.now()
@@ -311,6 +313,8 @@ class Service:
                 continue
             probe = slot.probes.inflight(key)
             if probe is None:
+                if self._closing_now():
+                    continue  # no new backend work once shutdown has begun
                 probe = self._begin_probe(slot, key)
             else:
                 self.metrics.probes.labels(slot.name, "joined").inc()

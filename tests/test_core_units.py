@@ -194,3 +194,12 @@ async def test_scheduler_loop_fires_timers_and_stops() -> None:
     sched.stop()
     await task
     assert sched.timer_count == 0
+
+
+async def test_abandon_all_resolves_every_probe() -> None:
+    loop = asyncio.get_running_loop()
+    pm = probe_map()
+    probes = [pm.begin(bytes([i]), loop) for i in range(3)]
+    assert pm.abandon_all() == 3
+    assert [p.future.result() for p in probes] == [Verdict.ERROR] * 3
+    assert pm.inflight_count == 0
