@@ -42,6 +42,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     put("metrics", "port", getattr(args, "metrics_port", None))
     put("metrics", "host", getattr(args, "metrics_host", None))
     put("ram", "capacity", getattr(args, "ram_capacity", None))
+    put("disk", "path", getattr(args, "data_dir", None))
+    put("disk", "capacity", getattr(args, "disk_capacity", None))
+    if getattr(args, "no_disk", False):
+        put("disk", "enabled", False)
     put("log", "level", getattr(args, "log_level", None))
     return out
 
@@ -191,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host")
     p.add_argument("--metrics-port", type=int)
     p.add_argument("--ram-capacity", help="bytes or a size such as 8GiB; 'auto' by default")
+    p.add_argument("--data-dir", help="disk tier directory (default: ~/.cache/kvtier)")
+    p.add_argument("--disk-capacity", help="bytes or a size such as 100GiB; 'auto' by default")
+    p.add_argument("--no-disk", action="store_true", help="serve from RAM only")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 

@@ -40,6 +40,8 @@ DEFAULT_METRICS_PORT = 9477
 RAM_AUTO_FRACTION = 0.25
 RAM_AUTO_CAP = 16 * GiB
 RAM_AUTO_FLOOR = 64 * MiB
+DISK_AUTO_FRACTION = 0.10
+DISK_AUTO_CAP = 64 * GiB
 
 
 def default_socket_path() -> Path:
@@ -47,6 +49,26 @@ def default_socket_path() -> Path:
     if runtime and Path(runtime).is_dir():
         return Path(runtime) / "kvtier" / "kvtier.sock"
     return Path(f"/tmp/kvtier-{os.getuid()}") / "kvtier.sock"
+
+
+def default_data_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``: blocks are a cache."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "kvtier"
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds ``path`` (or its nearest parent)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+def auto_disk_capacity(free: int) -> int:
+    """A tenth of the free space, at most 64 GiB, at least 64 MiB."""
+    return max(RAM_AUTO_FLOOR, min(DISK_AUTO_CAP, int(free * DISK_AUTO_FRACTION)))
 
 
 def available_memory() -> int:
@@ -121,6 +143,43 @@ class RamConfig(_Section):
         if value == "auto":
             return value
         return parse_size(value)
+
+
+class DiskConfig(_Section):
+    enabled: bool = True
+    path: Path = Field(default_factory=default_data_dir)
+    #: bytes, or "auto": a tenth of the free space at start, capped at 64 GiB
+    capacity: int | Literal["auto"] = "auto"
+    #: how PUTs reach the disk: "write-through" (every PUT, in the background),
+    #: "write-back" (blocks evicted from RAM), "none" (only durable PUTs)
+    write_policy: Literal["write-through", "write-back", "none"] = "write-through"
+    #: "none": no fsync (survives a process crash, not power loss); "batch":
+    #: grouped fsyncs, durable PUTs wait for theirs; "always": fsync per block
+    fsync: Literal["none", "batch", "always"] = "batch"
+    io_threads: int = Field(default=4, ge=1, le=64)
+    #: a lookup HIT on disk starts loading the block into RAM
+    promote_on_lookup: bool = True
+    #: background writes (write-through, demotions) beyond this many bytes in
+    #: flight are dropped and counted rather than queued without bound
+    max_pending_write_bytes: int = Field(default=256 * MiB, ge=0)
+    policy: Literal["lru"] = "lru"
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _parse_capacity(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        return parse_size(value)
+
+    @field_validator("max_pending_write_bytes", mode="before")
+    @classmethod
+    def _parse_pending(cls, value: Any) -> Any:
+        return 0 if value == 0 else parse_size(value)
+
+    def capacity_bytes(self) -> int:
+        if self.capacity == "auto":
+            return auto_disk_capacity(free_disk_bytes(self.path))
+        return int(self.capacity)
 
 
 class LookupConfig(_Section):
@@ -206,6 +265,7 @@ class Config(BaseSettings):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     ram: RamConfig = Field(default_factory=RamConfig)
+    disk: DiskConfig = Field(default_factory=DiskConfig)
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -22,6 +22,7 @@ from kvtier.protocol.server import Server, bind_unix_socket
 from kvtier.scheduler import Scheduler
 from kvtier.service import Limits, Service
 from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.tiers.policy import make_policy
 from kvtier.tiers.ram import RamTier
@@ -46,6 +47,17 @@ class Daemon:
         self.metrics = Metrics()
         self.ram = RamTier(config.ram.capacity_bytes(), make_policy(config.ram.policy))
         self.metrics.add_tier(self.ram.stats)
+        self.disk: DiskTier | None = None
+        if config.disk.enabled:
+            self.disk = DiskTier(
+                config.disk.path,
+                config.disk.capacity_bytes(),
+                fsync=config.disk.fsync,
+                io_threads=config.disk.io_threads,
+                policy=make_policy(config.disk.policy),
+            )
+            self.metrics.add_tier(self.disk.stats)
+            self.metrics.set_disk_source(self.disk.stats)
         if remote_tiers is None:
             remote_tiers = [build_remote_tier(tc) for tc in config.remote_tiers]
         self.remote_tiers = list(remote_tiers)
@@ -64,6 +76,8 @@ class Daemon:
             lookup=config.lookup,
             remotes=self.remote_tiers,
             scheduler=self.scheduler,
+            disk=self.disk,
+            disk_cfg=config.disk,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Server | None = None
@@ -84,6 +98,8 @@ class Daemon:
     async def run(self) -> None:
         # Startup failures (socket in use, metrics port taken) raise plainly,
         # before any background task exists.
+        if self.disk is not None:
+            self.disk.prepare()
         sock = bind_unix_socket(self.socket_path)
         self._socket_ino = os.stat(self.socket_path).st_ino
         runner: web.AppRunner | None = None
@@ -103,6 +119,8 @@ class Daemon:
 
             scheduler_task = tasks.create_task(self.scheduler.run(), name="kvtier-scheduler")
             self.service.start(spawn)
+            if self.disk is not None:
+                spawn(self.disk.rebuild_index())  # serves meanwhile: unscanned keys read RETRY
             self.server = Server(
                 self.service,
                 self.metrics,
@@ -135,12 +153,13 @@ class Daemon:
         mc = self.config.metrics
         metrics_url = f"http://{mc.host}:{self.metrics_port}/metrics" if mc.enabled else "disabled"
         log.info(
-            "%s: kvtier %s socket=%s metrics=%s ram=%d bytes",
+            "%s: kvtier %s socket=%s metrics=%s ram=%d bytes disk=%s",
             READY_MESSAGE,
             __version__,
             self.socket_path,
             metrics_url,
             self.ram.capacity,
+            f"{self.disk.root} ({self.disk.capacity} bytes)" if self.disk else "disabled",
         )
         self.ready.set()
 
@@ -160,6 +179,8 @@ class Daemon:
             await asyncio.wait(list(self._tasks))
         self.service.close()
         await self.ram.close()
+        if self.disk is not None:
+            await self.disk.close()
         for tier in self.remote_tiers:
             await tier.close()
         if runner is not None:

@@ -82,6 +82,39 @@ class StateSnapshot:
     request_states: int = 0
 
 
+_DISK_COUNTERS = (
+    ("reads", "kvtier_disk_reads", "Blocks read from the disk tier"),
+    ("read_bytes", "kvtier_disk_read_bytes", "Value bytes read from the disk tier"),
+    ("writes", "kvtier_disk_writes", "Blocks written to the disk tier"),
+    ("written_bytes", "kvtier_disk_written_bytes", "Value bytes written to the disk tier"),
+    (
+        "corrupt_discarded",
+        "kvtier_disk_corrupt_blocks",
+        "Torn or corrupt block files discarded (never served)",
+    ),
+    ("enospc", "kvtier_disk_full_errors", "Writes that failed because the disk was full"),
+    ("write_errors", "kvtier_disk_write_errors", "Writes that failed for any reason"),
+)
+
+
+class _DiskCollector(Collector):
+    def __init__(self, source: Callable[[], TierStats | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        st = self._source()
+        if st is None:
+            return
+        for field_name, name, doc in _DISK_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=st.extra.get(field_name, 0))
+        total = st.extra.get("index_buckets_total", 1) or 1
+        yield GaugeMetricFamily(
+            "kvtier_disk_index_rebuild_progress",
+            "Fraction of the disk index rebuilt since start (1 = complete)",
+            value=st.extra.get("index_buckets_scanned", 0) / total,
+        )
+
+
 class _StateCollector(Collector):
     def __init__(self, source: Callable[[], StateSnapshot | None]) -> None:
         self._source = source
@@ -213,6 +246,18 @@ class Metrics:
             ["tier", "outcome"],
             registry=r,
         )
+        self.demotions = Counter(
+            "kvtier_demotions",
+            "Blocks evicted from RAM and written to a lower tier (write-back), by outcome",
+            ["tier", "outcome"],
+            registry=r,
+        )
+        self.disk_writes_dropped = Counter(
+            "kvtier_disk_writes_dropped",
+            "Background disk writes skipped because the write backlog was full, by cause",
+            ["cause"],
+            registry=r,
+        )
         self._state_source: Callable[[], StateSnapshot | None] = lambda: None
         r.register(_StateCollector(lambda: self._state_source()))
         self._tier_sources: list[Callable[[], TierStats]] = []
@@ -222,6 +267,9 @@ class Metrics:
 
     def __repr__(self) -> str:
         return f"<Metrics tiers={len(self._tier_sources)}>"
+
+    def set_disk_source(self, source: Callable[[], TierStats]) -> None:
+        self.registry.register(_DiskCollector(source))
 
     def set_state_source(self, source: Callable[[], StateSnapshot]) -> None:
         self._state_source = source

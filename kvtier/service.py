@@ -25,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import LookupConfig
+from kvtier.config import DiskConfig, LookupConfig
 from kvtier.deferral import DeferralTracker
 from kvtier.errors import (
     BadArgumentError,
@@ -55,6 +55,7 @@ from kvtier.protocol.codec import (
 from kvtier.reservations import End, Reservation, ReservationTable
 from kvtier.scheduler import Scheduler
 from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.ram import RamTier
 
 log = logging.getLogger("kvtier.service")
@@ -97,11 +98,17 @@ class Service:
         remotes: Sequence[Tier] = (),
         scheduler: Scheduler | None = None,
         spawn: Spawn | None = None,
+        disk: DiskTier | None = None,
+        disk_cfg: DiskConfig | None = None,
     ) -> None:
         self.limits = limits
         self.ram = ram
         self.metrics = metrics
         self.cfg = lookup if lookup is not None else LookupConfig()
+        self.disk = disk
+        self.disk_cfg = disk_cfg if disk_cfg is not None else DiskConfig()
+        #: bytes of background disk writes (write-through, demotions) in flight
+        self._background_write_bytes = 0
         self.scheduler = scheduler or Scheduler(
             batch_window=self.cfg.probe_batch_window, max_batch=self.cfg.probe_max_batch
         )
@@ -130,7 +137,7 @@ class Service:
 
     def __repr__(self) -> str:
         return (
-            f"<Service ram={self.ram!r} remotes={self.remotes!r} "
+            f"<Service ram={self.ram!r} disk={self.disk!r} remotes={self.remotes!r} "
             f"{self.reservations!r} {self.deferrals!r}>"
         )
 
@@ -159,6 +166,15 @@ class Service:
         for slot in self.remotes:
             slot.probes.expire(now)
         self.deferrals.expire(now)
+        if self.disk is not None and self.disk.fsync == "batch" and not self._closing_now():
+            self._task(self._sync_disk())
+
+    async def _sync_disk(self) -> None:
+        assert self.disk is not None
+        try:
+            await self.disk.sync()
+        except OSError as exc:
+            log.warning("disk: periodic sync failed: %s", exc)
 
     def _now(self) -> float:
         return self.scheduler.now()
@@ -237,9 +253,14 @@ class Service:
     ) -> tuple[LookupReply, list[asyncio.Future[Any]], float | None]:
         keys = req.keys
         futures: list[asyncio.Future[Any] | None] = []
-        if not self.remotes and not self.reservations:
+        disk = self.disk
+        if not self.remotes and not self.reservations and (disk is None or not disk.scanning):
             contains = self.ram.contains
-            states = bytearray(HIT if contains(k) else MISS for k in keys)
+            if disk is None:
+                states = bytearray(HIT if contains(k) else MISS for k in keys)
+            else:
+                on_disk = disk.contains
+                states = bytearray(HIT if contains(k) or on_disk(k) else MISS for k in keys)
         else:
             state_of = self._state
             states = bytearray(state_of(k, now, futures, seen) for k in keys)
@@ -258,6 +279,8 @@ class Service:
             bound_at = result.expires_at
         window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
         hits, defer = prefix_answer(states, window)
+        if disk is not None and self.disk_cfg.promote_on_lookup:
+            self._prefetch(keys, states, hits if req.mode != LookupMode.KEYS else len(keys), now)
         collected: list[asyncio.Future[Any]] = []
         if waits is not None and futures:
             # Wait only on keys that can still change the answer: in prefix
@@ -270,6 +293,20 @@ class Service:
                 if fut is not None and states[i] in (PENDING, RETRY):
                     collected.append(fut)
         return LookupReply(bytes(states), hits, defer), collected, bound_at
+
+    def _prefetch(self, keys: Sequence[bytes], states: bytearray, limit: int, now: float) -> None:
+        """Start loading disk-only HIT keys of the answer into RAM (the engine reads next)."""
+        assert self.disk is not None
+        ram, disk, reservations = self.ram, self.disk, self.reservations
+        for i in range(min(limit, len(keys))):
+            key = keys[i]
+            if (
+                states[i] == HIT
+                and not ram.contains(key)
+                and disk.contains(key)
+                and key not in reservations
+            ):
+                self._promote_from_disk(key, now)
 
     def _count(self, raw: bytes) -> None:
         for state, counter in self._state_counters.items():
@@ -285,7 +322,7 @@ class Service:
         seen: dict[tuple[str, bytes], asyncio.Future[Verdict]] | None = None,
     ) -> int:
         """One key's state; appends the future to wait on (or None)."""
-        if self.ram.contains(key):
+        if self.ram.contains(key) or (self.disk is not None and self.disk.contains(key)):
             futures.append(None)
             return HIT
         res = self.reservations.get(key)
@@ -322,6 +359,10 @@ class Service:
                 seen[(slot.name, key)] = probe.future
             state = RETRY
             waiting = waiting or probe.future
+        if state == MISS and self.disk is not None and self.disk.scanning:
+            # Not indexed yet is not absent: the disk may still hold it.
+            state = RETRY
+            waiting = self.disk.scan_done
         futures.append(waiting)
         return state
 
@@ -430,37 +471,67 @@ class Service:
             res.task.cancel()
 
     def _promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
-        res = self._reserve(key, f"promotion:{slot.name}", 0, self.cfg.pending_deadline, 0, now)
-        self.metrics.promotions.labels(slot.name, "started").inc()
-        res.task = self._task(self._run_promotion(slot, res))
+        async def load() -> Buffer | None:
+            values = await slot.tier.batch_load([key])
+            if len(values) != 1:
+                raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
+            return values[0]
+
+        def failed() -> None:
+            # The tier claimed the block and could not deliver: answer MISS for
+            # it until the verdict ages out (no HIT / failed-load livelock).
+            slot.probes.force(key, Verdict.ABSENT, self._now())
+
+        return self._start_promotion(slot.name, key, now, load, failed)
+
+    def _promote_from_disk(self, key: bytes, now: float) -> Reservation:
+        assert self.disk is not None
+        disk = self.disk
+        return self._start_promotion(disk.name, key, now, lambda: disk.read(key), lambda: None)
+
+    def _start_promotion(
+        self,
+        source: str,
+        key: bytes,
+        now: float,
+        load: Callable[[], Awaitable[Buffer | None]],
+        failed: Callable[[], None],
+    ) -> Reservation:
+        """Load ``key`` into RAM as a pending write: concurrent readers share it."""
+        res = self._reserve(key, f"promotion:{source}", 0, self.cfg.pending_deadline, 0, now)
+        self.metrics.promotions.labels(source, "started").inc()
+        res.task = self._task(self._run_promotion(source, res, load, failed))
         return res
 
-    async def _run_promotion(self, slot: RemoteSlot, res: Reservation) -> None:
-        """Load ``res.key`` from ``slot`` into RAM; the reservation ends whatever happens."""
+    async def _run_promotion(
+        self,
+        source: str,
+        res: Reservation,
+        load: Callable[[], Awaitable[Buffer | None]],
+        failed: Callable[[], None],
+    ) -> None:
+        """The reservation ends whatever happens; a miss or failure calls ``failed``."""
         key = res.key
         outcome = "failed"
         try:
             async with asyncio.timeout(self.cfg.load_timeout):
-                values = await slot.tier.batch_load([key])
-            if len(values) != 1:
-                raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
-            value = values[0]
+                value = await load()
             if value is None:
                 outcome = "absent"
             elif self.reservations.get(key) is res:
-                self._store_local(key, value)  # completes res
+                self._store_local(key, value, promoted_from=source)  # completes res
                 outcome = "completed"
+            else:
+                outcome = "superseded"
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         except Exception as exc:
-            log.warning("%s: loading key %s failed: %s", slot.name, key.hex(), exc)
+            log.warning("%s: loading key %s failed: %s", source, key.hex(), exc)
         finally:
             if outcome in ("failed", "absent"):
-                # The tier claimed the block and could not deliver: answer MISS
-                # for it until the verdict ages out (no HIT/failed-load livelock).
-                slot.probes.force(key, Verdict.ABSENT, self._now())
-            self.metrics.promotions.labels(slot.name, outcome).inc()
+                failed()
+            self.metrics.promotions.labels(source, outcome).inc()
             self._end(res, End.ABORTED)  # no-op when completed
 
     def reserve(self, req: Reserve, conn_id: int) -> list[ReserveStatus]:
@@ -476,8 +547,10 @@ class Service:
         now = self._now()
         statuses: list[ReserveStatus] = []
         for key, size in zip(req.keys, req.sizes, strict=True):
-            if self.ram.contains(key) or any(
-                s.probes.verdict(key, now) is Verdict.PRESENT for s in self.remotes
+            if (
+                self.ram.contains(key)
+                or (self.disk is not None and self.disk.contains(key))
+                or any(s.probes.verdict(key, now) is Verdict.PRESENT for s in self.remotes)
             ):
                 statuses.append(ReserveStatus.PRESENT)
                 continue
@@ -532,9 +605,18 @@ class Service:
         self.check_keys(keys)
         pin = self.ram.pin
         values = [pin(k) for k in keys]
-        if (not self.remotes and not self.reservations) or all(v is not None for v in values):
+        if all(v is not None or not self._may_arrive(k) for k, v in zip(keys, values, strict=True)):
             return values
         return self._get_slow(keys, values)
+
+    def _may_arrive(self, key: bytes) -> bool:
+        """Whether a GET of a key missing from RAM should wait or load."""
+        disk = self.disk
+        return bool(
+            self.remotes
+            or key in self.reservations
+            or (disk is not None and (disk.contains(key) or disk.scanning))
+        )
 
     async def _get_slow(
         self, keys: Sequence[bytes], values: list[Buffer | None]
@@ -561,6 +643,13 @@ class Service:
             if self._closing_now():
                 return None
             res = self.reservations.get(key)
+            disk = self.disk
+            if res is None and disk is not None:
+                if disk.contains(key):
+                    res = self._promote_from_disk(key, self._now())
+                elif disk.scanning and disk.scan_done is not None:
+                    await asyncio.wait([disk.scan_done])
+                    continue
             if res is None:
                 now = self._now()
                 slot = next(
@@ -588,7 +677,14 @@ class Service:
 
     # ------------------------------------------------------------ PUT / DELETE
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[PutStatus]:
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], durable: bool = False
+    ) -> list[PutStatus] | Coroutine[Any, Any, list[PutStatus]]:
+        """Store into RAM; lower tiers follow their write policy.
+
+        ``durable``: the reply waits until the blocks are on disk (per the
+        disk's fsync policy). Without a disk tier there is nothing to wait for.
+        """
         self.check_keys(keys)
         limit = self.limits.max_block_bytes
         for i, value in enumerate(values):
@@ -601,9 +697,22 @@ class Service:
                     f"value {i} is {len(value)} bytes, larger than the RAM tier "
                     f"({self.ram.capacity} bytes)"
                 )
-        return [self._store_local(k, v) for k, v in zip(keys, values, strict=True)]
+        statuses = [self._store_local(k, v) for k, v in zip(keys, values, strict=True)]
+        if durable and self.disk is not None:
+            return self._put_durable(keys, values, statuses)
+        return statuses
 
-    def _store_local(self, key: bytes, value: Buffer) -> PutStatus:
+    async def _put_durable(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], statuses: list[PutStatus]
+    ) -> list[PutStatus]:
+        assert self.disk is not None
+        disk = self.disk
+        await asyncio.gather(
+            *(disk.write(k, v, durable=True) for k, v in zip(keys, values, strict=True))
+        )
+        return statuses
+
+    def _store_local(self, key: bytes, value: Buffer, promoted_from: str = "") -> PutStatus:
         """Store into RAM and complete a pending write of ``key``, if any."""
         res = self.reservations.get(key)
         if res is not None and res.size:
@@ -618,13 +727,56 @@ class Service:
         if res is not None:
             self._end(res, End.COMPLETED)
         self._invalidate(key)
-        for victim, _ in evicted:
+        disk = self.disk
+        for victim, victim_value in evicted:
             self._invalidate(victim)
+            if (
+                disk is not None
+                and self.disk_cfg.write_policy == "write-back"
+                and not disk.contains(victim)
+            ):
+                self._write_behind(victim, victim_value, "demotion")
+        if (
+            stored
+            and disk is not None
+            and not promoted_from
+            and self.disk_cfg.write_policy == "write-through"
+            and not disk.contains(key)
+        ):
+            self._write_behind(key, value, "write-through")
         return PutStatus.STORED if stored else PutStatus.EXISTS
+
+    def _write_behind(self, key: bytes, value: Buffer, why: str) -> None:
+        """Write to disk in the background, within the configured backlog."""
+        size = len(value)
+        if self._closing_now() or (
+            self._background_write_bytes + size > self.disk_cfg.max_pending_write_bytes
+        ):
+            self.metrics.disk_writes_dropped.labels(why).inc()
+            return
+        self._background_write_bytes += size
+        self._task(self._run_write_behind(key, value, why, size))
+
+    async def _run_write_behind(self, key: bytes, value: Buffer, why: str, size: int) -> None:
+        assert self.disk is not None
+        outcome = "failed"
+        try:
+            await self.disk.write(key, value)
+            outcome = "completed"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            log.warning("disk: %s of key %s failed: %s", why, key.hex(), exc)
+        finally:
+            self._background_write_bytes -= size
+            if why == "demotion":
+                self.metrics.demotions.labels("disk", outcome).inc()
 
     def delete(self, keys: Sequence[bytes]) -> list[bool] | Coroutine[Any, Any, list[bool]]:
         self.check_keys(keys)
-        local = [self.ram.remove(k) for k in keys]
+        disk = self.disk
+        local = [self.ram.remove(k) | (disk is not None and disk.discard(k)) for k in keys]
         for key in keys:
             self._invalidate(key)
         if not self.remotes:
@@ -658,7 +810,8 @@ class Service:
 
     def stats(self) -> dict[str, Any]:
         tiers: dict[str, Any] = {}
-        for st in [self.ram.stats(), *(s.tier.stats() for s in self.remotes)]:
+        local = [self.ram.stats()] + ([self.disk.stats()] if self.disk is not None else [])
+        for st in [*local, *(s.tier.stats() for s in self.remotes)]:
             tiers[st.name] = {
                 "capacity_bytes": st.capacity_bytes,
                 "used_bytes": st.used_bytes,

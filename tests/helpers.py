@@ -39,6 +39,7 @@ async def running_daemon(
         "server": {"socket_path": sock_dir / "d.sock"},
         "metrics": {"port": 0},
         "ram": {"capacity": "64MiB"},
+        "disk": {"path": sock_dir / "data", "capacity": "256MiB"},
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
@@ -49,6 +50,8 @@ async def running_daemon(
     if task.done():
         ready.cancel()
         task.result()  # raises the startup error
+    if daemon.disk is not None and daemon.disk.scan_done is not None:
+        await daemon.disk.scan_done  # tests start from a complete index
     try:
         yield daemon
     finally:
@@ -70,6 +73,7 @@ class DaemonProcess:
 
     def __init__(self, sock_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.socket_path = sock_dir / "d.sock"
+        self.data_dir = sock_dir / "data"
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -88,6 +92,8 @@ class DaemonProcess:
             str(self.socket_path),
             "--metrics-port",
             "0",
+            "--data-dir",
+            str(self.data_dir),
             *self.args,
         ]
         self.proc = subprocess.Popen(

@@ -35,7 +35,7 @@ def big_daemon(sock_dir: Path) -> Iterator[DaemonProcess]:
 
 @pytest.fixture
 def small_daemon(sock_dir: Path) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(sock_dir, "--ram-capacity", "64MiB").start()
+    proc = DaemonProcess(sock_dir, "--ram-capacity", "64MiB", "--no-disk").start()
     yield proc
     assert proc.stop() == 0
 

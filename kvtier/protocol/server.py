@@ -463,10 +463,13 @@ class Server:
             raise
         return Reply(meta, data, on_sent=lambda: self.service.unpin(keys, values))
 
-    def _put(self, conn: Connection, frame: Frame) -> Reply:
+    def _put(self, conn: Connection, frame: Frame) -> Reply | Awaitable[Reply]:
         keys, values = codec.decode_put(frame.meta, frame.data)
-        statuses = self.service.put(keys, values)
-        return Reply(codec.encode_put_reply(statuses))
+        durable = bool(frame.header.flags & codec.FLAG_DURABLE)
+        result = self.service.put(keys, values, durable)
+        if isinstance(result, list):
+            return Reply(codec.encode_put_reply(result))
+        return _then(result, lambda r: Reply(codec.encode_put_reply(r)))
 
     def _delete(self, conn: Connection, frame: Frame) -> Reply | Awaitable[Reply]:
         result = self.service.delete(_only_keys(frame, "DELETE"))

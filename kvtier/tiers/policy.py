@@ -7,7 +7,7 @@ A policy only orders keys. The tier decides which of them may actually go
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -54,6 +54,35 @@ class LRUPolicy(Generic[K]):
 
     def candidates(self) -> Iterator[K]:
         return iter(self._order)
+
+
+class NoRoom(Exception):
+    """Even evicting every evictable entry would not make enough room."""
+
+
+def plan_eviction(
+    need: int,
+    free: int,
+    candidates: Iterable[K],
+    size_of: Callable[[K], int],
+    pinned: Callable[[K], bool],
+) -> list[K]:
+    """Keys to evict, in order, so that ``need`` bytes fit in ``free`` plus what they free.
+
+    A pure decision: nothing is removed here. Pinned keys are skipped.
+    Raises :class:`NoRoom` when evicting every unpinned key is not enough.
+    """
+    victims: list[K] = []
+    if need <= free:
+        return victims
+    for key in candidates:
+        if pinned(key):
+            continue
+        victims.append(key)
+        free += size_of(key)
+        if need <= free:
+            return victims
+    raise NoRoom(f"cannot make room for {need} bytes: {free} bytes free after evicting all")
 
 
 def make_policy(name: str) -> EvictionPolicy[bytes]:

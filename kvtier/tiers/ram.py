@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.tiers.base import Buffer, LocalTier, TierStats
-from kvtier.tiers.policy import EvictionPolicy, LRUPolicy
+from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, NoRoom, plan_eviction
 
 
 @dataclass(slots=True)
@@ -15,33 +15,6 @@ class _Block:
     value: Buffer
     size: int
     pins: int = 0
-
-
-def plan_eviction(
-    need: int,
-    free: int,
-    candidates: Iterable[bytes],
-    blocks: dict[bytes, _Block],
-) -> list[bytes]:
-    """Keys to evict, in order, so that ``need`` bytes fit. Pinned blocks stay.
-
-    Pure decision: nothing is removed here. Raises :class:`NoCapacityError`
-    when even evicting every unpinned block would not make room.
-    """
-    victims: list[bytes] = []
-    if need <= free:
-        return victims
-    for key in candidates:
-        block = blocks[key]
-        if block.pins:
-            continue
-        victims.append(key)
-        free += block.size
-        if need <= free:
-            return victims
-    raise NoCapacityError(
-        f"cannot make room for {need} bytes: {free} bytes free after evicting every unpinned block"
-    )
 
 
 class RamTier(LocalTier):
@@ -126,7 +99,17 @@ class RamTier(LocalTier):
 
     def _make_room(self, size: int) -> list[tuple[bytes, Buffer]]:
         free = self.capacity - self.used_bytes - self.reserved_bytes
-        victims = plan_eviction(size, free, self._policy.candidates(), self._blocks)
+        blocks = self._blocks
+        try:
+            victims = plan_eviction(
+                size,
+                free,
+                self._policy.candidates(),
+                size_of=lambda k: blocks[k].size,
+                pinned=lambda k: blocks[k].pins > 0,
+            )
+        except NoRoom as exc:
+            raise NoCapacityError(f"RAM tier: {exc} (every other block is pinned)") from None
         evicted = [(victim, self._remove(victim).value) for victim in victims]
         self.evictions += len(evicted)
         return evicted
