@@ -91,6 +91,11 @@ class Daemon:
         state = "stopping" if self._stop.is_set() else ("serving" if self.ready.is_set() else "new")
         return f"<Daemon {state} socket={self.socket_path} {self.service!r}>"
 
+    async def settle(self) -> None:
+        """Wait until the background work started so far (writes, loads, probes) is done."""
+        while pending := [t for t in self._tasks if t is not asyncio.current_task()]:
+            await asyncio.wait(pending)
+
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
         self._stop.set()

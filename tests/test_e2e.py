@@ -130,6 +130,7 @@ def test_make_run_serves_and_ping_answers(sock_dir: Path) -> None:
         "KVTIER_SERVER__SOCKET_PATH": str(sock),
         "KVTIER_METRICS__PORT": "0",
         "KVTIER_RAM__CAPACITY": "64MiB",
+        "KVTIER_DISK__PATH": str(sock_dir / "data"),
     }
     proc = DaemonProcess(sock_dir, env=env)
     proc.socket_path = sock
@@ -162,3 +163,4 @@ def test_make_run_serves_and_ping_answers(sock_dir: Path) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
     assert not sock.exists()
+    assert (sock_dir / "data").is_dir()  # the embedded default serves RAM + disk

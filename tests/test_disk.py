@@ -1,0 +1,225 @@
+"""The disk tier on its own, and wired into the service."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import Client, PutStatus, State
+from kvtier.config import DiskConfig
+from kvtier.daemon import Daemon
+from kvtier.errors import TierError
+from kvtier.metrics import Metrics
+from kvtier.protocol.codec import Lookup
+from kvtier.service import Limits, Service
+from kvtier.tiers.disk import HEADER, DiskTier
+from kvtier.tiers.ram import RamTier
+from tests.helpers import running_daemon
+
+
+@pytest.fixture
+async def tier(tmp_path: Path) -> AsyncIterator[DiskTier]:
+    t = DiskTier(tmp_path / "data", 10 * 1024 * 1024, fsync="batch")
+    t.prepare()
+    await t.rebuild_index()
+    yield t
+    await t.close()
+
+
+def files_under(root: Path) -> list[Path]:
+    return [Path(d) / f for d, _, fs in os.walk(root) for f in fs]
+
+
+async def test_round_trip_with_hostile_keys(tier: DiskTier, tmp_path: Path) -> None:
+    keys = [b"/", b"..", b"../../etc/passwd", b"\x00", b"a/b\x00c", b"\xff" * 256, b"x"]
+    for i, key in enumerate(keys):
+        await tier.write(key, bytes([i]) * (1000 + i), durable=True)
+    for i, key in enumerate(keys):
+        value = await tier.read(key)
+        assert value is not None and bytes(value) == bytes([i]) * (1000 + i)
+    # Every file lies inside the data directory; nothing was created beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    paths = files_under(tier.root)
+    assert len(paths) == len(keys)
+    assert all(p.resolve().is_relative_to(tier.root.resolve()) for p in paths)
+
+
+async def test_write_is_idempotent_and_remove_works(tier: DiskTier) -> None:
+    await tier.write(b"k", b"one")
+    await tier.write(b"k", b"two")  # present already: kept as is
+    assert bytes(await tier.read(b"k") or b"") == b"one"
+    assert await tier.remove(b"k")
+    assert not await tier.remove(b"k")
+    assert await tier.read(b"k") is None
+    assert files_under(tier.root) == []
+
+
+async def test_flipped_byte_is_discarded_never_served(tier: DiskTier) -> None:
+    await tier.write(b"k", b"A" * 5000)
+    path = tier.path_of(b"k")
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert await tier.read(b"k") is None
+    assert tier.corrupt == 1
+    assert not tier.contains(b"k") and not path.exists()
+
+
+async def test_truncated_and_stray_files_are_cleaned_at_rebuild(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    first = DiskTier(root, 10 * 1024 * 1024, fsync="always")
+    first.prepare()
+    await first.rebuild_index()
+    for i in range(20):
+        await first.write(bytes([i]) * 8, bytes([i]) * 3000)
+    await first.close()
+    torn = first.path_of(bytes([3]) * 8)
+    torn.write_bytes(torn.read_bytes()[:-100])  # truncated
+    garbage = first.path_of(bytes([4]) * 8)
+    garbage.write_bytes(b"not a block at all")
+    leftover = torn.with_name(torn.name + ".tmp-0123")
+    leftover.write_bytes(b"half a write")
+
+    second = DiskTier(root, 10 * 1024 * 1024)
+    second.prepare()
+    assert second.scanning
+    await second.rebuild_index()
+    assert not second.scanning
+    assert len(second) == 18
+    assert second.corrupt == 2 and second.temp_removed == 1
+    assert not leftover.exists() and not torn.exists()
+    for i in range(20):
+        value = await second.read(bytes([i]) * 8)
+        assert value is None if i in (3, 4) else bytes(value or b"") == bytes([i]) * 3000
+    await second.close()
+
+
+async def test_capacity_holds_under_a_long_write_stream(tmp_path: Path) -> None:
+    capacity = 256 * 1024
+    t = DiskTier(tmp_path / "data", capacity, fsync="none")
+    t.prepare()
+    await t.rebuild_index()
+    block = 10_000
+    for i in range(200):
+        await t.write(i.to_bytes(4, "big"), bytes([i % 256]) * block)
+        on_disk = sum(p.stat().st_size for p in files_under(t.root))
+        assert t.used_bytes <= capacity
+        assert on_disk <= capacity
+    per_file = HEADER.size + 4 + block
+    assert len(t) == capacity // per_file
+    assert t.evictions == 200 - len(t)
+    assert await t.read((0).to_bytes(4, "big")) is None  # evicted long ago
+    assert await t.read((199).to_bytes(4, "big")) is not None
+    await t.close()
+
+
+async def test_disk_full_is_a_clear_error_and_leaves_no_torn_file(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, buffers: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)  # the disk tier writes with os.writev
+    with pytest.raises(TierError, match="disk full"):
+        await tier.write(b"k", b"x" * 100)
+    monkeypatch.undo()
+    assert tier.enospc == 1
+    assert not tier.contains(b"k")
+    assert files_under(tier.root) == []  # the temporary file is gone too
+    await tier.write(b"k", b"x" * 100)  # and the tier keeps working
+    assert tier.contains(b"k")
+
+
+@pytest.mark.parametrize("fsync", ["none", "batch", "always"])
+async def test_durable_writes_under_each_fsync_policy(tmp_path: Path, fsync: str) -> None:
+    t = DiskTier(tmp_path / "data", 1 << 20, fsync=fsync)  # type: ignore[arg-type]
+    t.prepare()
+    await t.rebuild_index()
+    await asyncio.gather(*(t.write(bytes([i]), b"v" * 100, durable=True) for i in range(10)))
+    assert len(t) == 10
+    if fsync == "batch":
+        assert t._synced_gen == t._write_gen  # every durable write was synced
+    await t.close()
+
+
+# ---------------------------------------------------------------- in the service
+
+
+async def test_unscanned_keys_read_retry_then_hit(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    seed = DiskTier(root, 1 << 20)
+    seed.prepare()
+    await seed.rebuild_index()
+    await seed.write(b"old", b"from before the restart", durable=True)
+    await seed.close()
+
+    disk = DiskTier(root, 1 << 20)
+    disk.prepare()  # index not rebuilt yet
+    service = Service(
+        Limits(256, 1000, 1 << 20), RamTier(1 << 20), Metrics(), disk=disk, disk_cfg=DiskConfig()
+    )
+    async with asyncio.TaskGroup() as tasks:
+        service.start(tasks.create_task)
+        scheduler = tasks.create_task(service.scheduler.run())
+        reply = service.lookup(Lookup([b"old", b"new"]))
+        assert not isinstance(reply, Lookup) and list(reply.raw_states) == [  # type: ignore[union-attr]
+            State.RETRY,
+            State.RETRY,
+        ]
+        await disk.rebuild_index()
+        reply = service.lookup(Lookup([b"old", b"new"]))
+        assert list(reply.raw_states) == [State.HIT, State.MISS]  # type: ignore[union-attr]
+        service.scheduler.stop()
+        await scheduler
+        service.close()
+    await disk.close()
+
+
+@pytest.fixture
+async def daemon_with_disk(sock_dir: Path) -> AsyncIterator[Daemon]:
+    async with running_daemon(sock_dir, disk={"fsync": "batch"}) as d:
+        yield d
+
+
+async def test_32_concurrent_gets_of_a_disk_only_block_read_once(
+    daemon_with_disk: Daemon,
+) -> None:
+    d = daemon_with_disk
+    assert d.disk is not None
+    async with await Client.connect(d.socket_path) as c:
+        assert await c.put(b"block", b"B" * 100_000, durable=True) == PutStatus.STORED
+        assert d.disk.contains(b"block")
+        d.ram.remove(b"block")  # now it lives only on disk
+        reads_before = d.disk.reads
+        assert (await c.lookup([b"block"])).states == [State.HIT]  # readable now
+        values = await asyncio.gather(*(c.get(b"block") for _ in range(32)))
+        assert all(v == b"B" * 100_000 for v in values)
+        assert d.disk.reads - reads_before == 1
+        promoted = d.metrics.registry.get_sample_value(
+            "kvtier_promotions_total", {"tier": "disk", "outcome": "completed"}
+        )
+        assert promoted == 1
+        assert d.ram.contains(b"block")
+
+
+async def test_write_back_demotes_on_eviction(sock_dir: Path) -> None:
+    async with running_daemon(
+        sock_dir, ram={"capacity": "1MiB"}, disk={"write_policy": "write-back"}
+    ) as d:
+        assert d.disk is not None
+        async with await Client.connect(d.socket_path) as c:
+            for i in range(8):
+                await c.put(bytes([i]) * 4, bytes([i]) * 300_000)
+            assert not d.disk.contains(bytes([7]) * 4)  # resident in RAM only
+            await d.settle()
+            demoted = d.metrics.registry.get_sample_value(
+                "kvtier_demotions_total", {"tier": "disk", "outcome": "completed"}
+            )
+            assert demoted == 5
+            for i in range(8):  # everything is still readable, from one tier or the other
+                assert await c.get(bytes([i]) * 4) == bytes([i]) * 300_000
