@@ -256,6 +256,7 @@ class DiskTier(LocalTier):
         self.temp_removed = 0
         # index rebuild
         self.buckets_total = 256
+        self.io_threads = io_threads
         self.buckets_scanned = 0
         self._scanned: asyncio.Future[None] | None = None
         # batch fsync
@@ -299,11 +300,14 @@ class DiskTier(LocalTier):
         assert self._scanned is not None, "prepare() first"
         loop = asyncio.get_running_loop()
         found = 0
+        # Scan as many buckets at once as there are I/O threads; merge in order.
+        scans = [
+            loop.run_in_executor(self._pool, _scan_bucket, self.root / f"{i:02x}")
+            for i in range(256)
+        ]
         try:
-            for i in range(256):
-                result = await loop.run_in_executor(
-                    self._pool, _scan_bucket, self.root / f"{i:02x}"
-                )
+            for i, scan in enumerate(scans):
+                result = await scan
                 for key, size in result.entries:
                     if key not in self._index and key not in self._writing:
                         self._index[key] = size
@@ -323,6 +327,8 @@ class DiskTier(LocalTier):
             if self.used_bytes > self.capacity:
                 await self._shrink_to_capacity()
         finally:
+            for scan in scans:
+                scan.cancel()  # only if the rebuild itself was cancelled
             if not self._scanned.done():
                 self._scanned.set_result(None)
         log.info(
