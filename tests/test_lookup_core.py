@@ -362,3 +362,19 @@ async def test_shutdown_answers_waiting_lookups_at_once(sock_dir: Path) -> None:
     # The hung probe was cut short at shutdown and resolved, not left in flight.
     assert daemon.service.remotes[0].probes.inflight_count == 0
     assert len(daemon.service.reservations) == 0
+
+
+async def test_half_closed_client_gets_its_pending_reply_then_eof(core: Core) -> None:
+    from kvtier.protocol import codec
+    from tests.helpers import RawConnection
+
+    gate = core.tier.lookup_gate = asyncio.Event()
+    raw = RawConnection(core.path)
+    raw.send_frame(codec.Op.LOOKUP, 5, codec.encode_lookup(codec.Lookup([K], wait=30.0)))
+    raw.sock.shutdown(1)  # SHUT_WR: nothing more to send
+    await core.tier.lookup_started.wait()
+    gate.set()
+    frame = await asyncio.to_thread(raw.recv_frame)
+    assert codec.decode_lookup_reply(frame.meta).states == [M]
+    assert await asyncio.to_thread(raw.at_eof)
+    raw.close()

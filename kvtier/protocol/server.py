@@ -117,6 +117,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = False
         self._write_paused = False
         self._read_paused = False
+        self._eof = False
         #: set once this connection has nothing left to do (used by shutdown)
         self.done = asyncio.Event()
 
@@ -161,8 +162,9 @@ class Connection(asyncio.BufferedProtocol):
         self._maybe_finish()
 
     def eof_received(self) -> bool | None:
-        # The client finished sending; replies still in flight are written
-        # before the transport closes (tasks check ``closed`` before writing).
+        # The client finished sending: replies still in flight are written,
+        # then the connection closes (see _maybe_finish).
+        self._eof = True
         if self.inflight:
             return True  # keep the write side open until they are done
         return None
@@ -288,9 +290,9 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.close()  # flushes the error reply first
 
     def _maybe_finish(self) -> None:
-        """During shutdown, close once nothing is in flight and no frame is half-read."""
+        """Close once nothing is in flight, after EOF or during shutdown."""
         if (
-            self.server.shutting_down
+            (self.server.shutting_down or self._eof)
             and self.inflight == 0
             and self.reader.idle
             and self.transport is not None
