@@ -13,13 +13,14 @@ import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ByteSize,
     ConfigDict,
     Field,
+    SecretStr,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -207,14 +208,58 @@ class LookupConfig(_Section):
     sweep_interval: float = Field(default=1.0, gt=0)
 
 
+WritePolicy = Literal["write-through", "write-back", "none"]
+
+
 class MemoryTierConfig(_Section):
     """An in-memory remote tier, for demos and tests of the probe path."""
 
     kind: Literal["memory"] = "memory"
     name: str = "memory"
+    write_policy: WritePolicy = "none"
+    max_pending_write_bytes: int = Field(default=256 * MiB, ge=0)
 
 
-RemoteTierConfig = MemoryTierConfig
+class S3TierConfig(_Section):
+    """Any S3-compatible object store (AWS S3, MinIO, Ceph RGW)."""
+
+    kind: Literal["s3"] = "s3"
+    name: str = "s3"
+    bucket: str = Field(min_length=3, max_length=63)
+    #: namespaces a deployment or a model inside the bucket
+    prefix: str = "kvtier/"
+    region: str | None = None
+    #: e.g. http://minio:9000 ; unset for AWS
+    endpoint_url: str | None = None
+    #: "path" for MinIO and most self-hosted stores; "auto" lets botocore choose
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    #: explicit credentials; unset uses the standard AWS chain (env, profile, IMDS)
+    access_key_id: str | None = None
+    secret_access_key: SecretStr | None = None
+    session_token: SecretStr | None = None
+    max_pool_connections: int = Field(default=64, ge=1)
+    #: S3 requests in flight at once from this tier
+    max_concurrency: int = Field(default=64, ge=1)
+    connect_timeout: float = Field(default=2.0, gt=0)
+    read_timeout: float = Field(default=10.0, gt=0)
+    #: overall bound of one operation, retries included
+    op_timeout: float = Field(default=20.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1, le=20)
+    retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
+    write_policy: WritePolicy = "write-through"
+    max_pending_write_bytes: int = Field(default=256 * MiB, ge=0)
+    #: consecutive failures that open the circuit breaker
+    breaker_failures: int = Field(default=5, ge=1)
+    #: seconds the breaker stays open before one trial request
+    breaker_reset: float = Field(default=5.0, gt=0)
+
+    @field_validator("max_pending_write_bytes", mode="before")
+    @classmethod
+    def _parse_pending(cls, value: Any) -> Any:
+        return 0 if value == 0 else parse_size(value)
+
+
+RemoteTierConfig = Annotated[MemoryTierConfig | S3TierConfig, Field(discriminator="kind")]
 
 
 class MetricsConfig(_Section):
@@ -268,6 +313,17 @@ class Config(BaseSettings):
     disk: DiskConfig = Field(default_factory=DiskConfig)
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_tier_names(self) -> Config:
+        names = [t.name for t in self.remote_tiers]
+        taken = {"ram", "disk"}
+        for name in names:
+            if name in taken:
+                raise ValueError(f"remote tier name {name!r} is used twice or is reserved")
+            taken.add(name)
+        return self
+
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
@@ -321,12 +377,15 @@ def render_toml(config: Config) -> str:
         if isinstance(model, list):
             for item in model:
                 out.append(f"[[{section}]]")
-                out.extend(f"{key} = {_toml_value(value)}" for key, value in item.items())
+                out.extend(
+                    f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset"
+                    for key, value in item.items()
+                )
                 out.append("")
             continue
         out.append(f"[{section}]")
         for key, value in model.items():
-            out.append(f"{key} = {_toml_value(value)}")
+            out.append(f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset")
         out.append("")
     return "\n".join(out)
 

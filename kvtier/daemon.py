@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtier._version import __version__
-from kvtier.config import Config, RemoteTierConfig
+from kvtier.config import Config, RemoteTierConfig, S3TierConfig
 from kvtier.metrics import Metrics, start_metrics_server
 from kvtier.protocol.server import Server, bind_unix_socket
 from kvtier.scheduler import Scheduler
@@ -26,16 +26,17 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.tiers.policy import make_policy
 from kvtier.tiers.ram import RamTier
+from kvtier.tiers.s3 import S3Tier
 
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
 
 
-def build_remote_tier(tc: RemoteTierConfig) -> Tier:
-    if tc.kind == "memory":
-        return MemoryRemoteTier(tc.name)
-    raise ValueError(f"unknown remote tier kind {tc.kind!r}")
+def build_remote_tier(tc: RemoteTierConfig, metrics: Metrics) -> Tier:
+    if isinstance(tc, S3TierConfig):
+        return S3Tier(tc, metrics)
+    return MemoryRemoteTier(tc.name)
 
 
 class Daemon:
@@ -59,7 +60,10 @@ class Daemon:
             self.metrics.add_tier(self.disk.stats)
             self.metrics.set_disk_source(self.disk.stats)
         if remote_tiers is None:
-            remote_tiers = [build_remote_tier(tc) for tc in config.remote_tiers]
+            remote_tiers = [build_remote_tier(tc, self.metrics) for tc in config.remote_tiers]
+            policies = [(tc.write_policy, tc.max_pending_write_bytes) for tc in config.remote_tiers]
+        else:
+            policies = [("none", 0) for _ in remote_tiers]
         self.remote_tiers = list(remote_tiers)
         self.scheduler = Scheduler(
             batch_window=config.lookup.probe_batch_window,
@@ -75,6 +79,7 @@ class Daemon:
             self.metrics,
             lookup=config.lookup,
             remotes=self.remote_tiers,
+            remote_policies=policies,
             scheduler=self.scheduler,
             disk=self.disk,
             disk_cfg=config.disk,
@@ -105,14 +110,22 @@ class Daemon:
         # before any background task exists.
         if self.disk is not None:
             self.disk.prepare()
-        sock = bind_unix_socket(self.socket_path)
-        self._socket_ino = os.stat(self.socket_path).st_ino
+        opened: list[Tier] = []
+        sock = None
         runner: web.AppRunner | None = None
         try:
+            for tier in self.remote_tiers:
+                await tier.open()
+                opened.append(tier)
+            sock = bind_unix_socket(self.socket_path)
+            self._socket_ino = os.stat(self.socket_path).st_ino
             runner = await self._start_metrics()
         except BaseException:
-            sock.close()
-            self._remove_socket()
+            if sock is not None:
+                sock.close()
+                self._remove_socket()
+            for tier in opened:
+                await tier.close()
             raise
         async with asyncio.TaskGroup() as tasks:
 

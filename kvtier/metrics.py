@@ -252,10 +252,46 @@ class Metrics:
             ["tier", "outcome"],
             registry=r,
         )
-        self.disk_writes_dropped = Counter(
-            "kvtier_disk_writes_dropped",
-            "Background disk writes skipped because the write backlog was full, by cause",
-            ["cause"],
+        self.writes_dropped = Counter(
+            "kvtier_tier_writes_dropped",
+            "Background writes to a lower tier that were given up: cause backlog (too many "
+            "bytes already in flight) or failed (the tier refused after its retries)",
+            ["tier", "cause"],
+            registry=r,
+        )
+        self.s3_requests = Counter(
+            "kvtier_s3_requests",
+            "S3 requests by operation (head, get, put, delete) and outcome (ok, not_found, "
+            "error, timeout, rejected: refused by the open circuit breaker)",
+            ["tier", "op", "outcome"],
+            registry=r,
+        )
+        self.s3_seconds = Histogram(
+            "kvtier_s3_request_duration_seconds",
+            "S3 request latency, retries included",
+            ["tier", "op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.s3_bytes = Counter(
+            "kvtier_s3_bytes",
+            "Object bytes moved, by direction (in, out)",
+            ["tier", "direction"],
+            registry=r,
+        )
+        self.s3_retries = Counter(
+            "kvtier_s3_retries", "Retries botocore made, by operation", ["tier", "op"], registry=r
+        )
+        self.s3_corrupt = Counter(
+            "kvtier_s3_corrupt_objects",
+            "Objects whose checksum did not match; answered as a miss, never served",
+            ["tier"],
+            registry=r,
+        )
+        self.s3_breaker = Gauge(
+            "kvtier_s3_breaker_state",
+            "Circuit breaker state: 0 closed, 1 half-open (one trial request), 2 open",
+            ["tier"],
             registry=r,
         )
         self._state_source: Callable[[], StateSnapshot | None] = lambda: None

@@ -75,6 +75,19 @@ class Limits:
     max_block_bytes: int
 
 
+@dataclass(slots=True)
+class Writer:
+    """A lower tier that PUTs flow to, and how (its write policy)."""
+
+    name: str
+    policy: str  # "write-through" | "write-back" | "none"
+    max_pending: int
+    write: Callable[[bytes, Buffer], Awaitable[None]]
+    holds: Callable[[bytes], bool]  # already there: nothing to write
+    local: bool
+    pending: int = 0
+
+
 class RemoteSlot:
     """A remote tier with its probe map."""
 
@@ -96,6 +109,7 @@ class Service:
         *,
         lookup: LookupConfig | None = None,
         remotes: Sequence[Tier] = (),
+        remote_policies: Sequence[tuple[str, int]] = (),
         scheduler: Scheduler | None = None,
         spawn: Spawn | None = None,
         disk: DiskTier | None = None,
@@ -107,8 +121,31 @@ class Service:
         self.cfg = lookup if lookup is not None else LookupConfig()
         self.disk = disk
         self.disk_cfg = disk_cfg if disk_cfg is not None else DiskConfig()
-        #: bytes of background disk writes (write-through, demotions) in flight
-        self._background_write_bytes = 0
+        self.writers: list[Writer] = []
+        self._local_names = {ram.name} | ({disk.name} if disk is not None else set())
+        if disk is not None:
+            self.writers.append(
+                Writer(
+                    disk.name,
+                    self.disk_cfg.write_policy,
+                    self.disk_cfg.max_pending_write_bytes,
+                    disk.write,
+                    disk.contains,
+                    local=True,
+                )
+            )
+        for tier, (policy, max_pending) in zip(remotes, remote_policies, strict=False):
+            if policy != "none":
+                self.writers.append(
+                    Writer(
+                        tier.name,
+                        policy,
+                        max_pending,
+                        self._remote_writer(tier),
+                        lambda _key: False,
+                        local=False,
+                    )
+                )
         self.scheduler = scheduler or Scheduler(
             batch_window=self.cfg.probe_batch_window, max_batch=self.cfg.probe_max_batch
         )
@@ -727,51 +764,57 @@ class Service:
         if res is not None:
             self._end(res, End.COMPLETED)
         self._invalidate(key)
-        disk = self.disk
         for victim, victim_value in evicted:
             self._invalidate(victim)
-            if (
-                disk is not None
-                and self.disk_cfg.write_policy == "write-back"
-                and not disk.contains(victim)
-            ):
-                self._write_behind(victim, victim_value, "demotion")
-        if (
-            stored
-            and disk is not None
-            and not promoted_from
-            and self.disk_cfg.write_policy == "write-through"
-            and not disk.contains(key)
-        ):
-            self._write_behind(key, value, "write-through")
+            for w in self.writers:
+                if w.policy == "write-back" and not w.holds(victim):
+                    self._write_behind(w, victim, victim_value, "demotion")
+        if stored:
+            from_remote = bool(promoted_from) and promoted_from not in self._local_names
+            for w in self.writers:
+                if promoted_from:
+                    # A promoted block is in its source already; one that came
+                    # from a remote tier is kept on the local disk as well.
+                    wanted = from_remote and w.local and w.policy != "none"
+                else:
+                    wanted = w.policy == "write-through"
+                if wanted and not w.holds(key):
+                    self._write_behind(w, key, value, "write-through")
         return PutStatus.STORED if stored else PutStatus.EXISTS
 
-    def _write_behind(self, key: bytes, value: Buffer, why: str) -> None:
-        """Write to disk in the background, within the configured backlog."""
-        size = len(value)
-        if self._closing_now() or (
-            self._background_write_bytes + size > self.disk_cfg.max_pending_write_bytes
-        ):
-            self.metrics.disk_writes_dropped.labels(why).inc()
-            return
-        self._background_write_bytes += size
-        self._task(self._run_write_behind(key, value, why, size))
+    def _remote_writer(self, tier: Tier) -> Callable[[bytes, Buffer], Awaitable[None]]:
+        async def write(key: bytes, value: Buffer) -> None:
+            await tier.batch_store([key], [value])
+            self._invalidate(key)
 
-    async def _run_write_behind(self, key: bytes, value: Buffer, why: str, size: int) -> None:
-        assert self.disk is not None
+        return write
+
+    def _write_behind(self, w: Writer, key: bytes, value: Buffer, why: str) -> None:
+        """Write to a lower tier in the background, within its backlog."""
+        size = len(value)
+        if self._closing_now() or w.pending + size > w.max_pending:
+            self.metrics.writes_dropped.labels(w.name, "backlog").inc()
+            return
+        w.pending += size
+        self._task(self._run_write_behind(w, key, value, why, size))
+
+    async def _run_write_behind(
+        self, w: Writer, key: bytes, value: Buffer, why: str, size: int
+    ) -> None:
         outcome = "failed"
         try:
-            await self.disk.write(key, value)
+            await w.write(key, value)
             outcome = "completed"
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         except Exception as exc:
-            log.warning("disk: %s of key %s failed: %s", why, key.hex(), exc)
+            self.metrics.writes_dropped.labels(w.name, "failed").inc()
+            log.warning("%s: %s of key %s failed: %s", w.name, why, key.hex(), exc)
         finally:
-            self._background_write_bytes -= size
+            w.pending -= size
             if why == "demotion":
-                self.metrics.demotions.labels("disk", outcome).inc()
+                self.metrics.demotions.labels(w.name, outcome).inc()
 
     def delete(self, keys: Sequence[bytes]) -> list[bool] | Coroutine[Any, Any, list[bool]]:
         self.check_keys(keys)

@@ -32,7 +32,10 @@ def short_tmpdir() -> Path:
 
 @contextlib.asynccontextmanager
 async def running_daemon(
-    sock_dir: Path, remote_tiers: Sequence[Tier] | None = None, **sections: dict[str, Any]
+    sock_dir: Path,
+    remote_tiers: Sequence[Tier] | None = None,
+    remote_tier_configs: list[dict[str, Any]] | None = None,
+    **sections: dict[str, Any],
 ) -> AsyncIterator[Daemon]:
     """An in-process daemon on the test's event loop."""
     overrides: dict[str, dict[str, Any]] = {
@@ -43,7 +46,10 @@ async def running_daemon(
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
-    daemon = Daemon(load_config(None, overrides), remote_tiers=remote_tiers)
+    config_overrides: dict[str, Any] = dict(overrides)
+    if remote_tier_configs is not None:
+        config_overrides["remote_tiers"] = remote_tier_configs
+    daemon = Daemon(load_config(None, config_overrides), remote_tiers=remote_tiers)
     task = asyncio.create_task(daemon.run())
     ready = asyncio.create_task(daemon.ready.wait())
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)

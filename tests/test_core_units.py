@@ -203,3 +203,29 @@ async def test_abandon_all_resolves_every_probe() -> None:
     assert pm.abandon_all() == 3
     assert [p.future.result() for p in probes] == [Verdict.ERROR] * 3
     assert pm.inflight_count == 0
+
+
+# ------------------------------------------------------------------ circuit breaker
+
+
+def test_breaker_opens_after_consecutive_failures_and_probes_back() -> None:
+    from kvtier.breaker import BreakerState, CircuitBreaker
+
+    b = CircuitBreaker(failures=3, reset_after=5.0)
+    for t in (0.0, 1.0):
+        assert b.allow(t)
+        b.failure(t)
+    b.success()  # a success in between resets the count
+    for t in (2.0, 2.1, 2.2):
+        assert b.allow(t)
+        b.failure(t)
+    assert b.state is BreakerState.OPEN
+    assert not b.allow(7.1)  # still cooling down
+    assert b.allow(7.3)  # half-open: one trial
+    assert b.state is BreakerState.HALF_OPEN
+    assert not b.allow(7.3)  # only one
+    b.failure(7.4)
+    assert b.state is BreakerState.OPEN and not b.allow(12.3)
+    assert b.allow(12.5)
+    b.success()
+    assert b.state is BreakerState.CLOSED and b.allow(12.6) and b.allow(12.6)

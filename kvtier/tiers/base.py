@@ -49,6 +49,9 @@ class Tier(abc.ABC):
     def stats(self) -> TierStats:
         """A snapshot of the tier's occupancy."""
 
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Acquire resources (clients, pools); called once at startup."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; called once at shutdown."""
 

@@ -1,0 +1,262 @@
+"""S3 tier: any S3-compatible object store through aiobotocore.
+
+HEAD probes existence, GET loads, PUT stores, DELETE removes. Objects live at
+``<prefix><hex of the block key>``; the XXH3-64 of key and value travels as
+object metadata and is verified on every GET, so a tampered or torn object
+is a counted miss, never served.
+
+Faults never stall the service: every call is bounded (``op_timeout`` over
+botocore's own connect/read timeouts and retries), concurrency is bounded,
+and a circuit breaker stops calling an endpoint that keeps failing (calls
+fail fast while it is open; one trial request every ``breaker_reset``
+seconds probes it back to health). botocore and aiohttp exceptions are
+converted to :class:`~kvtier.errors.TierError` here, where they enter kvtier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import xxhash
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kvtier.breaker import BreakerState, CircuitBreaker
+from kvtier.config import S3TierConfig
+from kvtier.errors import TierError
+from kvtier.metrics import Metrics
+from kvtier.tiers.base import Buffer, Tier, TierStats
+
+log = logging.getLogger("kvtier.s3")
+
+T = TypeVar("T")
+
+CHECKSUM_META = "kvtier-xxh3"
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+
+
+def object_checksum(key: bytes, value: Buffer) -> str:
+    h = xxhash.xxh3_64()
+    h.update(key)
+    h.update(value)
+    return h.hexdigest()
+
+
+class _NotFound(Exception):
+    pass
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class S3Tier(Tier):
+    def __init__(self, cfg: S3TierConfig, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.bucket = cfg.bucket
+        self.prefix = cfg.prefix
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset)
+        self._limit = asyncio.Semaphore(cfg.max_concurrency)
+        self._client: Any = None
+        self._exit: contextlib.AsyncExitStack | None = None
+        self.corrupt = 0
+        self.metrics.s3_breaker.labels(self.name).set(0)
+
+    def __repr__(self) -> str:
+        return f"<S3Tier {self.name} s3://{self.bucket}/{self.prefix} {self.breaker!r}>"
+
+    def object_key(self, key: bytes) -> str:
+        return f"{self.prefix}{key.hex()}"
+
+    # -- lifecycle
+
+    async def open(self) -> None:
+        cfg = self.cfg
+        config = AioConfig(
+            connect_timeout=cfg.connect_timeout,
+            read_timeout=cfg.read_timeout,
+            retries={"max_attempts": cfg.max_attempts, "mode": cfg.retry_mode},
+            max_pool_connections=cfg.max_pool_connections,
+            s3={"addressing_style": cfg.addressing_style},
+        )
+        kwargs: dict[str, Any] = {"config": config}
+        if cfg.region:
+            kwargs["region_name"] = cfg.region
+        if cfg.endpoint_url:
+            kwargs["endpoint_url"] = cfg.endpoint_url
+        if cfg.access_key_id:
+            kwargs["aws_access_key_id"] = cfg.access_key_id
+        if cfg.secret_access_key is not None:
+            kwargs["aws_secret_access_key"] = cfg.secret_access_key.get_secret_value()
+        if cfg.session_token is not None:
+            kwargs["aws_session_token"] = cfg.session_token.get_secret_value()
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(
+                get_session().create_client("s3", **kwargs)
+            )
+        except (BotoCoreError, ValueError) as exc:
+            await stack.aclose()
+            raise TierError(f"{self.name}: cannot create the S3 client: {exc}") from exc
+        self._exit = stack
+
+    async def close(self) -> None:
+        if self._exit is not None:
+            await self._exit.aclose()
+            self._exit = None
+
+    # -- one bounded, measured, breaker-guarded call
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        labels = self.metrics.s3_requests
+        now = time.monotonic()
+        if self._client is None:
+            raise TierError(f"{self.name}: not open")
+        if not self.breaker.allow(now):
+            labels.labels(self.name, op, "rejected").inc()
+            raise TierError(f"{self.name}: circuit breaker open; not calling S3")
+        self._publish_breaker()
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            async with self._limit, asyncio.timeout(self.cfg.op_timeout):
+                result = await fn()
+            outcome = "ok"
+            return result
+        except _NotFound:
+            outcome = "not_found"
+            raise
+        except _Corrupt:
+            outcome = "corrupt"  # S3 answered; the object is bad, not the endpoint
+            raise
+        except TimeoutError as exc:
+            outcome = "timeout"
+            raise TierError(f"{self.name}: {op} timed out after {self.cfg.op_timeout}s") from exc
+        except ClientError as exc:
+            self._count_retries(op, exc.response)
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _NOT_FOUND:
+                outcome = "not_found"
+                raise _NotFound() from None
+            raise TierError(f"{self.name}: {op} failed: {code or exc}") from exc
+        except (BotoCoreError, OSError) as exc:
+            raise TierError(f"{self.name}: {op} failed: {exc}") from exc
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:  # aiohttp and friends, converted at the edge
+            raise TierError(f"{self.name}: {op} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if outcome in ("ok", "not_found", "corrupt"):
+                self.breaker.success()
+            elif outcome == "cancelled":
+                self.breaker.abandon()
+            else:
+                self.breaker.failure(time.monotonic())
+            self._publish_breaker()
+            labels.labels(self.name, op, outcome).inc()
+            self.metrics.s3_seconds.labels(self.name, op).observe(time.perf_counter() - started)
+
+    def _publish_breaker(self) -> None:
+        self.metrics.s3_breaker.labels(self.name).set(int(self.breaker.state))
+
+    def _count_retries(self, op: str, response: Any) -> None:
+        retries = int(response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
+        if retries:
+            self.metrics.s3_retries.labels(self.name, op).inc(retries)
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        return self.breaker.state
+
+    # -- operations
+
+    async def _head(self, key: bytes) -> bool:
+        async def call() -> bool:
+            resp = await self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
+            self._count_retries("head", resp)
+            return True
+
+        try:
+            return await self._call("head", call)
+        except _NotFound:
+            return False
+
+    async def _get(self, key: bytes) -> bytes | None:
+        async def call() -> bytes:
+            resp = await self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
+            self._count_retries("get", resp)
+            async with resp["Body"] as stream:
+                data: bytes = await stream.read()
+            expected = resp.get("Metadata", {}).get(CHECKSUM_META)
+            if expected != object_checksum(key, data):
+                raise _Corrupt(f"checksum {expected!r} does not match the object's bytes")
+            return data
+
+        try:
+            data = await self._call("get", call)
+        except _NotFound:
+            return None
+        except _Corrupt as exc:
+            self.corrupt += 1
+            self.metrics.s3_corrupt.labels(self.name).inc()
+            log.warning("%s: object for key %s is corrupt: %s", self.name, key.hex(), exc)
+            return None
+        self.metrics.s3_bytes.labels(self.name, "in").inc(len(data))
+        return data
+
+    async def _put(self, key: bytes, value: Buffer) -> None:
+        body = bytes(value)
+
+        async def call() -> None:
+            resp = await self._client.put_object(
+                Bucket=self.bucket,
+                Key=self.object_key(key),
+                Body=body,
+                Metadata={CHECKSUM_META: object_checksum(key, body)},
+            )
+            self._count_retries("put", resp)
+
+        await self._call("put", call)
+        self.metrics.s3_bytes.labels(self.name, "out").inc(len(body))
+
+    async def _delete(self, key: bytes) -> None:
+        async def call() -> None:
+            resp = await self._client.delete_object(Bucket=self.bucket, Key=self.object_key(key))
+            self._count_retries("delete", resp)
+
+        with contextlib.suppress(_NotFound):
+            await self._call("delete", call)
+
+    # -- Tier interface
+
+    async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        return list(await asyncio.gather(*(self._head(k) for k in keys)))
+
+    async def batch_load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self._get(k) for k in keys)))
+
+    async def batch_store(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
+        await asyncio.gather(*(self._put(k, v) for k, v in zip(keys, values, strict=True)))
+
+    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """S3 does not say whether an object existed: every answer is False."""
+        await asyncio.gather(*(self._delete(k) for k in keys))
+        return [False] * len(keys)
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            name=self.name,
+            capacity_bytes=0,
+            used_bytes=0,
+            blocks=0,
+            extra={"corrupt": self.corrupt, "breaker_state": int(self.breaker.state)},
+        )

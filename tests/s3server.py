@@ -1,0 +1,201 @@
+"""A real S3-compatible HTTP server for the tests (moto's server mode), seen
+through a counting proxy that can also hold requests or go away."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+from aiohttp import ClientSession, web
+from moto.server import ThreadedMotoServer
+
+REGION = "us-east-1"
+CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+
+
+class CountingProxy:
+    """An HTTP proxy on 127.0.0.1 in its own thread.
+
+    It counts requests by (method, path), can hold requests of one method
+    until released, and can stop listening (as if S3 went away) and start
+    again on the same port.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.completed: Counter[tuple[str, str]] = Counter()
+        self._held_method: str | None = None
+        self._release: asyncio.Event | None = None
+        self.held = threading.Event()  # set when a request is being held
+        self._conditions: list[tuple[str, str, int, threading.Event]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._session: ClientSession | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    def start(self) -> CountingProxy:
+        self._thread.start()
+        self._run(self._start())
+        return self
+
+    async def _start(self) -> None:
+        self._session = ClientSession(auto_decompress=False)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await self._listen()
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await self._site.start()
+        if self.port == 0:
+            self.port = self._runner.addresses[0][1]
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        key = (request.method, request.path)
+        self.counts[key] += 1
+        if self._held_method == request.method and self._release is not None:
+            self.held.set()
+            await self._release.wait()
+        assert self._session is not None
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        async with self._session.request(
+            request.method,
+            self.upstream + str(request.rel_url),
+            data=body,
+            headers=headers,
+            allow_redirects=False,
+        ) as up:
+            payload = await up.read()
+            response = web.Response(
+                status=up.status,
+                body=payload,
+                headers={
+                    k: v
+                    for k, v in up.headers.items()
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection")
+                },
+            )
+        self.completed[key] += 1
+        for method, path, n, event in self._conditions:
+            if self.completed[(method, path)] >= n:
+                event.set()
+        return response
+
+    def count(self, method: str, path_suffix: str = "") -> int:
+        return sum(
+            n for (m, p), n in self.counts.items() if m == method and p.endswith(path_suffix)
+        )
+
+    def when_completed(self, method: str, path: str, n: int = 1) -> threading.Event:
+        """An event set once ``n`` requests of ``method`` on ``path`` have been answered."""
+        event = threading.Event()
+
+        def add() -> None:
+            self._conditions.append((method, path, n, event))
+            if self.completed[(method, path)] >= n:
+                event.set()
+
+        self._loop.call_soon_threadsafe(add)
+        return event
+
+    def hold(self, method: str) -> None:
+        async def arm() -> None:
+            self._held_method = method
+            self._release = asyncio.Event()
+
+        self._run(arm())
+
+    def release(self) -> None:
+        async def fire() -> None:
+            self._held_method = None
+            if self._release is not None:
+                self._release.set()
+
+        self._run(fire())
+
+    def go_away(self) -> None:
+        """Stop listening: connections are refused, as if S3 were down."""
+
+        async def stop() -> None:
+            assert self._site is not None
+            await self._site.stop()
+
+        self._run(stop())
+
+    def come_back(self) -> None:
+        self._run(self._listen())
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+            if self._session is not None:
+                await self._session.close()
+
+        self._run(shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+class S3Server:
+    def __init__(self) -> None:
+        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.moto.start()
+        host, port = self.moto.get_host_and_port()
+        self.moto_url = f"http://{host}:{port}"
+        self.proxy = CountingProxy(self.moto_url).start()
+        self._buckets = 0
+
+    def boto(self) -> Any:
+        return boto3.client("s3", endpoint_url=self.moto_url, region_name=REGION, **CREDENTIALS)
+
+    def new_bucket(self) -> str:
+        self._buckets += 1
+        name = f"kvtier-test-{self._buckets}"
+        self.boto().create_bucket(Bucket=name)
+        return name
+
+    def tier_config(self, bucket: str, **overrides: Any) -> dict[str, Any]:
+        cfg = {
+            "kind": "s3",
+            "name": "s3",
+            "bucket": bucket,
+            "prefix": "fleet-a/",
+            "region": REGION,
+            "endpoint_url": self.proxy.url,
+            "addressing_style": "path",
+            "access_key_id": CREDENTIALS["aws_access_key_id"],
+            "secret_access_key": CREDENTIALS["aws_secret_access_key"],
+        }
+        cfg.update(overrides)
+        return cfg
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.moto.stop()
+
+
+def s3_server() -> Iterator[S3Server]:
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -1,0 +1,202 @@
+"""The S3 tier against a real S3-compatible HTTP server (moto's server mode),
+reached through aiobotocore; requests are counted at a proxy in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier import Client, State
+from kvtier.daemon import Daemon
+from kvtier.tiers.s3 import CHECKSUM_META
+from tests.helpers import DaemonProcess, running_daemon, wait_until
+from tests.s3server import S3Server, s3_server
+
+H, M, P, R = State.HIT, State.MISS, State.PENDING, State.RETRY
+K = bytes(range(32))
+VALUE = b"kv-block-" * 20_000
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    yield from s3_server()
+
+
+def object_path(bucket: str, key: bytes, prefix: str = "fleet-a/") -> str:
+    return f"/{bucket}/{prefix}{key.hex()}"
+
+
+@pytest.fixture
+async def daemon(
+    s3: S3Server, sock_dir: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Daemon]:
+    marker = request.node.get_closest_marker("s3tier")
+    overrides: dict[str, Any] = dict(marker.kwargs) if marker else {}
+    lookup = overrides.pop("lookup", {})
+    bucket = s3.new_bucket()
+    async with running_daemon(
+        sock_dir,
+        remote_tier_configs=[s3.tier_config(bucket, **overrides)],
+        disk={"enabled": False},
+        lookup=lookup,
+    ) as d:
+        d.bucket = bucket  # type: ignore[attr-defined]
+        yield d
+
+
+def sample(d: Daemon, name: str, **labels: str) -> float:
+    return d.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_two_daemons_share_one_bucket(s3: S3Server, sock_dir: Path, tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    config = tmp_path / "kvtier.toml"
+    tier = s3.tier_config(bucket)
+    config.write_text(
+        "[[remote_tiers]]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in tier.items()) + "\n"
+    )
+    stored = s3.proxy.when_completed("PUT", object_path(bucket, K))
+    a_dir, b_dir = sock_dir / "a", sock_dir / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    a = DaemonProcess(a_dir, "--config", str(config)).start()
+    try:
+        async with await Client.connect(a.socket_path) as c:
+            await c.put(K, VALUE)  # write-through to S3 in the background
+        assert await asyncio.to_thread(stored.wait, 30)
+    finally:
+        assert a.stop() == 0
+
+    b = DaemonProcess(b_dir, "--config", str(config)).start()  # empty RAM and disk
+    try:
+        async with await Client.connect(b.socket_path) as c:
+            reply = await c.lookup([K], wait=30.0)
+            assert reply.states == [H]  # probed in S3, promoted into RAM
+            assert await c.get(K) == VALUE
+            stats = await c.stats()
+        assert stats["tiers"]["ram"]["blocks"] == 1
+    finally:
+        assert b.stop() == 0
+
+
+async def test_64_lookups_one_head_then_64_gets_one_get(s3: S3Server, daemon: Daemon) -> None:
+    bucket = daemon.bucket  # type: ignore[attr-defined]
+    s3.boto().put_object(
+        Bucket=bucket,
+        Key=f"fleet-a/{K.hex()}",
+        Body=VALUE,
+        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
+    )
+    path = object_path(bucket, K)
+    s3.proxy.hold("HEAD")
+    clients = [await Client.connect(daemon.socket_path) for _ in range(8)]
+    try:
+        lookups = [asyncio.create_task(c.lookup([K], wait=30.0)) for c in clients for _ in range(8)]
+        await asyncio.to_thread(s3.proxy.held.wait, 30)
+        await wait_until(
+            lambda: sample(daemon, "kvtier_probes_total", tier="s3", outcome="joined") == 63
+        )
+    finally:
+        s3.proxy.release()
+    replies = await asyncio.gather(*lookups)
+    assert {tuple(r.states) for r in replies} == {(H,)}
+    assert s3.proxy.counts[("HEAD", path)] == 1
+    assert s3.proxy.counts[("GET", path)] == 1  # one promotion
+
+    other = K[::-1]
+    s3.boto().put_object(
+        Bucket=bucket,
+        Key=f"fleet-a/{other.hex()}",
+        Body=VALUE,
+        Metadata={CHECKSUM_META: _checksum(other, VALUE)},
+    )
+    values = await asyncio.gather(*(c.get(other) for c in clients for _ in range(8)))
+    assert all(v == VALUE for v in values)
+    assert s3.proxy.counts[("GET", object_path(bucket, other))] == 1
+    for c in clients:
+        await c.close()
+
+
+@pytest.mark.s3tier(
+    connect_timeout=0.5,
+    read_timeout=0.5,
+    op_timeout=1.0,
+    max_attempts=1,
+    breaker_failures=2,
+    breaker_reset=0.3,
+    lookup={"probe_timeout": 1.5, "error_ttl": 0.0},
+)
+async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
+    s3: S3Server, daemon: Daemon
+) -> None:
+    bucket = daemon.bucket  # type: ignore[attr-defined]
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put(b"local", b"served from RAM")
+        s3.proxy.go_away()
+        try:
+            for i in range(3):
+                reply = await asyncio.wait_for(
+                    c.lookup([b"local", bytes([i]) * 8], wait=10.0), timeout=15.0
+                )
+                assert reply.states == [H, M]  # local tiers keep serving; S3 errors read MISS
+            assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 2  # open
+            assert (
+                sample(daemon, "kvtier_s3_requests_total", tier="s3", op="head", outcome="rejected")
+                >= 1
+            )
+            assert (await c.stats())["maps"]["probes_inflight"] == 0
+        finally:
+            s3.proxy.come_back()
+        s3.boto().put_object(
+            Bucket=bucket,
+            Key=f"fleet-a/{K.hex()}",
+            Body=VALUE,
+            Metadata={CHECKSUM_META: _checksum(K, VALUE)},
+        )
+        time.sleep(0.35)  # allow-sleep: the breaker's reset interval has to elapse
+        reply = await c.lookup([K], wait=10.0)
+        assert reply.states == [H]  # the trial request succeeded: S3 hits are back
+        assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0
+
+
+async def test_tampered_object_is_a_counted_miss(s3: S3Server, daemon: Daemon) -> None:
+    bucket = daemon.bucket  # type: ignore[attr-defined]
+    boto = s3.boto()
+    boto.put_object(
+        Bucket=bucket,
+        Key=f"fleet-a/{K.hex()}",
+        Body=b"X" + VALUE[1:],  # bytes changed, checksum of the original kept
+        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
+    )
+    async with await Client.connect(daemon.socket_path) as c:
+        assert (await c.lookup([K], wait=10.0)).states == [M]  # HEAD yes, GET failed its check
+        assert await c.get(K) is None
+    assert sample(daemon, "kvtier_s3_corrupt_objects_total", tier="s3") == 1
+    assert sample(daemon, "kvtier_promotions_total", tier="s3", outcome="absent") == 1
+
+
+async def test_write_through_and_delete_reach_the_bucket(s3: S3Server, daemon: Daemon) -> None:
+    bucket = daemon.bucket  # type: ignore[attr-defined]
+    stored = s3.proxy.when_completed("PUT", object_path(bucket, K))
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put(K, VALUE)
+        assert await asyncio.to_thread(stored.wait, 30)
+        obj = s3.boto().get_object(Bucket=bucket, Key=f"fleet-a/{K.hex()}")
+        assert obj["Body"].read() == VALUE
+        assert obj["Metadata"][CHECKSUM_META] == _checksum(K, VALUE)
+        assert await c.delete(K)
+        listed = s3.boto().list_objects_v2(Bucket=bucket, Prefix="fleet-a/")
+        assert listed.get("KeyCount", 0) == 0
+    assert sample(daemon, "kvtier_s3_bytes_total", tier="s3", direction="out") == len(VALUE)
+
+
+def _checksum(key: bytes, value: bytes) -> str:
+    from kvtier.tiers.s3 import object_checksum
+
+    return object_checksum(key, value)
