@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint typecheck unit bench bench-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,8 @@ run: $(STAMP)
 	$(BIN)/kvtier serve $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvtier tests
-	$(BIN)/ruff format --check kvtier tests
+	$(BIN)/ruff check kvtier tests benchmarks
+	$(BIN)/ruff format --check kvtier tests benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -28,6 +28,23 @@ unit: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck unit
+
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): pyproject.toml | $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+# Redis 7 from Debian's packages is the baseline the benchmarks compare with.
+bench-deps: $(BENCH_STAMP)
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
+	  else echo "make bench needs redis-server: sudo apt-get install redis-server" >&2; exit 1; fi; }
+
+# BENCH_ARGS=--quick for a shorter run.
+bench: bench-deps
+	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
+	  --markdown docs/benchmarks.md $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

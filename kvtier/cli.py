@@ -169,6 +169,18 @@ def cmd_lookup(args: argparse.Namespace) -> int:
     return _run_client(args, go)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvtier.bench import BLOCK_SIZES, format_table, run_against_daemon
+
+    figures = asyncio.run(
+        run_against_daemon(str(_socket(args)), quick=args.quick, sizes=BLOCK_SIZES)
+    )
+    print(format_table(figures))
+    if args.json:
+        Path(args.json).write_text(json.dumps([f.as_dict() for f in figures], indent=2))
+    return EXIT_OK
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     config = load_config(args.path or getattr(args, "config", None))
     sys.stdout.write(render_toml(config))
@@ -230,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=0, help="sliding-window size")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for keys to settle")
     p.set_defaults(func=cmd_lookup)
+
+    p = sub.add_parser("bench", help="benchmark a running daemon (make bench compares)")
+    common(p)
+    p.add_argument("--quick", action="store_true", help="fewer, shorter runs")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")

@@ -224,12 +224,15 @@ class Service:
 
     # ------------------------------------------------------------ validation
 
-    def check_keys(self, keys: Sequence[bytes]) -> None:
+    def check_keys(self, keys: Sequence[bytes], uniform_len: int = 0) -> None:
+        """Batch size and key lengths; ``uniform_len`` (all keys that long) checks once."""
         if len(keys) > self.limits.max_batch:
             raise BatchTooLargeError(
                 f"batch of {len(keys)} keys exceeds the maximum of {self.limits.max_batch}"
             )
         limit = self.limits.max_key_bytes
+        if uniform_len and 0 < uniform_len <= limit:
+            return
         for i, key in enumerate(keys):
             if not 0 < len(key) <= limit:
                 raise BadKeyError(f"key {i} is {len(key)} bytes; keys must be 1..{limit} bytes")
@@ -244,7 +247,7 @@ class Service:
     def lookup(
         self, req: Lookup, conn_id: int = 0
     ) -> LookupReply | Coroutine[Any, Any, LookupReply]:
-        self.check_keys(req.keys)
+        self.check_keys(req.keys, req.key_len)
         self._check_seconds("wait", req.wait)
         self._check_seconds("max_pending_wait", req.max_pending_wait)
         if req.max_pending_wait > 0 and not req.request_tag:
@@ -292,12 +295,13 @@ class Service:
         futures: list[asyncio.Future[Any] | None] = []
         disk = self.disk
         if not self.remotes and not self.reservations and (disk is None or not disk.scanning):
-            contains = self.ram.contains
-            if disk is None:
-                states = bytearray(HIT if contains(k) else MISS for k in keys)
-            else:
+            # HIT is 1 and MISS is 0: membership tests map straight onto states.
+            states = bytearray(map(self.ram.resident().__contains__, keys))
+            if disk is not None and states.count(MISS):
                 on_disk = disk.contains
-                states = bytearray(HIT if contains(k) or on_disk(k) else MISS for k in keys)
+                for i in range(len(states)):
+                    if not states[i] and on_disk(keys[i]):
+                        states[i] = HIT
         else:
             state_of = self._state
             states = bytearray(state_of(k, now, futures, seen) for k in keys)

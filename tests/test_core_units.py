@@ -229,3 +229,24 @@ def test_breaker_opens_after_consecutive_failures_and_probes_back() -> None:
     assert b.allow(12.5)
     b.success()
     assert b.state is BreakerState.CLOSED and b.allow(12.6) and b.allow(12.6)
+
+
+# ------------------------------------------------------------------ bench harness
+
+
+async def test_measure_counts_every_operation_of_every_run() -> None:
+    from kvtier.bench import measure, percentile
+
+    calls: list[tuple[int, int]] = []
+
+    async def op(i: int, worker: int) -> None:
+        calls.append((i, worker))
+        await asyncio.sleep(0)  # a real operation yields: the workers interleave
+
+    fig = await measure(
+        "noop", "test", op, ops=40, concurrency=4, work_per_op=2, unit="keys/s", runs=3
+    )
+    assert len(calls) == 40 * 4  # a warm-up and three timed runs
+    assert {w for _, w in calls} == {0, 1, 2, 3}
+    assert len(fig.runs) == 3 and fig.rate > 0
+    assert percentile([1.0, 2.0, 3.0], 0.5) == 2.0 and percentile([], 0.99) == 0.0

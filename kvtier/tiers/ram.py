@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
@@ -51,6 +51,10 @@ class RamTier(LocalTier):
 
     def contains(self, key: bytes) -> bool:
         return key in self._blocks
+
+    def resident(self) -> Container[bytes]:
+        """A live view for bulk membership tests (read-only use)."""
+        return self._blocks.keys()
 
     # -- reads
 

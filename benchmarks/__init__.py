@@ -1,0 +1,1 @@
+"""The comparative benchmark suite (``make bench``)."""

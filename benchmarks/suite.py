@@ -1,0 +1,479 @@
+"""``make bench``: kvtier, Redis 7 and the raw socket limit, measured in one run.
+
+Every system runs on this machine over a Unix socket with persistence off,
+driven by the same client process; each figure is a median of several runs
+after a warm-up, and every ratio compares two figures of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+import uvloop
+
+from benchmarks.raw import RawStore
+from kvtier import Client
+from kvtier._version import __version__
+from kvtier.bench import (
+    BLOCK_SIZES,
+    Figure,
+    KvtierStore,
+    Store,
+    block_key,
+    format_table,
+    lookup_batch,
+    measure,
+    ops_for,
+    percentile,
+    prefix_lookup,
+    put_get,
+)
+from kvtier.config import load_config
+from kvtier.daemon import Daemon
+from kvtier.tiers.memory import MemoryRemoteTier
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RedisStore:
+    name = "redis"
+
+    def __init__(self, clients: list[aioredis.Redis]) -> None:
+        self.clients = clients
+
+    async def put(self, worker: int, key: bytes, value: bytes) -> None:
+        await self.clients[worker].set(key, value)
+
+    async def get(self, worker: int, key: bytes) -> Any:
+        value = await self.clients[worker].get(key)
+        if value is None:
+            raise RuntimeError("redis lost a block during the benchmark")
+        return value
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], needle: str, timeout: float = 60) -> None:
+    assert proc.stderr is not None or proc.stdout is not None
+    stream = proc.stderr if proc.stderr is not None else proc.stdout
+    assert stream is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline().decode(errors="replace")
+        if needle in line:
+            return
+        if not line and proc.poll() is not None:
+            break
+    raise RuntimeError(f"process did not print {needle!r}")
+
+
+def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, str]]:
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        raise SystemExit("redis-server not found: `make bench` installs it (Debian: redis-server)")
+    paths = {
+        "kvtier": str(tmp / "kvtier.sock"),
+        "redis": str(tmp / "redis.sock"),
+        "raw": str(tmp / "raw.sock"),
+    }
+    kv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "serve",
+            "--socket",
+            paths["kvtier"],
+            "--no-disk",
+            "--ram-capacity",
+            "4GiB",
+            "--metrics-port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    rd = subprocess.Popen(
+        [
+            redis_bin,
+            "--port",
+            "0",
+            "--unixsocket",
+            paths["redis"],
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            "0",
+            "--loglevel",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    raw = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.raw", paths["raw"]], stdout=subprocess.PIPE, cwd=ROOT
+    )
+    wait_for_line(raw, "raw ready")
+    deadline = time.monotonic() + 60
+    while not (Path(paths["kvtier"]).exists() and Path(paths["redis"]).exists()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("kvtier or redis did not start")
+        time.sleep(0.05)
+    return [kv, rd, raw], paths
+
+
+async def redis_lookups(
+    r: aioredis.Redis, n: int, fraction: float, runs: int, quick: bool
+) -> list[Figure]:
+    keys = [b"L" + block_key(i)[1:] for i in range(n)]
+    stored = keys[: int(n * fraction)]
+    await r.delete(b"kvset")
+    if stored:
+        await r.mset({k: b"x" for k in stored})
+        await r.sadd(b"kvset", *stored)
+    label = "all hit" if fraction == 1 else f"{int(fraction * 100)}% hit"
+
+    async def exists(_i: int, _w: int) -> Any:
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k)
+        return await pipe.execute()
+
+    ops = 50 if quick else 200
+    smis = await measure(
+        f"lookup {n} keys ({label})",
+        "redis SMISMEMBER",
+        lambda _i, _w: r.smismember(b"kvset", keys),
+        ops=ops,
+        concurrency=1,
+        work_per_op=n,
+        unit="keys/s",
+        runs=runs,
+    )
+    pipe = await measure(
+        f"lookup {n} keys ({label})",
+        "redis pipelined EXISTS",
+        exists,
+        ops=max(10, ops // 5),
+        concurrency=1,
+        work_per_op=n,
+        unit="keys/s",
+        runs=runs,
+    )
+    return [smis, pipe]
+
+
+async def probe_sharing(tmp: Path) -> Figure:
+    """N concurrent lookups of the same unknown keys: backend calls per key."""
+    tier = MemoryRemoteTier("gated")
+    tier.lookup_gate = asyncio.Event()
+    config = load_config(
+        None,
+        {
+            "server": {"socket_path": tmp / "probe.sock"},
+            "metrics": {"enabled": False},
+            "ram": {"capacity": "64MiB"},
+            "disk": {"enabled": False},
+        },
+    )
+    daemon = Daemon(config, remote_tiers=[tier])
+    task = asyncio.create_task(daemon.run())
+    await daemon.ready.wait()
+    keys = [b"P" + block_key(i)[1:] for i in range(100)]
+    clients = [await Client.connect(daemon.socket_path) for _ in range(8)]
+    started = time.perf_counter()
+    lookups = [asyncio.create_task(c.lookup(keys, wait=30.0)) for c in clients for _ in range(8)]
+    await tier.lookup_started.wait()
+    joined = {"tier": "gated", "outcome": "joined"}
+    for _ in range(1_000_000):  # until every lookup has joined the one probe
+        if daemon.metrics.registry.get_sample_value("kvtier_probes_total", joined) == 63 * len(
+            keys
+        ):
+            break
+        await asyncio.sleep(0)
+    tier.lookup_gate.set()
+    await asyncio.gather(*lookups)
+    elapsed = time.perf_counter() - started
+    probed = sum(len(call) for call in tier.lookup_calls)
+    for c in clients:
+        await c.close()
+    daemon.stop()
+    await task
+    return Figure(
+        f"probe sharing: 64 lookups x {len(keys)} unknown keys",
+        "kvtier",
+        "calls/key",
+        probed / len(keys),
+        elapsed * 1e6,
+        elapsed * 1e6,
+        [probed / len(keys)],
+    )
+
+
+async def deferred_writes(tmp: Path, quick: bool) -> Figure:
+    """Readers behind a stalled reservation: delay from the deadline to their MISS."""
+    deadline = 0.2
+    config = load_config(
+        None,
+        {
+            "server": {"socket_path": tmp / "defer.sock"},
+            "metrics": {"enabled": False},
+            "ram": {"capacity": "64MiB"},
+            "disk": {"enabled": False},
+            "lookup": {"pending_deadline": deadline},
+        },
+    )
+    daemon = Daemon(config)
+    task = asyncio.create_task(daemon.run())
+    await daemon.ready.wait()
+    writer = await Client.connect(daemon.socket_path)
+    readers = [await Client.connect(daemon.socket_path) for _ in range(8)]
+    lags: list[float] = []
+
+    async def read(c: Client, key: bytes) -> float:
+        reply = await c.lookup([key], wait=10.0)
+        assert reply.raw_states == b"\x00"
+        return time.perf_counter()
+
+    for trial in range(5 if quick else 15):
+        key = b"D" + block_key(trial)[1:]
+        reserved_at = time.perf_counter()
+        await writer.reserve([key])
+        answered = await asyncio.gather(*(read(c, key) for c in readers))
+        lags.extend(t - (reserved_at + deadline) for t in answered)
+    for c in (writer, *readers):
+        await c.close()
+    daemon.stop()
+    await task
+    lags.sort()
+    return Figure(
+        "deferred write: deadline -> MISS (8 readers)",
+        "kvtier",
+        "ms",
+        statistics.median(lags) * 1e3,
+        percentile(lags, 0.5) * 1e6,
+        percentile(lags, 0.99) * 1e6,
+        [x * 1e3 for x in lags],
+    )
+
+
+def ratios(figures: list[Figure]) -> list[dict[str, Any]]:
+    by_workload: dict[str, dict[str, Figure]] = {}
+    for f in figures:
+        by_workload.setdefault(f.workload, {})[f.system] = f
+    rows = []
+    for workload, systems in by_workload.items():
+        kv = systems.get("kvtier")
+        if kv is None:
+            continue
+        row: dict[str, Any] = {"workload": workload, "kvtier": kv.rate, "unit": kv.unit}
+        for name, f in systems.items():
+            if name != "kvtier" and f.rate:
+                row[f"kvtier/{name}"] = kv.rate / f.rate
+                row[name] = f.rate
+        rows.append(row)
+    return rows
+
+
+def format_ratios(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | kvtier | compared with | their figure | kvtier / them |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for row in rows:
+        others = [k for k in row if k.startswith("kvtier/")]
+        if not others:
+            lines.append(f"| {row['workload']} | {row['kvtier']:,.2f} {row['unit']} | — | — | — |")
+        for k in others:
+            name = k.split("/", 1)[1]
+            lines.append(
+                f"| {row['workload']} | {row['kvtier']:,.2f} {row['unit']} | {name} | "
+                f"{row[name]:,.2f} | **{row[k]:.2f}x** |"
+            )
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    redis_version = subprocess.run(
+        ["redis-server", "--version"], capture_output=True, text=True
+    ).stdout.split()[2]
+    return (
+        f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python "
+        f"{platform.python_version()}, uvloop {version('uvloop')}, Redis {redis_version} "
+        f"(redis-py with hiredis), kvtier {__version__}"
+    )
+
+
+def chart(figures: list[Figure], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    labels = ["4KiB", "256KiB", "1MiB", "2MiB"]
+    for ax, op in zip(axes, ("put", "get"), strict=True):
+        for system, style in (("kvtier", "o-"), ("redis", "s--"), ("raw", "^:")):
+            ys = []
+            for label in labels:
+                match = [
+                    f for f in figures if f.workload == f"{op} {label} x1" and f.system == system
+                ]
+                ys.append(match[0].rate if match else float("nan"))
+            ax.plot(labels, ys, style, label=system)
+        ax.set_title(f"{op.upper()}, one client")
+        ax.set_xlabel("block size")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
+    runs = 3 if args.quick else 5
+    sizes = BLOCK_SIZES
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory(prefix="kvtb-", dir="/tmp") as tmpdir:
+        tmp = Path(tmpdir)
+        procs, paths = start_processes(tmp)
+        try:
+            async with AsyncExitStack() as stack:
+                kv_clients = [await Client.connect(paths["kvtier"]) for _ in range(8)]
+                for c in kv_clients:
+                    stack.push_async_callback(c.close)
+                redis_clients = [aioredis.Redis(unix_socket_path=paths["redis"]) for _ in range(8)]
+                for r in redis_clients:
+                    stack.push_async_callback(r.aclose)
+                raw = await RawStore.connect(paths["raw"], 8)
+                stack.callback(raw.close)
+                for concurrency in (1, 8):
+                    stores: list[Store] = [
+                        KvtierStore(kv_clients[:concurrency]),
+                        RedisStore(redis_clients[:concurrency]),
+                        raw,
+                    ]
+                    for size in sizes:
+                        for store in stores:
+                            print(f"  {store.name} {size} x{concurrency}", file=sys.stderr)
+                            figures.extend(
+                                await put_get(store, size, concurrency, quick=args.quick, runs=runs)
+                            )
+                        keys = [block_key(i) for i in range(ops_for(size, args.quick))]
+                        await kv_clients[0].delete_many(keys)
+                        await redis_clients[0].delete(*keys)
+                for n in (1000, 10000):
+                    for fraction in (1.0, 0.5):
+                        print(f"  lookup {n} {fraction}", file=sys.stderr)
+                        figures.append(
+                            await lookup_batch(
+                                kv_clients[0], n, fraction, quick=args.quick, runs=runs
+                            )
+                        )
+                        figures.extend(
+                            await redis_lookups(redis_clients[0], n, fraction, runs, args.quick)
+                        )
+                prefix = await prefix_lookup(kv_clients[0], quick=args.quick, runs=runs)
+                figures.append(prefix)
+                chain = [b"C" + block_key(i)[1:] for i in range(512)]
+                await redis_clients[0].mset({k: b"x" for k in chain})
+
+                async def exists_chain(_i: int, _w: int) -> Any:
+                    pipe = redis_clients[0].pipeline(transaction=False)
+                    for k in chain:
+                        pipe.exists(k)
+                    return await pipe.execute()
+
+                figures.append(
+                    await measure(
+                        prefix.workload,
+                        "redis pipelined EXISTS",
+                        exists_chain,
+                        ops=100 if args.quick else 300,
+                        concurrency=1,
+                        work_per_op=1,
+                        unit="ops/s",
+                        runs=runs,
+                    )
+                )
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
+        print("  probe sharing", file=sys.stderr)
+        figures.append(await probe_sharing(tmp))
+        print("  deferred writes", file=sys.stderr)
+        figures.append(await deferred_writes(tmp, args.quick))
+
+    return figures, runs
+
+
+def report(args: argparse.Namespace, figures: list[Figure], runs: int) -> None:
+    table = format_table(figures)
+    rows = ratios(figures)
+    print(table)
+    print()
+    print(format_ratios(rows))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"figures": [f.as_dict() for f in figures], "ratios": rows}, indent=2)
+        )
+    if args.chart:
+        chart(figures, Path(args.chart))
+    if args.markdown:
+        command = "make bench" + (" BENCH_ARGS=--quick" if args.quick else "")
+        Path(args.markdown).write_text(
+            "# Benchmarks\n\n"
+            f"Measured with `{command}` on {time.strftime('%Y-%m-%d')}: {machine()}.\n\n"
+            "All systems run on this machine over Unix sockets, driven by one client process "
+            "(Python, uvloop). kvtier serves from RAM (`--no-disk`); Redis runs with persistence "
+            "off; *raw* is a minimal uvloop `BufferedProtocol` stream with no protocol but a "
+            "length. Rates are medians of "
+            f"{runs} runs after a warm-up; p50/p99 are per operation. Every ratio compares two "
+            "figures of the same run.\n\n"
+            "## kvtier against the alternatives\n\n" + format_ratios(rows) + "\n\n"
+            "![throughput by block size](benchmarks.png)\n\n"
+            "## All figures\n\n```\n" + table + "\n```\n"
+        )
+
+
+def cli() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter runs")
+    parser.add_argument("--json", help="write figures and ratios as JSON")
+    parser.add_argument("--chart", help="write a PNG of throughput by block size")
+    parser.add_argument("--markdown", help="write the results page (docs/benchmarks.md)")
+    args = parser.parse_args()
+    figures, runs = uvloop.run(main(args))
+    report(args, figures, runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,243 @@
+"""Benchmark harness and the kvtier workloads (``kvtier bench``).
+
+Each figure is the median of several timed runs after a warm-up run; every
+operation's latency is recorded so p50/p99 come from the same runs. The
+comparative suite (``make bench``: Redis and the raw socket limit side by
+side) lives in ``benchmarks/`` and reuses this harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from kvtier.protocol.client import Client
+from kvtier.protocol.codec import LookupMode
+
+KiB = 1024
+MiB = 1024 * KiB
+BLOCK_SIZES = (4 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
+
+
+@dataclass
+class Figure:
+    """One workload on one system: the median rate and latency percentiles."""
+
+    workload: str
+    system: str
+    unit: str  # "GB/s", "keys/s", "ops/s"
+    rate: float
+    p50_us: float
+    p99_us: float
+    runs: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[idx]
+
+
+#: op(i, worker): the i-th operation, run by worker number ``worker``
+Op = Callable[[int, int], Awaitable[Any]]
+
+
+async def measure(
+    workload: str,
+    system: str,
+    op: Op,
+    *,
+    ops: int,
+    concurrency: int,
+    work_per_op: float,
+    unit: str,
+    runs: int = 5,
+) -> Figure:
+    """Run ``op(i, worker)`` ``ops`` times on ``concurrency`` workers, ``runs`` + 1 times.
+
+    ``work_per_op`` converts operations into the unit (bytes for GB/s, keys
+    for keys/s).
+    """
+    rates: list[float] = []
+    latencies: list[float] = []
+    for run in range(runs + 1):
+        lat: list[float] = []
+        counter = iter(range(ops))
+        started = time.perf_counter()
+        await asyncio.gather(*(_worker(op, w, counter, lat) for w in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        if run == 0:
+            continue  # warm-up
+        total = ops * work_per_op
+        rates.append(total / elapsed / (1e9 if unit == "GB/s" else 1.0))
+        latencies.extend(lat)
+    latencies.sort()
+    return Figure(
+        workload,
+        system,
+        unit,
+        statistics.median(rates),
+        percentile(latencies, 0.50) * 1e6,
+        percentile(latencies, 0.99) * 1e6,
+        rates,
+    )
+
+
+async def _worker(op: Op, w: int, counter: Iterator[int], lat: list[float]) -> None:
+    for i in counter:  # shared: workers take the next operation as they free up
+        t0 = time.perf_counter()
+        await op(i, w)
+        lat.append(time.perf_counter() - t0)
+
+
+class Store(Protocol):
+    """What the put/get workloads need from a system under test."""
+
+    name: str
+
+    async def put(self, worker: int, key: bytes, value: bytes) -> None: ...
+
+    async def get(self, worker: int, key: bytes) -> Any: ...
+
+
+def block_key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def ops_for(size: int, quick: bool) -> int:
+    """Enough operations for a stable figure: ~256 MiB per run for big blocks."""
+    volume = (64 if quick else 256) * MiB
+    return max(200 if quick else 1000, min(5000, volume // size))
+
+
+async def put_get(
+    store: Store, size: int, concurrency: int, *, quick: bool = False, runs: int = 5
+) -> tuple[Figure, Figure]:
+    """PUT then GET of ``size``-byte blocks with ``concurrency`` clients."""
+    ops = ops_for(size, quick)
+    value = bytes(range(256)) * (size // 256)
+    label = f"{_size(size)} x{concurrency}"
+    put = await measure(
+        f"put {label}",
+        store.name,
+        lambda i, w: store.put(w, block_key(i), value),
+        ops=ops,
+        concurrency=concurrency,
+        work_per_op=size,
+        unit="GB/s",
+        runs=runs,
+    )
+    get = await measure(
+        f"get {label}",
+        store.name,
+        lambda i, w: store.get(w, block_key(i)),
+        ops=ops,
+        concurrency=concurrency,
+        work_per_op=size,
+        unit="GB/s",
+        runs=runs,
+    )
+    return put, get
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB}MiB" if n >= MiB else f"{n // KiB}KiB"
+
+
+class KvtierStore:
+    """kvtier through its own async client: one connection per concurrent client."""
+
+    name = "kvtier"
+
+    def __init__(self, clients: list[Client]) -> None:
+        self.clients = clients
+
+    async def put(self, worker: int, key: bytes, value: bytes) -> None:
+        await self.clients[worker].put(key, value)
+
+    async def get(self, worker: int, key: bytes) -> Any:
+        value = await self.clients[worker].get(key)
+        if value is None:
+            raise RuntimeError(f"kvtier lost block {key.hex()} during the benchmark")
+        return value
+
+
+async def lookup_batch(
+    client: Client, n: int, hit_fraction: float, *, quick: bool = False, runs: int = 5
+) -> Figure:
+    """One LOOKUP of ``n`` keys (per-key states); ``hit_fraction`` of them stored."""
+    keys = [b"L" + block_key(i)[1:] for i in range(n)]
+    stored = keys[: int(n * hit_fraction)]
+    if stored:
+        await client.put_many(stored, [b"x"] * len(stored))
+    label = "all hit" if hit_fraction == 1 else f"{int(hit_fraction * 100)}% hit"
+    return await measure(
+        f"lookup {n} keys ({label})",
+        "kvtier",
+        lambda i, w: client.lookup(keys),
+        ops=50 if quick else 200,
+        concurrency=1,
+        work_per_op=n,
+        unit="keys/s",
+        runs=runs,
+    )
+
+
+async def prefix_lookup(
+    client: Client, length: int = 512, *, quick: bool = False, runs: int = 5
+) -> Figure:
+    keys = [b"C" + block_key(i)[1:] for i in range(length)]
+    await client.put_many(keys, [b"x"] * length)
+    return await measure(
+        f"prefix lookup {length}-block chain",
+        "kvtier",
+        lambda i, w: client.lookup(keys, mode=LookupMode.PREFIX),
+        ops=200 if quick else 1000,
+        concurrency=1,
+        work_per_op=1,
+        unit="ops/s",
+        runs=runs,
+    )
+
+
+def format_table(figures: Sequence[Figure]) -> str:
+    rows = [("workload", "system", "rate", "unit", "p50 us", "p99 us")]
+    for f in figures:
+        rows.append(
+            (f.workload, f.system, f"{f.rate:,.2f}", f.unit, f"{f.p50_us:,.0f}", f"{f.p99_us:,.0f}")
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+async def run_against_daemon(
+    path: str | None, *, quick: bool, sizes: Sequence[int]
+) -> list[Figure]:
+    """The kvtier-only workloads against an already-running daemon (``kvtier bench``)."""
+    runs = 3 if quick else 5
+    figures: list[Figure] = []
+    clients = [await Client.connect(path) for _ in range(8)]
+    try:
+        for concurrency in (1, 8):
+            store = KvtierStore(clients[:concurrency])
+            for size in sizes:
+                figures.extend(await put_get(store, size, concurrency, quick=quick, runs=runs))
+                await clients[0].delete_many([block_key(i) for i in range(ops_for(size, quick))])
+        for n in (1000, 10000):
+            for fraction in (1.0, 0.5):
+                figures.append(await lookup_batch(clients[0], n, fraction, quick=quick, runs=runs))
+        figures.append(await prefix_lookup(clients[0], quick=quick, runs=runs))
+    finally:
+        for c in clients:
+            await c.close()
+    return figures
