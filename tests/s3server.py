@@ -135,13 +135,18 @@ class CountingProxy:
         """Stop listening: connections are refused, as if S3 were down."""
 
         async def stop() -> None:
-            assert self._site is not None
-            await self._site.stop()
+            assert self._runner is not None
+            await self._runner.cleanup()  # stops listening and drops kept-alive connections
 
         self._run(stop())
 
     def come_back(self) -> None:
-        self._run(self._listen())
+        async def start() -> None:
+            assert self._runner is not None
+            await self._runner.setup()
+            await self._listen()
+
+        self._run(start())
 
     def close(self) -> None:
         async def shutdown() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -129,15 +128,17 @@ async def test_64_lookups_one_head_then_64_gets_one_get(s3: S3Server, daemon: Da
     op_timeout=1.0,
     max_attempts=1,
     breaker_failures=2,
-    breaker_reset=0.3,
+    breaker_reset=1.0,
     lookup={"probe_timeout": 1.5, "error_ttl": 0.0},
 )
 async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
     s3: S3Server, daemon: Daemon
 ) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
+    uploaded = s3.proxy.when_completed("PUT", object_path(bucket, b"local"))
     async with await Client.connect(daemon.socket_path) as c:
         await c.put(b"local", b"served from RAM")
+        assert await asyncio.to_thread(uploaded.wait, 30)  # no S3 traffic left in flight
         s3.proxy.go_away()
         try:
             for i in range(3):
@@ -159,7 +160,7 @@ async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
             Body=VALUE,
             Metadata={CHECKSUM_META: _checksum(K, VALUE)},
         )
-        time.sleep(0.35)  # allow-sleep: the breaker's reset interval has to elapse
+        await asyncio.sleep(1.05)  # allow-sleep: the breaker's reset interval has to elapse
         reply = await c.lookup([K], wait=10.0)
         assert reply.states == [H]  # the trial request succeeded: S3 hits are back
         assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0
