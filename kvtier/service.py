@@ -65,7 +65,8 @@ _STATE_NAMES = {MISS: "miss", HIT: "hit", PENDING: "pending", RETRY: "retry"}
 #: ended without the block (each round is bounded by a write deadline)
 _MAX_READ_ROUNDS = 8
 
-Spawn = Any  # Callable[[Coroutine], asyncio.Task]
+#: starts a background task in the daemon's task group
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 
 
 @dataclass(slots=True, frozen=True)
