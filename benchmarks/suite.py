@@ -180,32 +180,40 @@ async def redis_lookups(
     return [smis, pipe]
 
 
+async def in_process_daemon(
+    socket_path: Path, remote_tiers: list[MemoryRemoteTier] | None = None, **sections: Any
+) -> tuple[Daemon, asyncio.Task[None]]:
+    """A RAM-only daemon on this event loop (for workloads that gate a fake tier)."""
+    config = load_config(
+        None,
+        {
+            "server": {"socket_path": socket_path},
+            "metrics": {"enabled": False},
+            "ram": {"capacity": "64MiB"},
+            "disk": {"enabled": False},
+            **sections,
+        },
+    )
+    daemon = Daemon(config, remote_tiers=remote_tiers)
+    task = asyncio.create_task(daemon.run())
+    await daemon.ready.wait()
+    return daemon, task
+
+
 async def probe_sharing(tmp: Path) -> Figure:
     """N concurrent lookups of the same unknown keys: backend calls per key."""
     tier = MemoryRemoteTier("gated")
     tier.lookup_gate = asyncio.Event()
-    config = load_config(
-        None,
-        {
-            "server": {"socket_path": tmp / "probe.sock"},
-            "metrics": {"enabled": False},
-            "ram": {"capacity": "64MiB"},
-            "disk": {"enabled": False},
-        },
-    )
-    daemon = Daemon(config, remote_tiers=[tier])
-    task = asyncio.create_task(daemon.run())
-    await daemon.ready.wait()
+    daemon, task = await in_process_daemon(tmp / "probe.sock", remote_tiers=[tier])
     keys = [b"P" + block_key(i)[1:] for i in range(100)]
     clients = [await Client.connect(daemon.socket_path) for _ in range(8)]
     started = time.perf_counter()
     lookups = [asyncio.create_task(c.lookup(keys, wait=30.0)) for c in clients for _ in range(8)]
     await tier.lookup_started.wait()
     joined = {"tier": "gated", "outcome": "joined"}
+    sample = daemon.metrics.registry.get_sample_value
     for _ in range(1_000_000):  # until every lookup has joined the one probe
-        if daemon.metrics.registry.get_sample_value("kvtier_probes_total", joined) == 63 * len(
-            keys
-        ):
+        if sample("kvtier_probes_total", joined) == 63 * len(keys):
             break
         await asyncio.sleep(0)
     tier.lookup_gate.set()
@@ -230,19 +238,9 @@ async def probe_sharing(tmp: Path) -> Figure:
 async def deferred_writes(tmp: Path, quick: bool) -> Figure:
     """Readers behind a stalled reservation: delay from the deadline to their MISS."""
     deadline = 0.2
-    config = load_config(
-        None,
-        {
-            "server": {"socket_path": tmp / "defer.sock"},
-            "metrics": {"enabled": False},
-            "ram": {"capacity": "64MiB"},
-            "disk": {"enabled": False},
-            "lookup": {"pending_deadline": deadline},
-        },
+    daemon, task = await in_process_daemon(
+        tmp / "defer.sock", lookup={"pending_deadline": deadline}
     )
-    daemon = Daemon(config)
-    task = asyncio.create_task(daemon.run())
-    await daemon.ready.wait()
     writer = await Client.connect(daemon.socket_path)
     readers = [await Client.connect(daemon.socket_path) for _ in range(8)]
     lags: list[float] = []

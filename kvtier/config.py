@@ -17,13 +17,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ByteSize,
     ConfigDict,
     Field,
     SecretStr,
     TypeAdapter,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic_settings import (
@@ -105,6 +105,20 @@ def parse_size(value: Any) -> int:
     return size
 
 
+def _capacity(value: Any) -> Any:
+    return value if value == "auto" else parse_size(value)
+
+
+def _size_or_zero(value: Any) -> Any:
+    return 0 if value == 0 else parse_size(value)
+
+
+#: a byte count (``8GiB`` or an int), or "auto"
+Capacity = Annotated[int | Literal["auto"], BeforeValidator(_capacity)]
+#: a byte count, 0 allowed
+ByteCount = Annotated[int, BeforeValidator(_size_or_zero)]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -130,7 +144,7 @@ class ServerConfig(_Section):
 
 class RamConfig(_Section):
     #: bytes, or "auto": a quarter of available memory, capped at 16 GiB
-    capacity: int | Literal["auto"] = "auto"
+    capacity: Capacity = "auto"
     policy: Literal["lru"] = "lru"
 
     def capacity_bytes(self) -> int:
@@ -138,19 +152,12 @@ class RamConfig(_Section):
             return auto_ram_capacity(available_memory())
         return int(self.capacity)
 
-    @field_validator("capacity", mode="before")
-    @classmethod
-    def _parse_capacity(cls, value: Any) -> Any:
-        if value == "auto":
-            return value
-        return parse_size(value)
-
 
 class DiskConfig(_Section):
     enabled: bool = True
     path: Path = Field(default_factory=default_data_dir)
     #: bytes, or "auto": a tenth of the free space at start, capped at 64 GiB
-    capacity: int | Literal["auto"] = "auto"
+    capacity: Capacity = "auto"
     #: how PUTs reach the disk: "write-through" (every PUT, in the background),
     #: "write-back" (blocks evicted from RAM), "none" (only durable PUTs)
     write_policy: Literal["write-through", "write-back", "none"] = "write-through"
@@ -162,20 +169,8 @@ class DiskConfig(_Section):
     promote_on_lookup: bool = True
     #: background writes (write-through, demotions) beyond this many bytes in
     #: flight are dropped and counted rather than queued without bound
-    max_pending_write_bytes: int = Field(default=256 * MiB, ge=0)
+    max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     policy: Literal["lru"] = "lru"
-
-    @field_validator("capacity", mode="before")
-    @classmethod
-    def _parse_capacity(cls, value: Any) -> Any:
-        if value == "auto":
-            return value
-        return parse_size(value)
-
-    @field_validator("max_pending_write_bytes", mode="before")
-    @classmethod
-    def _parse_pending(cls, value: Any) -> Any:
-        return 0 if value == 0 else parse_size(value)
 
     def capacity_bytes(self) -> int:
         if self.capacity == "auto":
@@ -217,7 +212,7 @@ class MemoryTierConfig(_Section):
     kind: Literal["memory"] = "memory"
     name: str = "memory"
     write_policy: WritePolicy = "none"
-    max_pending_write_bytes: int = Field(default=256 * MiB, ge=0)
+    max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
 
 
 class S3TierConfig(_Section):
@@ -247,16 +242,11 @@ class S3TierConfig(_Section):
     max_attempts: int = Field(default=3, ge=1, le=20)
     retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
     write_policy: WritePolicy = "write-through"
-    max_pending_write_bytes: int = Field(default=256 * MiB, ge=0)
+    max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     #: consecutive failures that open the circuit breaker
     breaker_failures: int = Field(default=5, ge=1)
     #: seconds the breaker stays open before one trial request
     breaker_reset: float = Field(default=5.0, gt=0)
-
-    @field_validator("max_pending_write_bytes", mode="before")
-    @classmethod
-    def _parse_pending(cls, value: Any) -> Any:
-        return 0 if value == 0 else parse_size(value)
 
 
 RemoteTierConfig = Annotated[MemoryTierConfig | S3TierConfig, Field(discriminator="kind")]
