@@ -246,8 +246,10 @@ class Service:
     # ------------------------------------------------------------ LOOKUP
 
     def lookup(
-        self, req: Lookup, conn_id: int = 0
+        self, req: Lookup, conn_id: int = 0, cutoff: asyncio.Future[None] | None = None
     ) -> LookupReply | Coroutine[Any, Any, LookupReply]:
+        """Answer now, or with ``wait > 0`` once keys settle, ``wait`` passes, or
+        ``cutoff`` resolves (the caller stopped listening for more)."""
         self.check_keys(req.keys, req.key_len)
         self._check_seconds("wait", req.wait)
         self._check_seconds("max_pending_wait", req.max_pending_wait)
@@ -257,12 +259,14 @@ class Service:
             raise BadArgumentError("sliding-window lookup needs a window of at least 1")
         now = self._now()
         if req.wait > 0:
-            return self._lookup_waiting(req, now + req.wait)
+            return self._lookup_waiting(req, now + req.wait, cutoff)
         reply, _, _ = self._evaluate(req, now, None)
         self._count(reply.raw_states)
         return reply
 
-    async def _lookup_waiting(self, req: Lookup, deadline: float) -> LookupReply:
+    async def _lookup_waiting(
+        self, req: Lookup, deadline: float, cutoff: asyncio.Future[None] | None
+    ) -> LookupReply:
         """Re-evaluate whenever a key settles, until all settled or ``deadline``."""
         # Probes this lookup has already seen end: a key whose probe failed is
         # answered MISS rather than probed again in a loop (errors are not kept
@@ -273,11 +277,13 @@ class Service:
             waits: list[asyncio.Future[Any]] = []
             reply, waits, bound_at = self._evaluate(req, now, waits, seen)
             until = deadline if bound_at is None else min(deadline, bound_at)
-            if not waits or now >= until or self._closing_now():
+            if not waits or now >= until or self._closing_now() or (cutoff and cutoff.done()):
                 self._count(reply.raw_states)
                 return reply
             if self._closing is not None:
                 waits.append(self._closing)
+            if cutoff is not None:
+                waits.append(cutoff)
             # asyncio.wait never cancels what it waits on: shared probe and
             # write futures survive this caller going away.
             await asyncio.wait(waits, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier import Client, LookupMode, PutStatus, ReserveStatus, State
 from kvtier.daemon import Daemon
-from kvtier.errors import BadArgumentError
+from kvtier.errors import BadArgumentError, ConnectionClosedError
 from kvtier.tiers.memory import MemoryRemoteTier
 from tests.helpers import running_daemon, wait_until
 
@@ -364,17 +364,41 @@ async def test_shutdown_answers_waiting_lookups_at_once(sock_dir: Path) -> None:
     assert len(daemon.service.reservations) == 0
 
 
-async def test_half_closed_client_gets_its_pending_reply_then_eof(core: Core) -> None:
+async def test_half_closed_client_gets_its_reply_at_once_then_eof(core: Core) -> None:
     from kvtier.protocol import codec
     from tests.helpers import RawConnection
 
     gate = core.tier.lookup_gate = asyncio.Event()
     raw = RawConnection(core.path)
-    raw.send_frame(codec.Op.LOOKUP, 5, codec.encode_lookup(codec.Lookup([K], wait=30.0)))
-    raw.sock.shutdown(1)  # SHUT_WR: nothing more to send
+    raw.send_frame(codec.Op.LOOKUP, 5, codec.encode_lookup(codec.Lookup([K], wait=600.0)))
     await core.tier.lookup_started.wait()
-    gate.set()
+    raw.sock.shutdown(1)  # SHUT_WR: the client will not ask again ...
     frame = await asyncio.to_thread(raw.recv_frame)
-    assert codec.decode_lookup_reply(frame.meta).states == [M]
+    # ... so the waiting lookup answers now, with what is known (the probe is gated).
+    assert codec.decode_lookup_reply(frame.meta).states == [R]
     assert await asyncio.to_thread(raw.at_eof)
     raw.close()
+    gate.set()
+    await core.daemon.settle()
+    assert core.daemon.service.remotes[0].probes.inflight_count == 0
+
+
+async def test_a_waiting_lookup_ends_with_its_connection(core: Core) -> None:
+    gate = core.tier.lookup_gate = asyncio.Event()
+    c = await core.client()
+    waiting = asyncio.create_task(c.lookup([K], wait=600.0))
+    await core.tier.lookup_started.wait()
+
+    def requests() -> list[asyncio.Task[Any]]:
+        return [t for t in core.daemon._tasks if "_finish" in repr(t)]
+
+    await wait_until(lambda: len(requests()) == 1)
+    await c.close()
+    with pytest.raises(ConnectionClosedError):
+        await waiting
+    await wait_until(lambda: not requests())  # the server stopped waiting at once ...
+    assert core.daemon.service.remotes[0].probes.inflight_count == 1  # ... the probe did not
+    gate.set()
+    await core.daemon.settle()
+    assert core.daemon.service.remotes[0].probes.inflight_count == 0
+    assert len(core.tier.lookup_calls) == 1

@@ -118,6 +118,9 @@ class Connection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._read_paused = False
         self._eof = False
+        self._waiting: set[asyncio.Task[None]] = set()
+        #: resolved when the client has sent EOF
+        self.eof: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         #: set once this connection has nothing left to do (used by shutdown)
         self.done = asyncio.Event()
 
@@ -137,6 +140,8 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
+        for task in list(self._waiting):
+            task.cancel()
         try:
             self.server.connection_closed(self)
         finally:
@@ -165,6 +170,10 @@ class Connection(asyncio.BufferedProtocol):
         # The client finished sending: replies still in flight are written,
         # then the connection closes (see _maybe_finish).
         self._eof = True
+        # The client sends nothing more, so it cannot ask again: waiting
+        # lookups answer now with what is known.
+        if not self.eof.done():
+            self.eof.set_result(None)
         if self.inflight:
             return True  # keep the write side open until they are done
         return None
@@ -222,7 +231,14 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.inflight += 1
         self._update_reading()
-        self.server.spawn(self._finish(header.opcode, header.request_id, result, op_name, started))
+        task = self.server.spawn(
+            self._finish(header.opcode, header.request_id, result, op_name, started)
+        )
+        if header.opcode == Op.LOOKUP:
+            # A waiting lookup only waits for its caller: when the caller goes,
+            # so does it (the probes it joined are shared and carry on).
+            self._waiting.add(task)
+            task.add_done_callback(self._waiting.discard)
 
     async def _finish(
         self, opcode: int, request_id: int, pending: Awaitable[Reply], op_name: str, started: float
@@ -445,7 +461,7 @@ class Server:
         return Reply(codec.encode_json(stats))
 
     def _lookup(self, conn: Connection, frame: Frame) -> Reply | Awaitable[Reply]:
-        result = self.service.lookup(codec.decode_lookup(frame.meta), conn.conn_id)
+        result = self.service.lookup(codec.decode_lookup(frame.meta), conn.conn_id, conn.eof)
         if isinstance(result, codec.LookupReply):
             return Reply(codec.encode_lookup_reply(result))
         return _then(result, lambda r: Reply(codec.encode_lookup_reply(r)))
