@@ -106,6 +106,11 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         await self._can_write.wait()
 
 
+def _expire(fut: asyncio.Future[Frame], seconds: float) -> None:
+    if not fut.done():
+        fut.set_exception(RequestTimeoutError(f"no reply within {seconds}s"))
+
+
 class Client:
     """Async client. Create with :meth:`connect`; use as an async context manager."""
 
@@ -216,8 +221,23 @@ class Client:
         flags: int = 0,
         timeout: Timeout = ...,
     ) -> Frame:
+        """One request, one reply: the per-call fast path (no gather, no timeout context)."""
         fut = self._send(op, meta, data, flags)
-        return (await self._await([fut], self._timeout(timeout)))[0]
+        proto = self._protocol
+        if not proto._can_write.is_set():
+            await proto.drain()
+        seconds = self._timeout(timeout)
+        handle = None
+        if seconds is not None:
+            handle = asyncio.get_running_loop().call_later(seconds, _expire, fut, seconds)
+        try:
+            frame = await fut
+        finally:
+            if handle is not None:
+                handle.cancel()
+        if frame.header.status:
+            raise error_from_code(frame.header.status, codec.decode_error(frame.meta))
+        return frame
 
     def _timeout(self, timeout: Timeout) -> float | None:
         return self.timeout if isinstance(timeout, EllipsisType) else timeout
@@ -268,7 +288,8 @@ class Client:
 
     async def get(self, key: bytes, *, timeout: Timeout = ...) -> memoryview | None:
         """The block stored under ``key``, or None."""
-        return (await self.get_many([key], timeout=timeout))[0]
+        frame = await self._call(Op.GET, codec.encode_keys([key]), timeout=timeout)
+        return codec.decode_get_reply(frame.meta, frame.data)[0]
 
     async def get_many(
         self, keys: Sequence[bytes], *, timeout: Timeout = ...
@@ -294,7 +315,10 @@ class Client:
         timeout: Timeout = ...,
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent)."""
-        return (await self.put_many([key], [value], durable=durable, timeout=timeout))[0]
+        meta, data = codec.encode_put([key], [value])
+        flags = FLAG_DURABLE if durable else 0
+        frame = await self._call(Op.PUT, meta, data, flags, timeout)
+        return codec.decode_put_reply(frame.meta)[0]
 
     async def put_many(
         self,
