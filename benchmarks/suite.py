@@ -438,10 +438,12 @@ NOTES = """## Reading the figures
   the raw stream; 1,000-key lookups: at least 2x Redis `SMISMEMBER` and 10x
   pipelined `EXISTS`; probe sharing: one backend call per key) are read off the
   ratio table above, from the same run.
-* The raw stream is a reference point, not a ceiling: with one client at
-  1 and 2 MiB kvtier moves more bytes per second than it does. That stream keeps
-  one receive buffer per connection and acknowledges each message; why it
-  falls behind there has not been profiled.
+* The raw stream is a reference point, not a ceiling: in several one-client
+  rows kvtier moves more bytes per second than it does. That stream keeps one
+  receive buffer per connection and acknowledges each message; why it falls
+  behind there has not been profiled. Single rows also move between runs on
+  this shared 2-core machine (2 MiB PUT has measured from 2.9 to 3.9 GB/s),
+  which is why ratios are only taken within one run.
 * With 8 clients all three systems are driven by one Python client process on
   a 2-core machine, so those figures are bounded by the client as much as by
   the servers; kvtier's client also does more per operation than the raw

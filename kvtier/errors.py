@@ -142,6 +142,10 @@ class SocketInUseError(KvtierError):
     """Another live daemon already serves this socket path."""
 
 
+class UnsafeSocketDirError(KvtierError):
+    """The socket's directory could be tampered with by another user."""
+
+
 class TierError(KvtierError):
     """A tier's backend failed."""
 

@@ -164,3 +164,14 @@ def test_make_run_serves_and_ping_answers(sock_dir: Path) -> None:
         proc.wait()
     assert not sock.exists()
     assert (sock_dir / "data").is_dir()  # the embedded default serves RAM + disk
+
+
+def test_world_writable_socket_directory_is_refused(sock_dir: Path) -> None:
+    shared = sock_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone could replace the socket here
+    proc = DaemonProcess(shared)
+    with pytest.raises(RuntimeError, match="writable by every user"):
+        proc.start()
+    assert proc.proc is not None and proc.proc.returncode == 1
+    assert not (shared / "d.sock").exists()

@@ -28,6 +28,7 @@ from kvtier.errors import (
     KvtierError,
     ShuttingDownError,
     SocketInUseError,
+    UnsafeSocketDirError,
     UnsupportedVersionError,
 )
 from kvtier.errors import UnknownOpcodeError as _UnknownOpcode
@@ -63,6 +64,18 @@ def prepare_socket_path(path: Path) -> None:
     if not parent.exists():
         parent.mkdir(mode=0o700, parents=True)
         os.chmod(parent, 0o700)
+    else:
+        # Another user who controls the directory could swap the socket for
+        # their own: refuse directories we cannot trust.
+        st = os.stat(parent)
+        if st.st_uid not in (os.getuid(), 0):
+            raise UnsafeSocketDirError(
+                f"socket directory {parent} belongs to uid {st.st_uid}, not to this user"
+            )
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeSocketDirError(
+                f"socket directory {parent} is writable by every user; use a private directory"
+            )
     try:
         st = os.lstat(path)
     except FileNotFoundError:
