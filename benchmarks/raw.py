@@ -20,9 +20,11 @@ MAX = 4 * 1024 * 1024
 _PAYLOAD = bytes(MAX)
 
 
-class _ServerProto(asyncio.BufferedProtocol):
-    def __init__(self) -> None:
-        self.buf = bytearray(MAX + HEAD.size)
+class _Receiver(asyncio.BufferedProtocol):
+    """Receives into one preallocated buffer; ``got`` bytes are filled."""
+
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
         self.view = memoryview(self.buf)
         self.got = 0
         self.transport: asyncio.Transport | None = None
@@ -32,6 +34,11 @@ class _ServerProto(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.got :]
+
+
+class _ServerProto(_Receiver):
+    def __init__(self) -> None:
+        super().__init__(MAX + HEAD.size)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.got += nbytes
@@ -58,20 +65,11 @@ async def serve(path: str) -> None:
         await server.serve_forever()
 
 
-class _ClientProto(asyncio.BufferedProtocol):
+class _ClientProto(_Receiver):
     def __init__(self) -> None:
-        self.buf = bytearray(MAX)
-        self.view = memoryview(self.buf)
+        super().__init__(MAX)
         self.need = 0
-        self.got = 0
         self.waiter: asyncio.Future[None] | None = None
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view[self.got :]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.got += nbytes
