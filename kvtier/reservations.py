@@ -91,7 +91,3 @@ class ReservationTable:
 
     def all(self) -> Iterable[Reservation]:
         return list(self._by_key.values())
-
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(r.size for r in self._by_key.values())

@@ -99,11 +99,6 @@ class CountingProxy:
                 event.set()
         return response
 
-    def count(self, method: str, path_suffix: str = "") -> int:
-        return sum(
-            n for (m, p), n in self.counts.items() if m == method and p.endswith(path_suffix)
-        )
-
     def when_completed(self, method: str, path: str, n: int = 1) -> threading.Event:
         """An event set once ``n`` requests of ``method`` on ``path`` have been answered."""
         event = threading.Event()

@@ -256,7 +256,6 @@ class DiskTier(LocalTier):
         self.temp_removed = 0
         # index rebuild
         self.buckets_total = 256
-        self.io_threads = io_threads
         self.buckets_scanned = 0
         self._scanned: asyncio.Future[None] | None = None
         # batch fsync

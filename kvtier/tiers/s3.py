@@ -27,7 +27,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvtier.breaker import BreakerState, CircuitBreaker
+from kvtier.breaker import CircuitBreaker
 from kvtier.config import S3TierConfig
 from kvtier.errors import TierError
 from kvtier.metrics import Metrics
@@ -172,10 +172,6 @@ class S3Tier(Tier):
         retries = int(response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
         if retries:
             self.metrics.s3_retries.labels(self.name, op).inc(retries)
-
-    @property
-    def breaker_state(self) -> BreakerState:
-        return self.breaker.state
 
     # -- operations
 
