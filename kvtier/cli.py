@@ -103,12 +103,25 @@ def _table(stats: dict[str, Any]) -> str:
         if isinstance(node, dict):
             for key in sorted(node):
                 walk(f"{prefix}.{key}" if prefix else key, node[key])
+        elif prefix.endswith("bytes") and isinstance(node, int):
+            rows.append((prefix, _human_bytes(node)))
         else:
             rows.append((prefix, str(node)))
 
     walk("", stats)
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{value:.1f} {unit} ({n})"
+    raise AssertionError("unreachable")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

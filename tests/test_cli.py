@@ -58,6 +58,8 @@ def test_put_get_lookup_stats(proc: DaemonProcess, tmp_path: Path) -> None:
     assert stats["tiers"]["ram"]["blocks"] >= 1
     table = kvtier("stats", *sock).stdout.decode()
     assert "tiers.ram.used_bytes" in table
+    capacity = next(line for line in table.splitlines() if "tiers.ram.capacity_bytes" in line)
+    assert capacity.split()[1:] == ["32.0", "MiB", "(33554432)"]
 
 
 def test_put_from_stdin(proc: DaemonProcess) -> None:
