@@ -402,3 +402,15 @@ async def test_a_waiting_lookup_ends_with_its_connection(core: Core) -> None:
     await core.daemon.settle()
     assert core.daemon.service.remotes[0].probes.inflight_count == 0
     assert len(core.tier.lookup_calls) == 1
+
+
+@pytest.mark.lookup(remote_hit="hit")
+async def test_remote_hit_mode_answers_hit_and_loads_on_get(core: Core) -> None:
+    core.tier.blocks[K] = VALUE
+    async with await core.client() as c:
+        assert (await c.lookup([K], wait=30.0)).states == [H]  # present remotely: HIT
+        assert core.tier.load_calls == []  # no promotion started by the lookup
+        assert await c.get(K) == VALUE  # the GET loads it
+        assert len(core.tier.load_calls) == 1
+        assert (await c.lookup([K])).states == [H]  # now resident in RAM
+        await core.assert_idle(c)
