@@ -223,3 +223,14 @@ async def test_write_back_demotes_on_eviction(sock_dir: Path) -> None:
             assert demoted == 5
             for i in range(8):  # everything is still readable, from one tier or the other
                 assert await c.get(bytes([i]) * 4) == bytes([i]) * 300_000
+
+
+async def test_write_policy_none_writes_only_durable_puts(sock_dir: Path) -> None:
+    async with running_daemon(sock_dir, disk={"write_policy": "none"}) as d:
+        assert d.disk is not None
+        async with await Client.connect(d.socket_path) as c:
+            await c.put(b"cache-only", b"x" * 1000)
+            await c.put(b"durable", b"y" * 1000, durable=True)
+            await d.settle()
+            assert not d.disk.contains(b"cache-only")
+            assert d.disk.contains(b"durable")
