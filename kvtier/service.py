@@ -301,6 +301,7 @@ class Service:
         keys = req.keys
         futures: list[asyncio.Future[Any] | None] = []
         disk = self.disk
+        disk_only: list[int] = []  # indices of HITs that are on disk but not in RAM
         if not self.remotes and not self.reservations and (disk is None or not disk.scanning):
             # HIT is 1 and MISS is 0: membership tests map straight onto states.
             states = bytearray(map(self.ram.resident().__contains__, keys))
@@ -309,9 +310,12 @@ class Service:
                 for i in range(len(states)):
                     if not states[i] and on_disk(keys[i]):
                         states[i] = HIT
+                        disk_only.append(i)
         else:
             state_of = self._state
-            states = bytearray(state_of(k, now, futures, seen) for k in keys)
+            states = bytearray(
+                state_of(k, now, futures, seen, disk_only, i) for i, k in enumerate(keys)
+            )
         bound_at: float | None = None
         if req.max_pending_wait > 0:
             result = self.deferrals.observe(
@@ -327,8 +331,9 @@ class Service:
             bound_at = result.expires_at
         window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
         hits, defer = prefix_answer(states, window)
-        if disk is not None and self.disk_cfg.promote_on_lookup:
-            self._prefetch(keys, states, hits if req.mode != LookupMode.KEYS else len(keys), now)
+        if disk_only and self.disk_cfg.promote_on_lookup:
+            limit = hits if req.mode != LookupMode.KEYS else len(keys)
+            self._prefetch(keys, states, disk_only, limit, now)
         collected: list[asyncio.Future[Any]] = []
         if waits is not None and futures:
             # Wait only on keys that can still change the answer: in prefix
@@ -342,19 +347,21 @@ class Service:
                     collected.append(fut)
         return LookupReply(bytes(states), hits, defer), collected, bound_at
 
-    def _prefetch(self, keys: Sequence[bytes], states: bytearray, limit: int, now: float) -> None:
-        """Start loading disk-only HIT keys of the answer into RAM (the engine reads next)."""
-        assert self.disk is not None
-        ram, disk, reservations = self.ram, self.disk, self.reservations
-        for i in range(min(limit, len(keys))):
-            key = keys[i]
-            if (
-                states[i] == HIT
-                and not ram.contains(key)
-                and disk.contains(key)
-                and key not in reservations
-            ):
-                self._promote_from_disk(key, now)
+    def _prefetch(
+        self,
+        keys: Sequence[bytes],
+        states: bytearray,
+        disk_only: list[int],
+        limit: int,
+        now: float,
+    ) -> None:
+        """Start loading the disk-only HITs of the usable answer into RAM (read next)."""
+        reservations = self.reservations
+        for i in disk_only:
+            if i >= limit:
+                break
+            if states[i] == HIT and keys[i] not in reservations:
+                self._promote_from_disk(keys[i], now)
 
     def _count(self, raw: bytes) -> None:
         for state, counter in self._state_counters.items():
@@ -368,9 +375,16 @@ class Service:
         now: float,
         futures: list[asyncio.Future[Any] | None],
         seen: dict[tuple[str, bytes], asyncio.Future[Verdict]] | None = None,
+        disk_only: list[int] | None = None,
+        index: int = 0,
     ) -> int:
         """One key's state; appends the future to wait on (or None)."""
-        if self.ram.contains(key) or (self.disk is not None and self.disk.contains(key)):
+        if self.ram.contains(key):
+            futures.append(None)
+            return HIT
+        if self.disk is not None and self.disk.contains(key):
+            if disk_only is not None:
+                disk_only.append(index)
             futures.append(None)
             return HIT
         res = self.reservations.get(key)
