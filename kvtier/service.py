@@ -92,10 +92,14 @@ class Writer:
 class RemoteSlot:
     """A remote tier with its probe map."""
 
-    def __init__(self, tier: Tier, probes: ProbeMap) -> None:
+    def __init__(self, tier: Tier, probes: ProbeMap, metrics: Metrics) -> None:
         self.tier = tier
         self.probes = probes
         self.name = tier.name
+        # Counters bound once: lookups touch them per key.
+        self.started = metrics.probes.labels(tier.name, "started")
+        self.joined = metrics.probes.labels(tier.name, "joined")
+        self.cached = metrics.probes.labels(tier.name, "cached")
 
     def __repr__(self) -> str:
         return f"<RemoteSlot {self.name} {self.probes!r}>"
@@ -162,6 +166,7 @@ class Service:
                     error_ttl=self.cfg.error_ttl,
                     max_verdicts=self.cfg.max_verdicts,
                 ),
+                metrics,
             )
             for tier in remotes
         ]
@@ -400,7 +405,7 @@ class Service:
                 if earlier is not None and earlier.done():
                     verdict = earlier.result()
             if verdict is Verdict.PRESENT:
-                self.metrics.probes.labels(slot.name, "cached").inc()
+                slot.cached.inc()
                 if self.cfg.remote_hit == "hit":
                     futures.append(None)
                     return HIT
@@ -408,7 +413,7 @@ class Service:
                 futures.append(res.done)
                 return PENDING
             if verdict is not None:
-                self.metrics.probes.labels(slot.name, "cached").inc()
+                slot.cached.inc()
                 continue
             probe = slot.probes.inflight(key)
             if probe is None:
@@ -416,7 +421,7 @@ class Service:
                     continue  # no new backend work once shutdown has begun
                 probe = self._begin_probe(slot, key)
             else:
-                self.metrics.probes.labels(slot.name, "joined").inc()
+                slot.joined.inc()
             if seen is not None:
                 seen[(slot.name, key)] = probe.future
             state = RETRY
@@ -432,7 +437,7 @@ class Service:
 
     def _begin_probe(self, slot: RemoteSlot, key: bytes) -> Probe:
         probe = slot.probes.begin(key, asyncio.get_running_loop())
-        self.metrics.probes.labels(slot.name, "started").inc()
+        slot.started.inc()
         self.scheduler.enqueue_probe(slot.name, key)
         return probe
 
