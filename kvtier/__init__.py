@@ -1,14 +1,22 @@
 """kvtier: a tiered cache sidecar for LLM inference KV-cache blocks.
 
-The public face: the clients, the lookup vocabulary, the config loader and
-the error hierarchy. Everything else is internal.
+The public face: the clients, the lookup vocabulary and the error
+hierarchy, all light to import. ``Config`` and ``load_config`` (pydantic)
+load on first use only, so an engine that imports kvtier for the client
+never pays for the daemon's config.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from kvtier._version import __version__
-from kvtier.config import Config, load_config
+from kvtier.client import BlockingClient, Client
 from kvtier.errors import ErrorCode, KvtierError
-from kvtier.protocol.client import BlockingClient, Client
-from kvtier.protocol.codec import LookupMode, LookupReply, PutStatus, ReserveStatus, State
+from kvtier.model import LookupMode, LookupReply, PutStatus, ReserveStatus, State
+
+if TYPE_CHECKING:
+    from kvtier.config import Config, load_config
 
 __all__ = [
     "BlockingClient",
@@ -24,3 +32,11 @@ __all__ = [
     "__version__",
     "load_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Config", "load_config"):
+        from kvtier import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

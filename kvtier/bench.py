@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from kvtier.protocol.client import Client
-from kvtier.protocol.codec import LookupMode
+from kvtier.client import Client
+from kvtier.model import LookupMode
 
 KiB = 1024
 MiB = 1024 * KiB

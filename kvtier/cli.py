@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
@@ -12,11 +11,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvtier import loops
 from kvtier._version import __version__
+from kvtier.client import Client
 from kvtier.config import Config, load_config, render_toml
+from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.protocol.client import Client
-from kvtier.protocol.codec import LookupMode, State
+from kvtier.model import LookupMode, State
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISS = 0, 1, 2, 3
 
@@ -62,23 +63,12 @@ def _socket(args: argparse.Namespace) -> Path:
     return _config(args).server.socket_path
 
 
-def _aio_run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on uvloop when it is installed (the plain loop is far slower
-    at moving large blocks)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    result: T = uvloop.run(coro)
-    return result
-
-
 def _run_client(args: argparse.Namespace, fn: Callable[[Client], Coroutine[Any, Any, int]]) -> int:
     async def main() -> int:
         async with await Client.connect(_socket(args), timeout=args.timeout) as client:
             return await fn(client)
 
-    return _aio_run(main())
+    return loops.run(main())
 
 
 # -- commands
@@ -198,7 +188,7 @@ def cmd_lookup(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvtier.bench import BLOCK_SIZES, format_table, run_against_daemon
 
-    figures = _aio_run(run_against_daemon(str(_socket(args)), quick=args.quick, sizes=BLOCK_SIZES))
+    figures = loops.run(run_against_daemon(str(_socket(args)), quick=args.quick, sizes=BLOCK_SIZES))
     print(format_table(figures))
     if args.json:
         Path(args.json).write_text(json.dumps([f.as_dict() for f in figures], indent=2))
@@ -224,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--socket", help="daemon socket path (default: from config)")
         p.add_argument("--config", help="TOML config file (default: $KVTIER_CONFIG)")
         if client:
-            p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+            p.add_argument(
+                "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request"
+            )
 
     p = sub.add_parser("serve", help="run the daemon")
     common(p, client=False)

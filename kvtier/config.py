@@ -5,6 +5,10 @@ of precedence).
 Environment variables name nested fields with ``__``:
 ``KVTIER_RAM__CAPACITY=8GiB``, ``KVTIER_SERVER__SOCKET_PATH=/run/kvtier.sock``.
 ``KVTIER_CONFIG`` names the TOML file when ``--config`` is not given.
+
+The daemon's side only: this module loads pydantic, so the client and
+``import kvtier`` never import it (the defaults they share live in
+:mod:`kvtier.defaults`).
 """
 
 from __future__ import annotations
@@ -32,30 +36,17 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from kvtier.defaults import DEFAULT_METRICS_PORT, default_data_dir, default_socket_path
 from kvtier.errors import ConfigError
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
-DEFAULT_METRICS_PORT = 9477
 RAM_AUTO_FRACTION = 0.25
 RAM_AUTO_CAP = 16 * GiB
 RAM_AUTO_FLOOR = 64 * MiB
 DISK_AUTO_FRACTION = 0.10
 DISK_AUTO_CAP = 64 * GiB
-
-
-def default_socket_path() -> Path:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and Path(runtime).is_dir():
-        return Path(runtime) / "kvtier" / "kvtier.sock"
-    return Path(f"/tmp/kvtier-{os.getuid()}") / "kvtier.sock"
-
-
-def default_data_dir() -> Path:
-    """``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``: blocks are a cache."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "kvtier"
 
 
 def free_disk_bytes(path: Path) -> int:

@@ -1,5 +1,9 @@
-"""The daemon: the one place that wires config, tiers, service, server and
+"""The daemon: the one place that wires config, tiers, core, server and
 metrics together, and owns their lifetime (startup -> serve -> shutdown).
+
+Every background task is created in the task group that :meth:`Daemon.run`
+owns; shutdown drains in-flight requests, cancels what is left, and waits
+for it.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from typing import Any
 
 from aiohttp import web
 
+from kvtier import loops
 from kvtier._version import __version__
 from kvtier.config import Config, RemoteTierConfig, S3TierConfig
+from kvtier.core.propagation import RemoteSpec, WritePolicy
+from kvtier.core.scheduler import Scheduler
+from kvtier.core.service import Service
 from kvtier.metrics import Metrics, start_metrics_server
-from kvtier.protocol.server import Server, bind_unix_socket
-from kvtier.scheduler import Scheduler
-from kvtier.service import Limits, Service
+from kvtier.model import Limits
+from kvtier.server.server import Server
+from kvtier.server.sockets import bind_unix_socket
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryRemoteTier
@@ -33,9 +41,9 @@ log = logging.getLogger("kvtier.daemon")
 READY_MESSAGE = "kvtier ready"
 
 
-def build_remote_tier(tc: RemoteTierConfig, metrics: Metrics) -> Tier:
+def build_remote_tier(tc: RemoteTierConfig) -> Tier:
     if isinstance(tc, S3TierConfig):
-        return S3Tier(tc, metrics)
+        return S3Tier(tc)
     return MemoryRemoteTier(tc.name)
 
 
@@ -47,7 +55,6 @@ class Daemon:
         self.config = config
         self.metrics = Metrics()
         self.ram = RamTier(config.ram.capacity_bytes(), make_policy(config.ram.policy))
-        self.metrics.add_tier(self.ram.stats)
         self.disk: DiskTier | None = None
         if config.disk.enabled:
             self.disk = DiskTier(
@@ -57,14 +64,20 @@ class Daemon:
                 io_threads=config.disk.io_threads,
                 policy=make_policy(config.disk.policy),
             )
-            self.metrics.add_tier(self.disk.stats)
-            self.metrics.set_disk_source(self.disk.stats)
+            self.metrics.watch_disk(self.disk.stats)
         if remote_tiers is None:
-            remote_tiers = [build_remote_tier(tc, self.metrics) for tc in config.remote_tiers]
-            policies = [(tc.write_policy, tc.max_pending_write_bytes) for tc in config.remote_tiers]
+            specs = [
+                RemoteSpec(
+                    build_remote_tier(tc), WritePolicy(tc.write_policy), tc.max_pending_write_bytes
+                )
+                for tc in config.remote_tiers
+            ]
         else:
-            policies = [("none", 0) for _ in remote_tiers]
-        self.remote_tiers = list(remote_tiers)
+            specs = [RemoteSpec(tier) for tier in remote_tiers]
+        self.remote_tiers = [spec.tier for spec in specs]
+        for tier in self.remote_tiers:
+            if isinstance(tier, S3Tier):
+                self.metrics.watch_s3(tier)
         self.scheduler = Scheduler(
             batch_window=config.lookup.probe_batch_window,
             max_batch=config.lookup.probe_max_batch,
@@ -76,14 +89,15 @@ class Daemon:
                 max_block_bytes=int(config.server.max_block_bytes),
             ),
             self.ram,
-            self.metrics,
             lookup=config.lookup,
-            remotes=self.remote_tiers,
-            remote_policies=policies,
-            scheduler=self.scheduler,
             disk=self.disk,
             disk_cfg=config.disk,
+            remotes=specs,
+            scheduler=self.scheduler,
         )
+        self.metrics.watch_core(self.service.counters, self.service.map_sizes)
+        self.metrics.watch_tiers(lambda: [t.stats() for t in self.service.tiers()])
+        #: every background task, all children of run()'s task group
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Server | None = None
         self.socket_path: Path = config.server.socket_path
@@ -139,19 +153,19 @@ class Daemon:
             self.service.start(spawn)
             if self.disk is not None:
                 spawn(self.disk.rebuild_index())  # serves meanwhile: unscanned keys read RETRY
-            self.server = Server(
+            self.server = server = Server(
                 self.service,
-                self.metrics,
                 spawn,
                 max_frame=int(self.config.server.max_frame_bytes),
                 max_inflight=self.config.server.max_inflight_per_connection,
             )
+            self.metrics.watch_server(server.counters, lambda: len(server.connections))
             try:
-                await self.server.start(sock)
+                await server.start(sock)
                 self._announce()
                 await self._stop.wait()
             finally:
-                await self._shutdown(self.server, runner)
+                await self._shutdown(server, runner)
                 self.scheduler.stop()
                 await scheduler_task
 
@@ -225,10 +239,5 @@ async def serve(config: Config) -> None:
 
 
 def run(config: Config) -> None:
-    """Run the daemon to completion on uvloop when available."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+    """Run the daemon to completion on the loop :mod:`kvtier.loops` chooses."""
+    loops.run(serve(config))

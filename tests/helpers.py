@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier import wire
 from kvtier.config import load_config
 from kvtier.daemon import READY_MESSAGE, Daemon
-from kvtier.protocol import codec
 from kvtier.tiers.base import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,10 +187,10 @@ class RawConnection:
         meta: bytes = b"",
         data: bytes = b"",
         *,
-        version: int = codec.VERSION,
+        version: int = wire.VERSION,
         flags: int = 0,
     ) -> None:
-        header = codec.HEADER.pack(codec.MAGIC, version, op, flags, 0, rid, len(meta), len(data))
+        header = wire.HEADER.pack(wire.MAGIC, version, op, flags, 0, rid, len(meta), len(data))
         self.send(header + meta + data)
 
     def recv_exact(self, n: int) -> bytes:
@@ -202,11 +202,11 @@ class RawConnection:
             buf += chunk
         return bytes(buf)
 
-    def recv_frame(self) -> codec.Frame:
-        header = codec.unpack_header(self.recv_exact(codec.HEADER_SIZE))
+    def recv_frame(self) -> wire.Frame:
+        header = wire.unpack_header(self.recv_exact(wire.HEADER_SIZE))
         meta = self.recv_exact(header.meta_len)
         data = self.recv_exact(header.data_len)
-        return codec.Frame(header, meta, data)
+        return wire.Frame(header, meta, data)
 
     def at_eof(self) -> bool:
         """True when the server closed the connection (reads EOF)."""

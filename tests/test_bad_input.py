@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier import BlockingClient
+from kvtier import BlockingClient, wire
 from kvtier.errors import ErrorCode
-from kvtier.protocol import codec
-from kvtier.protocol.codec import Op
+from kvtier.model import Lookup
+from kvtier.wire import Op
 from tests.helpers import DaemonProcess, RawConnection, metric_value
 
 
@@ -44,9 +44,9 @@ def raw(proc: DaemonProcess) -> Iterator[RawConnection]:
 def expect_error(raw: RawConnection, rid: int, code: ErrorCode) -> str:
     frame = raw.recv_frame()
     assert frame.header.request_id == rid
-    assert frame.header.flags & codec.FLAG_REPLY
-    assert frame.header.status == code, codec.decode_error(frame.meta)
-    return codec.decode_error(frame.meta)
+    assert frame.header.flags & wire.FLAG_REPLY
+    assert frame.header.status == code, wire.decode_error(frame.meta)
+    return wire.decode_error(frame.meta)
 
 
 def assert_still_usable(raw: RawConnection) -> None:
@@ -62,7 +62,7 @@ def test_unknown_opcode(raw: RawConnection, bystander: BlockingClient) -> None:
 
 
 def test_malformed_reserve(raw: RawConnection, bystander: BlockingClient) -> None:
-    raw.send_frame(Op.RESERVE, 6, codec.encode_keys([b"k"]))  # no deadline, no sizes
+    raw.send_frame(Op.RESERVE, 6, wire.encode_keys([b"k"]))  # no deadline, no sizes
     assert "RESERVE" in expect_error(raw, 6, ErrorCode.MALFORMED)
     assert_still_usable(raw)
 
@@ -74,7 +74,7 @@ def test_wrong_version(raw: RawConnection, bystander: BlockingClient) -> None:
 
 
 def test_hello_without_common_version(raw: RawConnection, bystander: BlockingClient) -> None:
-    raw.send_frame(Op.HELLO, 8, codec.encode_hello(codec.Hello(2, 5, "future")))
+    raw.send_frame(Op.HELLO, 8, wire.encode_hello(wire.Hello(2, 5, "future")))
     expect_error(raw, 8, ErrorCode.UNSUPPORTED_VERSION)
     assert_still_usable(raw)
 
@@ -87,31 +87,31 @@ def test_bad_keys(
     raw: RawConnection, bystander: BlockingClient, keys: list[bytes], fragment: str
 ) -> None:
     for op in (Op.GET, Op.DELETE):
-        raw.send_frame(op, 10, codec.encode_keys(keys))
+        raw.send_frame(op, 10, wire.encode_keys(keys))
         assert fragment in expect_error(raw, 10, ErrorCode.BAD_KEY)
-    raw.send_frame(Op.LOOKUP, 11, codec.encode_lookup(codec.Lookup(keys)))
+    raw.send_frame(Op.LOOKUP, 11, wire.encode_lookup(Lookup(keys)))
     expect_error(raw, 11, ErrorCode.BAD_KEY)
-    meta, data = codec.encode_put(keys, [b"v"] * len(keys))
+    meta, data = wire.encode_put(keys, [b"v"] * len(keys))
     raw.send_frame(Op.PUT, 12, meta, b"".join(data))
     expect_error(raw, 12, ErrorCode.BAD_KEY)
     assert_still_usable(raw)
 
 
 def test_oversized_value_stores_nothing(raw: RawConnection, bystander: BlockingClient) -> None:
-    meta, _ = codec.encode_put([b"small", b"huge"], [b"v", b""])
+    meta, _ = wire.encode_put([b"small", b"huge"], [b"v", b""])
     big = 16 * 1024 * 1024 + 1
-    meta = codec.encode_keys([b"small", b"huge"]) + struct.pack("<2I", 1, big)
+    meta = wire.encode_keys([b"small", b"huge"]) + struct.pack("<2I", 1, big)
     raw.send_frame(Op.PUT, 13, meta, b"v" + bytes(big))
     assert "maximum block size" in expect_error(raw, 13, ErrorCode.VALUE_TOO_LARGE)
-    raw.send_frame(Op.GET, 14, codec.encode_keys([b"small"]))
+    raw.send_frame(Op.GET, 14, wire.encode_keys([b"small"]))
     frame = raw.recv_frame()
-    assert codec.decode_get_reply(frame.meta, frame.data) == [None]  # nothing half-stored
+    assert wire.decode_get_reply(frame.meta, frame.data) == [None]  # nothing half-stored
     assert_still_usable(raw)
 
 
 def test_batch_too_large(raw: RawConnection, bystander: BlockingClient) -> None:
     keys = [i.to_bytes(4, "big") for i in range(65537)]
-    raw.send_frame(Op.GET, 15, codec.encode_keys(keys))
+    raw.send_frame(Op.GET, 15, wire.encode_keys(keys))
     expect_error(raw, 15, ErrorCode.BATCH_TOO_LARGE)
     assert_still_usable(raw)
 
@@ -123,7 +123,7 @@ def test_malformed_message_body(raw: RawConnection, bystander: BlockingClient) -
     expect_error(raw, 17, ErrorCode.MALFORMED)
     raw.send_frame(Op.PING, 18, flags=0x0100)
     assert "unknown flags" in expect_error(raw, 18, ErrorCode.MALFORMED)
-    raw.send_frame(Op.PING, 19, flags=codec.FLAG_REPLY)
+    raw.send_frame(Op.PING, 19, flags=wire.FLAG_REPLY)
     expect_error(raw, 19, ErrorCode.MALFORMED)
     assert_still_usable(raw)
 
@@ -131,7 +131,7 @@ def test_malformed_message_body(raw: RawConnection, bystander: BlockingClient) -
 def test_oversized_frame_closes_only_that_connection(
     raw: RawConnection, bystander: BlockingClient
 ) -> None:
-    raw.send(codec.pack_header(Op.PUT, 20, 0, 0xFFFFFFFF))
+    raw.send(wire.pack_header(Op.PUT, 20, 0, 0xFFFFFFFF))
     assert "exceeds the maximum frame size" in expect_error(raw, 20, ErrorCode.FRAME_TOO_LARGE)
     assert raw.at_eof()
 
@@ -144,8 +144,8 @@ def test_garbage_closes_only_that_connection(raw: RawConnection, bystander: Bloc
 
 def test_truncated_frame_then_hangup(proc: DaemonProcess, bystander: BlockingClient) -> None:
     conn = RawConnection(proc.socket_path)
-    meta, data = codec.encode_put([b"torn"], [b"x" * 100_000])
-    frame = codec.pack_header(Op.PUT, 21, len(meta), 100_000) + meta + data[0]
+    meta, data = wire.encode_put([b"torn"], [b"x" * 100_000])
+    frame = wire.pack_header(Op.PUT, 21, len(meta), 100_000) + meta + data[0]
     conn.send(frame[: len(frame) // 2])
     conn.sock.shutdown(2)
     conn.close()
@@ -158,7 +158,7 @@ def test_client_that_never_reads_does_not_stall_others(
     bystander.put(b"big", bytes(8 * 1024 * 1024))
     hog = RawConnection(proc.socket_path)
     for rid in range(40):  # 320 MiB of replies it never reads
-        hog.send_frame(Op.GET, rid, codec.encode_keys([b"big"]))
+        hog.send_frame(Op.GET, rid, wire.encode_keys([b"big"]))
     assert bystander.get(b"big") == bytes(8 * 1024 * 1024)
     hog.close()
 

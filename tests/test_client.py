@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import BlockingClient, Client, LookupMode, PutStatus, State
+from kvtier import BlockingClient, Client, LookupMode, PutStatus, State, wire
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadKeyError,
@@ -17,7 +17,6 @@ from kvtier.errors import (
     RequestTimeoutError,
     ValueTooLargeError,
 )
-from kvtier.protocol import codec
 
 
 def key(i: int) -> bytes:
@@ -115,27 +114,27 @@ def daemon_thread(sock_dir: Path) -> Iterator[Path]:
 # ------------------------------------------------------------ scripted server
 
 
-FrameHandler = Callable[[list[codec.Frame], asyncio.StreamWriter], None]
+FrameHandler = Callable[[list[wire.Frame], asyncio.StreamWriter], None]
 
 
 async def scripted_server(
-    path: Path, on_frames: Callable[[codec.Frame, asyncio.StreamWriter], None]
+    path: Path, on_frames: Callable[[wire.Frame, asyncio.StreamWriter], None]
 ) -> asyncio.AbstractServer:
     """A server answering HELLO properly and routing other frames to ``on_frames``."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                header = codec.unpack_header(await reader.readexactly(codec.HEADER_SIZE))
+                header = wire.unpack_header(await reader.readexactly(wire.HEADER_SIZE))
                 meta = await reader.readexactly(header.meta_len)
                 data = await reader.readexactly(header.data_len)
-                frame = codec.Frame(header, meta, data)
-                if header.opcode == codec.Op.HELLO:
-                    reply = codec.encode_hello_reply(
-                        codec.HelloReply(1, 256, 1000, 1 << 26, 1 << 24, "scripted")
+                frame = wire.Frame(header, meta, data)
+                if header.opcode == wire.Op.HELLO:
+                    reply = wire.encode_hello_reply(
+                        wire.HelloReply(1, 256, 1000, 1 << 26, 1 << 24, "scripted")
                     )
                     writer.writelines(
-                        codec.frame_parts(codec.Op.HELLO, header.request_id, reply, flags=1)
+                        wire.frame_parts(wire.Op.HELLO, header.request_id, reply, flags=1)
                     )
                 else:
                     on_frames(frame, writer)
@@ -146,16 +145,16 @@ async def scripted_server(
 
 
 async def test_replies_out_of_order_reach_their_callers(sock_dir: Path) -> None:
-    held: list[codec.Frame] = []
+    held: list[wire.Frame] = []
     writers: list[asyncio.StreamWriter] = []
 
-    def on_frame(frame: codec.Frame, writer: asyncio.StreamWriter) -> None:
+    def on_frame(frame: wire.Frame, writer: asyncio.StreamWriter) -> None:
         held.append(frame)
         writers.append(writer)
         if len(held) == 3:  # answer in reverse order
             for f in reversed(held):
                 writer.writelines(
-                    codec.frame_parts(f.header.opcode, f.header.request_id, f.meta, flags=1)
+                    wire.frame_parts(f.header.opcode, f.header.request_id, f.meta, flags=1)
                 )
 
     server = await scripted_server(sock_dir / "s.sock", on_frame)
@@ -165,16 +164,16 @@ async def test_replies_out_of_order_reach_their_callers(sock_dir: Path) -> None:
 
 
 async def test_timeout_drops_the_late_reply(sock_dir: Path) -> None:
-    held: list[tuple[codec.Frame, asyncio.StreamWriter]] = []
+    held: list[tuple[wire.Frame, asyncio.StreamWriter]] = []
     arrived = asyncio.Event()
 
-    def on_frame(frame: codec.Frame, writer: asyncio.StreamWriter) -> None:
+    def on_frame(frame: wire.Frame, writer: asyncio.StreamWriter) -> None:
         if frame.meta == b"slow":
             held.append((frame, writer))
             arrived.set()
             return
         writer.writelines(
-            codec.frame_parts(frame.header.opcode, frame.header.request_id, frame.meta, flags=1)
+            wire.frame_parts(frame.header.opcode, frame.header.request_id, frame.meta, flags=1)
         )
 
     server = await scripted_server(sock_dir / "s.sock", on_frame)
@@ -184,14 +183,14 @@ async def test_timeout_drops_the_late_reply(sock_dir: Path) -> None:
         assert arrived.is_set()
         frame, writer = held[0]
         writer.writelines(
-            codec.frame_parts(frame.header.opcode, frame.header.request_id, b"late", flags=1)
+            wire.frame_parts(frame.header.opcode, frame.header.request_id, b"late", flags=1)
         )
         assert await client.ping(b"fast") == b"fast"  # the late reply went nowhere
         assert repr(client).endswith("in_flight=0>")
 
 
 async def test_server_closing_fails_pending_calls(sock_dir: Path) -> None:
-    def on_frame(frame: codec.Frame, writer: asyncio.StreamWriter) -> None:
+    def on_frame(frame: wire.Frame, writer: asyncio.StreamWriter) -> None:
         writer.close()
 
     server = await scripted_server(sock_dir / "s.sock", on_frame)

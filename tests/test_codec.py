@@ -6,34 +6,26 @@ import struct
 
 import pytest
 
-from kvtier.protocol import codec
-from kvtier.protocol.codec import (
-    FrameReader,
-    Lookup,
-    LookupMode,
-    LookupReply,
-    Op,
-    PutStatus,
-)
+from kvtier import wire
+from kvtier.model import Lookup, LookupMode, LookupReply, PutStatus, Reserve, State
+from kvtier.wire import FrameReader, Op
 
 
 def frame_bytes(op: int, rid: int, meta: bytes = b"", data: bytes = b"", **kw: int) -> bytes:
-    return b"".join(
-        bytes(p) for p in codec.frame_parts(op, rid, meta, [data] if data else [], **kw)
-    )
+    return b"".join(bytes(p) for p in wire.frame_parts(op, rid, meta, [data] if data else [], **kw))
 
 
 def test_header_round_trip() -> None:
-    raw = codec.pack_header(Op.GET, 2**64 - 1, 10, 20, flags=3, status=7)
-    assert len(raw) == codec.HEADER_SIZE == 24
-    h = codec.unpack_header(raw)
+    raw = wire.pack_header(Op.GET, 2**64 - 1, 10, 20, flags=3, status=7)
+    assert len(raw) == wire.HEADER_SIZE == 24
+    h = wire.unpack_header(raw)
     assert (h.version, h.opcode, h.flags, h.status) == (1, Op.GET, 3, 7)
     assert (h.request_id, h.meta_len, h.data_len) == (2**64 - 1, 10, 20)
 
 
 def test_bad_magic_is_rejected() -> None:
-    with pytest.raises(codec.BadMagic):
-        codec.unpack_header(b"XX" + bytes(22))
+    with pytest.raises(wire.BadMagic):
+        wire.unpack_header(b"XX" + bytes(22))
 
 
 @pytest.mark.parametrize(
@@ -46,15 +38,15 @@ def test_bad_magic_is_rejected() -> None:
     ],
 )
 def test_keys_round_trip(keys: list[bytes]) -> None:
-    encoded = codec.encode_keys(keys)
-    decoded, end = codec.decode_keys(encoded)
+    encoded = wire.encode_keys(keys)
+    decoded, end, _ = wire.decode_keys(encoded)
     assert decoded == keys
     assert end == len(encoded)
 
 
 def test_uniform_keys_use_compact_form() -> None:
     keys = [bytes([i]) * 32 for i in range(10)]
-    assert len(codec.encode_keys(keys)) == 6 + 32 * 10
+    assert len(wire.encode_keys(keys)) == 6 + 32 * 10
 
 
 @pytest.mark.parametrize(
@@ -68,97 +60,97 @@ def test_uniform_keys_use_compact_form() -> None:
     ],
 )
 def test_truncated_key_lists_raise(raw: bytes) -> None:
-    with pytest.raises(codec.CodecError):
-        codec.decode_keys(raw)
+    with pytest.raises(wire.CodecError):
+        wire.decode_keys(raw)
 
 
 def test_lookup_round_trip() -> None:
     req = Lookup([b"k1", b"k2"], LookupMode.SLIDING_WINDOW, 4, 0.5, 2.0, b"req-7")
-    assert codec.decode_lookup(codec.encode_lookup(req)) == req
+    assert wire.decode_lookup(wire.encode_lookup(req)) == req
 
 
 def test_reserve_round_trip() -> None:
-    req = codec.Reserve([b"a", b"bb"], [100, 0], 2.5)
-    assert codec.decode_reserve(codec.encode_reserve(req)) == req
-    with pytest.raises(codec.CodecError):
-        codec.decode_reserve(codec.encode_reserve(req)[:-1])
+    req = Reserve([b"a", b"bb"], [100, 0], 2.5)
+    assert wire.decode_reserve(wire.encode_reserve(req)) == req
+    with pytest.raises(wire.CodecError):
+        wire.decode_reserve(wire.encode_reserve(req)[:-1])
 
 
 def test_tag_round_trip() -> None:
-    assert codec.decode_tag(codec.encode_tag(b"req-1")) == b"req-1"
-    with pytest.raises(codec.CodecError):
-        codec.encode_tag(b"x" * 256)
+    assert wire.decode_tag(wire.encode_tag(b"req-1")) == b"req-1"
+    with pytest.raises(wire.CodecError):
+        wire.encode_tag(b"x" * 256)
 
 
 def test_lookup_rejects_unknown_mode_and_trailing_bytes() -> None:
-    good = codec.encode_lookup(Lookup([b"k"]))
-    with pytest.raises(codec.CodecError, match="mode"):
-        codec.decode_lookup(bytes([9]) + good[1:])
-    with pytest.raises(codec.CodecError, match="trailing"):
-        codec.decode_lookup(good + b"!")
+    good = wire.encode_lookup(Lookup([b"k"]))
+    with pytest.raises(wire.CodecError, match="mode"):
+        wire.decode_lookup(bytes([9]) + good[1:])
+    with pytest.raises(wire.CodecError, match="trailing"):
+        wire.decode_lookup(good + b"!")
 
 
 def test_lookup_reply_round_trip() -> None:
     reply = LookupReply(bytes([1, 1, 2, 0]), 2, True)
-    decoded = codec.decode_lookup_reply(codec.encode_lookup_reply(reply))
+    decoded = wire.decode_lookup_reply(wire.encode_lookup_reply(reply))
     assert decoded == reply
     assert decoded.states == [
-        codec.State.HIT,
-        codec.State.HIT,
-        codec.State.PENDING,
-        codec.State.MISS,
+        State.HIT,
+        State.HIT,
+        State.PENDING,
+        State.MISS,
     ]
 
 
 def test_put_round_trip_single_value_is_zero_copy() -> None:
-    meta, _data = codec.encode_put([b"k"], [b"value"])
+    meta, _data = wire.encode_put([b"k"], [b"value"])
     body = bytearray(b"value")
-    keys, values = codec.decode_put(meta, body)
+    keys, values = wire.decode_put(meta, body)
     assert keys == [b"k"]
     assert values[0] is body
 
 
 def test_put_round_trip_many_values_are_copied_out() -> None:
-    meta, data = codec.encode_put([b"a", b"b", b"c"], [b"1", b"", b"333"])
+    meta, data = wire.encode_put([b"a", b"b", b"c"], [b"1", b"", b"333"])
     joined = b"".join(data)
-    keys, values = codec.decode_put(meta, joined)
+    keys, values = wire.decode_put(meta, joined)
     assert keys == [b"a", b"b", b"c"]
     assert [bytes(v) for v in values] == [b"1", b"", b"333"]
     assert all(isinstance(v, bytes) for v in values)
 
 
 def test_put_length_mismatch_raises() -> None:
-    meta, _ = codec.encode_put([b"a"], [b"12345"])
-    with pytest.raises(codec.CodecError, match="lengths"):
-        codec.decode_put(meta, b"1234")
+    meta, _ = wire.encode_put([b"a"], [b"12345"])
+    with pytest.raises(wire.CodecError, match="lengths"):
+        wire.decode_put(meta, b"1234")
 
 
 def test_get_reply_round_trip_with_misses() -> None:
-    meta, data = codec.encode_get_reply([b"one", None, b"", b"four"])
-    out = codec.decode_get_reply(meta, b"".join(data))
+    meta, data = wire.encode_get_reply([b"one", None, b"", b"four"])
+    out = wire.decode_get_reply(meta, b"".join(data))
     assert [None if v is None else bytes(v) for v in out] == [b"one", None, b"", b"four"]
 
 
 def test_hello_and_negotiation() -> None:
-    hello = codec.Hello(1, 3, "me")
-    assert codec.decode_hello(codec.encode_hello(hello)) == hello
-    assert codec.negotiate_version(hello) == 1
-    assert codec.negotiate_version(codec.Hello(2, 3, "future")) is None
-    reply = codec.HelloReply(1, 256, 65536, 1 << 26, 1 << 24, "kvtier/x")
-    assert codec.decode_hello_reply(codec.encode_hello_reply(reply)) == reply
+    hello = wire.Hello(1, 3, "me")
+    assert wire.decode_hello(wire.encode_hello(hello)) == hello
+    assert wire.negotiate_version(hello) == 1
+    assert wire.negotiate_version(wire.Hello(2, 3, "future")) is None
+    reply = wire.HelloReply(1, 256, 65536, 1 << 26, 1 << 24, "kvtier/x")
+    assert wire.decode_hello_reply(wire.encode_hello_reply(reply)) == reply
 
 
 def test_small_status_replies_round_trip() -> None:
     statuses = [PutStatus.STORED, PutStatus.EXISTS]
-    assert codec.decode_put_reply(codec.encode_put_reply(statuses)) == statuses
-    assert codec.decode_delete_reply(codec.encode_delete_reply([True, False])) == [True, False]
+    assert wire.decode_put_reply(wire.encode_put_reply(statuses)) == statuses
+    assert wire.decode_delete_reply(wire.encode_delete_reply([True, False])) == [True, False]
 
 
 # ------------------------------------------------------------------ FrameReader
 
 
-def feed(reader: FrameReader, stream: bytes, chunk: int) -> list[codec.Frame]:
-    frames: list[codec.Frame] = []
+def feed(reader: FrameReader, stream: bytes, chunk: int) -> list[wire.Frame]:
+    frames: list[wire.Frame] = []
     pos = 0
     while pos < len(stream):
         buf = reader.get_buffer(-1)
@@ -210,14 +202,14 @@ def test_reader_reports_partial_frames() -> None:
 
 def test_reader_rejects_oversized_frame_with_its_header() -> None:
     reader = FrameReader(max_frame=1000)
-    with pytest.raises(codec.OversizedFrame) as info:
-        feed(reader, codec.pack_header(Op.PUT, 77, 0, 5000), 100)
+    with pytest.raises(wire.OversizedFrame) as info:
+        feed(reader, wire.pack_header(Op.PUT, 77, 0, 5000), 100)
     assert info.value.header.request_id == 77
 
 
 def test_reader_rejects_garbage() -> None:
     reader = FrameReader(max_frame=1000)
-    with pytest.raises(codec.BadMagic):
+    with pytest.raises(wire.BadMagic):
         feed(reader, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 100)
 
 
@@ -226,9 +218,9 @@ def test_protocol_doc_example_matches_the_codec() -> None:
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
     keys = [bytes.fromhex("00000001"), bytes.fromhex("00000002")]
-    meta = codec.encode_lookup(Lookup(keys, LookupMode.PREFIX))
-    request = codec.pack_header(Op.LOOKUP, 7, len(meta), 0) + meta
-    reply_meta = codec.encode_lookup_reply(LookupReply(bytes([1, 0]), 1, False))
-    reply = codec.pack_header(Op.LOOKUP, 7, len(reply_meta), 0, flags=codec.FLAG_REPLY)
+    meta = wire.encode_lookup(Lookup(keys, LookupMode.PREFIX))
+    request = wire.pack_header(Op.LOOKUP, 7, len(meta), 0) + meta
+    reply_meta = wire.encode_lookup_reply(LookupReply(bytes([1, 0]), 1, False))
+    reply = wire.pack_header(Op.LOOKUP, 7, len(reply_meta), 0, flags=wire.FLAG_REPLY)
     assert f"request `{request.hex()}`" in doc
     assert f"reply `{(reply + reply_meta).hex()}`" in doc

@@ -4,15 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import (
-    DEFAULT_METRICS_PORT,
-    GiB,
-    MiB,
-    auto_ram_capacity,
-    default_socket_path,
-    load_config,
-    render_toml,
-)
+from kvtier.config import GiB, MiB, auto_ram_capacity, load_config, render_toml
+from kvtier.defaults import DEFAULT_METRICS_PORT, default_socket_path
 from kvtier.errors import ConfigError
 
 

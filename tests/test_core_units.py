@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from kvtier.deferral import HIT, MISS, PENDING, RETRY, DeferralTracker, blocking_pending
-from kvtier.probes import ProbeMap, Verdict
-from kvtier.scheduler import Scheduler
-from kvtier.timers import TimerHeap
+from kvtier.core.deferral import DeferralTracker, blocking_pending
+from kvtier.core.probes import ProbeMap, Verdict
+from kvtier.core.scheduler import Scheduler
+from kvtier.core.timers import TimerHeap
+from kvtier.model import HIT, MISS, PENDING, RETRY
 
 # ------------------------------------------------------------------ timers
 
@@ -209,7 +210,7 @@ async def test_abandon_all_resolves_every_probe() -> None:
 
 
 def test_breaker_opens_after_consecutive_failures_and_probes_back() -> None:
-    from kvtier.breaker import BreakerState, CircuitBreaker
+    from kvtier.tiers.breaker import BreakerState, CircuitBreaker
 
     b = CircuitBreaker(failures=3, reset_after=5.0)
     for t in (0.0, 1.0):

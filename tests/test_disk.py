@@ -12,11 +12,10 @@ import pytest
 
 from kvtier import Client, PutStatus, State
 from kvtier.config import DiskConfig
+from kvtier.core.service import Service
 from kvtier.daemon import Daemon
 from kvtier.errors import TierError
-from kvtier.metrics import Metrics
-from kvtier.protocol.codec import Lookup
-from kvtier.service import Limits, Service
+from kvtier.model import Limits, Lookup
 from kvtier.tiers.disk import HEADER, DiskTier
 from kvtier.tiers.ram import RamTier
 from tests.helpers import running_daemon
@@ -161,19 +160,16 @@ async def test_unscanned_keys_read_retry_then_hit(tmp_path: Path) -> None:
     disk = DiskTier(root, 1 << 20)
     disk.prepare()  # index not rebuilt yet
     service = Service(
-        Limits(256, 1000, 1 << 20), RamTier(1 << 20), Metrics(), disk=disk, disk_cfg=DiskConfig()
+        Limits(256, 1000, 1 << 20), RamTier(1 << 20), disk=disk, disk_cfg=DiskConfig()
     )
     async with asyncio.TaskGroup() as tasks:
         service.start(tasks.create_task)
         scheduler = tasks.create_task(service.scheduler.run())
-        reply = service.lookup(Lookup([b"old", b"new"]))
-        assert not isinstance(reply, Lookup) and list(reply.raw_states) == [  # type: ignore[union-attr]
-            State.RETRY,
-            State.RETRY,
-        ]
+        reply = service.try_lookup(Lookup([b"old", b"new"]))
+        assert reply is not None and reply.states == [State.RETRY, State.RETRY]
         await disk.rebuild_index()
-        reply = service.lookup(Lookup([b"old", b"new"]))
-        assert list(reply.raw_states) == [State.HIT, State.MISS]  # type: ignore[union-attr]
+        reply = service.try_lookup(Lookup([b"old", b"new"]))
+        assert reply is not None and reply.states == [State.HIT, State.MISS]
         service.scheduler.stop()
         await scheduler
         service.close()

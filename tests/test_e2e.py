@@ -91,16 +91,16 @@ async def test_sigterm_finishes_in_flight_replies(sock_dir: Path) -> None:
     values = [bytes([i]) * (1024 * 1024) for i in range(64)]
     async with await Client.connect(proc.socket_path) as client:
         await client.put_many(keys, values)
-    from kvtier.protocol import codec
+    from kvtier import wire
 
     raw = RawConnection(proc.socket_path)
-    raw.send_frame(codec.Op.GET, 1, codec.encode_keys(keys))
-    header = codec.unpack_header(raw.recv_exact(codec.HEADER_SIZE))  # reply has begun
+    raw.send_frame(wire.Op.GET, 1, wire.encode_keys(keys))
+    header = wire.unpack_header(raw.recv_exact(wire.HEADER_SIZE))  # reply has begun
     assert header.data_len == 64 * 1024 * 1024
     proc.send_signal(signal.SIGTERM)
     meta = raw.recv_exact(header.meta_len)
     data = raw.recv_exact(header.data_len)
-    out = codec.decode_get_reply(meta, data)
+    out = wire.decode_get_reply(meta, data)
     assert all(o == v for o, v in zip(out, values, strict=True))
     assert raw.at_eof()
     raw.close()

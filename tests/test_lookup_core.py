@@ -119,7 +119,7 @@ async def test_verdict_outlives_its_callers_until_the_truth_changes(core: Core) 
     async with await core.client() as c:
         assert (await c.lookup([K])).states == [R]  # nobody waits on this probe
         gate.set()
-        await wait_until(lambda: core.daemon.service.remotes[0].probes.inflight_count == 0)
+        await wait_until(lambda: core.daemon.service.map_sizes().probes_inflight["mem"] == 0)
         assert (await c.lookup([K])).states == [M]  # from the kept verdict
         assert len(core.tier.lookup_calls) == 1
         assert core.counter("kvtier_probes_total", tier="mem", outcome="cached") == 1
@@ -360,27 +360,28 @@ async def test_shutdown_answers_waiting_lookups_at_once(sock_dir: Path) -> None:
         await writer.close()
         await reader.close()
     # The hung probe was cut short at shutdown and resolved, not left in flight.
-    assert daemon.service.remotes[0].probes.inflight_count == 0
-    assert len(daemon.service.reservations) == 0
+    assert daemon.service.map_sizes().probes_inflight["mem"] == 0
+    assert daemon.service.map_sizes().pending_writes == 0
 
 
 async def test_half_closed_client_gets_its_reply_at_once_then_eof(core: Core) -> None:
-    from kvtier.protocol import codec
+    from kvtier import wire
+    from kvtier.model import Lookup
     from tests.helpers import RawConnection
 
     gate = core.tier.lookup_gate = asyncio.Event()
     raw = RawConnection(core.path)
-    raw.send_frame(codec.Op.LOOKUP, 5, codec.encode_lookup(codec.Lookup([K], wait=600.0)))
+    raw.send_frame(wire.Op.LOOKUP, 5, wire.encode_lookup(Lookup([K], wait=600.0)))
     await core.tier.lookup_started.wait()
     raw.sock.shutdown(1)  # SHUT_WR: the client will not ask again ...
     frame = await asyncio.to_thread(raw.recv_frame)
     # ... so the waiting lookup answers now, with what is known (the probe is gated).
-    assert codec.decode_lookup_reply(frame.meta).states == [R]
+    assert wire.decode_lookup_reply(frame.meta).states == [R]
     assert await asyncio.to_thread(raw.at_eof)
     raw.close()
     gate.set()
     await core.daemon.settle()
-    assert core.daemon.service.remotes[0].probes.inflight_count == 0
+    assert core.daemon.service.map_sizes().probes_inflight["mem"] == 0
 
 
 async def test_a_waiting_lookup_ends_with_its_connection(core: Core) -> None:
@@ -397,10 +398,10 @@ async def test_a_waiting_lookup_ends_with_its_connection(core: Core) -> None:
     with pytest.raises(ConnectionClosedError):
         await waiting
     await wait_until(lambda: not requests())  # the server stopped waiting at once ...
-    assert core.daemon.service.remotes[0].probes.inflight_count == 1  # ... the probe did not
+    assert core.daemon.service.map_sizes().probes_inflight["mem"] == 1  # ... the probe did not
     gate.set()
     await core.daemon.settle()
-    assert core.daemon.service.remotes[0].probes.inflight_count == 0
+    assert core.daemon.service.map_sizes().probes_inflight["mem"] == 0
     assert len(core.tier.lookup_calls) == 1
 
 

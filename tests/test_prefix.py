@@ -2,15 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.prefix import (
-    HIT,
-    MISS,
-    PENDING,
-    RETRY,
-    leading_hits,
-    prefix_answer,
-    sliding_window_hits,
-)
+from kvtier.core.prefix import leading_hits, prefix_answer, sliding_window_hits
+from kvtier.model import HIT, MISS, PENDING, RETRY
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def test_capacity_is_never_exceeded_under_random_load() -> None:
             ram.get(key)
         assert ram.used_bytes <= ram.capacity
         assert all(ram.contains(k) for k in pinned)
-    assert ram.used_bytes == sum(len(ram.get(k) or b"") for k in list(ram._blocks))
+    assert ram.used_bytes == sum(len(ram.get(k) or b"") for k in list(ram.resident()))
 
 
 def test_repr_shows_state() -> None:

@@ -1,8 +1,10 @@
-"""The interface every tier implements.
+"""The interface every tier implements, and the block checksum they share.
 
 Local tiers (RAM, disk) also answer ``contains`` synchronously from an
 in-memory index, so a lookup of a local block never awaits. Remote tiers
-(S3, peers) are probed through ``batch_lookup``.
+(S3, peers) are probed through ``batch_lookup``. A tier keeps its own
+counters (read by metrics at scrape time through ``stats``); tiers never
+import the core or metrics.
 """
 
 from __future__ import annotations
@@ -11,7 +13,17 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-Buffer = bytes | bytearray | memoryview
+import xxhash
+
+from kvtier.model import Buffer
+
+
+def block_checksum(key: bytes, value: Buffer) -> int:
+    """XXH3-64 of key then value: stored with every block on disk and in S3."""
+    h = xxhash.xxh3_64()
+    h.update(key)
+    h.update(value)
+    return h.intdigest()
 
 
 @dataclass(slots=True)

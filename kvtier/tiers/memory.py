@@ -12,7 +12,8 @@ from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from kvtier.errors import TierError
-from kvtier.tiers.base import Buffer, Tier, TierStats
+from kvtier.model import Buffer
+from kvtier.tiers.base import Tier, TierStats
 
 LookupFault = Literal["raise", "hang", "short", "raise_midway"]
 

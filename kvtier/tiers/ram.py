@@ -1,94 +1,91 @@
-"""RAM tier: a byte-capacity block pool with pluggable eviction and pinning."""
+"""RAM tier: blocks in process memory under a byte budget, pinned while read.
+
+Invariants (kept by its :class:`~kvtier.tiers.budget.Budget`): resident plus
+reserved bytes never exceed the capacity; a pinned block is never evicted;
+storing a key that is resident is a no-op (idempotent). Reserved bytes hold
+room for blocks announced by RESERVE. Imports the tiers' base, budget and
+policy; never the core or metrics.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
-from kvtier.tiers.base import Buffer, LocalTier, TierStats
-from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, NoRoom, plan_eviction
-
-
-@dataclass(slots=True)
-class _Block:
-    value: Buffer
-    size: int
-    pins: int = 0
+from kvtier.model import Buffer
+from kvtier.tiers.base import LocalTier, TierStats
+from kvtier.tiers.budget import Budget
+from kvtier.tiers.policy import EvictionPolicy, NoRoom
 
 
 class RamTier(LocalTier):
-    """Blocks in process memory.
-
-    Invariants: ``used_bytes + reserved_bytes <= capacity`` at all times; a
-    pinned block is never evicted; storing a key that is resident is a no-op
-    (idempotent). Reserved bytes hold room for blocks announced by RESERVE.
-    """
-
     name = "ram"
 
     def __init__(self, capacity: int, policy: EvictionPolicy[bytes] | None = None) -> None:
-        if capacity <= 0:
-            raise ValueError("capacity must be positive")
-        self.capacity = capacity
-        self.used_bytes = 0
-        self.reserved_bytes = 0
-        self.evictions = 0
-        self._blocks: dict[bytes, _Block] = {}
-        self._policy: EvictionPolicy[bytes] = policy if policy is not None else LRUPolicy()
+        self.budget = Budget(capacity, policy)
+        self._values: dict[bytes, Buffer] = {}
 
     def __repr__(self) -> str:
-        pinned = sum(1 for b in self._blocks.values() if b.pins)
+        b = self.budget
         return (
-            f"<RamTier used={self.used_bytes}/{self.capacity} reserved={self.reserved_bytes} "
-            f"blocks={len(self._blocks)} pinned={pinned} evictions={self.evictions}>"
+            f"<RamTier used={b.used}/{b.capacity} reserved={b.held} blocks={len(b)} "
+            f"pinned={b.pinned_count} evictions={b.evictions}>"
         )
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._values)
+
+    @property
+    def capacity(self) -> int:
+        return self.budget.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self.budget.used
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.budget.held
+
+    @property
+    def evictions(self) -> int:
+        return self.budget.evictions
 
     # -- index
 
     def contains(self, key: bytes) -> bool:
-        return key in self._blocks
+        return key in self._values
 
-    def resident(self) -> Container[bytes]:
+    def resident(self) -> Collection[bytes]:
         """A live view for bulk membership tests (read-only use)."""
-        return self._blocks.keys()
+        return self._values.keys()
 
     # -- reads
 
     def get(self, key: bytes) -> Buffer | None:
-        block = self._blocks.get(key)
-        if block is None:
-            return None
-        self._policy.touch(key)
-        return block.value
+        value = self._values.get(key)
+        if value is not None:
+            self.budget.touch(key)
+        return value
 
     def pin(self, key: bytes) -> Buffer | None:
         """Read ``key`` and keep it resident until :meth:`unpin`."""
-        block = self._blocks.get(key)
-        if block is None:
-            return None
-        block.pins += 1
-        self._policy.touch(key)
-        return block.value
+        value = self._values.get(key)
+        if value is not None:
+            self.budget.pin(key)
+            self.budget.touch(key)
+        return value
 
     def unpin(self, key: bytes) -> None:
-        block = self._blocks.get(key)
-        if block is not None and block.pins:
-            block.pins -= 1
-
-    def is_pinned(self, key: bytes) -> bool:
-        block = self._blocks.get(key)
-        return block is not None and block.pins > 0
+        if key in self._values:
+            self.budget.unpin(key)
 
     # -- writes
 
     def put(self, key: bytes, value: Buffer) -> tuple[bool, list[tuple[bytes, Buffer]]]:
         """Store ``key``. Returns (stored, evicted pairs); stored is False if resident."""
-        if key in self._blocks:
-            self._policy.touch(key)
+        if key in self._values:
+            self.budget.touch(key)
             return False, []
         size = len(value)
         if size > self.capacity:
@@ -96,27 +93,16 @@ class RamTier(LocalTier):
                 f"value of {size} bytes is larger than the RAM tier ({self.capacity} bytes)"
             )
         evicted = self._make_room(size)
-        self._blocks[key] = _Block(value, size)
-        self.used_bytes += size
-        self._policy.admit(key)
+        self._values[key] = value
+        self.budget.admit(key, size)
         return True, evicted
 
     def _make_room(self, size: int) -> list[tuple[bytes, Buffer]]:
-        free = self.capacity - self.used_bytes - self.reserved_bytes
-        blocks = self._blocks
         try:
-            victims = plan_eviction(
-                size,
-                free,
-                self._policy.candidates(),
-                size_of=lambda k: blocks[k].size,
-                pinned=lambda k: blocks[k].pins > 0,
-            )
+            victims = self.budget.evict_for(size)
         except NoRoom as exc:
             raise NoCapacityError(f"RAM tier: {exc} (every other block is pinned)") from None
-        evicted = [(victim, self._remove(victim).value) for victim in victims]
-        self.evictions += len(evicted)
-        return evicted
+        return [(victim, self._values.pop(victim)) for victim in victims]
 
     def reserve(self, size: int) -> list[tuple[bytes, Buffer]]:
         """Hold ``size`` bytes for a block about to arrive; returns evicted pairs."""
@@ -125,24 +111,19 @@ class RamTier(LocalTier):
                 f"cannot reserve {size} bytes in a RAM tier of {self.capacity} bytes"
             )
         evicted = self._make_room(size)
-        self.reserved_bytes += size
+        self.budget.hold(size)
         return evicted
 
     def release(self, size: int) -> None:
         """Give back bytes held by :meth:`reserve`."""
-        self.reserved_bytes = max(0, self.reserved_bytes - size)
+        self.budget.release(size)
 
     def remove(self, key: bytes) -> bool:
-        if key not in self._blocks:
+        if self._values.pop(key, None) is None:
             return False
-        self._remove(key)
+        self.budget.remove(key)
+        self.budget.drop_pins(key)
         return True
-
-    def _remove(self, key: bytes) -> _Block:
-        block = self._blocks.pop(key)
-        self.used_bytes -= block.size
-        self._policy.remove(key)
-        return block
 
     # -- Tier interface
 
@@ -157,14 +138,12 @@ class RamTier(LocalTier):
         return [self.remove(k) for k in keys]
 
     def stats(self) -> TierStats:
+        b = self.budget
         return TierStats(
             name=self.name,
-            capacity_bytes=self.capacity,
-            used_bytes=self.used_bytes,
-            blocks=len(self._blocks),
-            evictions=self.evictions,
-            extra={
-                "pinned": sum(1 for b in self._blocks.values() if b.pins),
-                "reserved_bytes": self.reserved_bytes,
-            },
+            capacity_bytes=b.capacity,
+            used_bytes=b.used,
+            blocks=len(b),
+            evictions=b.evictions,
+            extra={"pinned": b.pinned_count, "reserved_bytes": b.held},
         )

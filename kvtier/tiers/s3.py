@@ -11,6 +11,11 @@ and a circuit breaker stops calling an endpoint that keeps failing (calls
 fail fast while it is open; one trial request every ``breaker_reset``
 seconds probes it back to health). botocore and aiohttp exceptions are
 converted to :class:`~kvtier.errors.TierError` here, where they enter kvtier.
+
+The tier counts its requests in :class:`S3Counters`, read by metrics at
+scrape time; it never imports the core or metrics. Time comes from an
+injected ``clock`` (monotonic by default), so tests move the breaker's
+clock instead of sleeping.
 """
 
 from __future__ import annotations
@@ -22,16 +27,16 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import xxhash
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvtier.breaker import CircuitBreaker
 from kvtier.config import S3TierConfig
+from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.errors import TierError
-from kvtier.metrics import Metrics
-from kvtier.tiers.base import Buffer, Tier, TierStats
+from kvtier.model import Buffer
+from kvtier.tiers.base import Tier, TierStats, block_checksum
+from kvtier.tiers.breaker import CircuitBreaker
 
 log = logging.getLogger("kvtier.s3")
 
@@ -42,10 +47,22 @@ _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 
 
 def object_checksum(key: bytes, value: Buffer) -> str:
-    h = xxhash.xxh3_64()
-    h.update(key)
-    h.update(value)
-    return h.hexdigest()
+    """The checksum metadata of an object: :func:`block_checksum` in hex."""
+    return f"{block_checksum(key, value):016x}"
+
+
+class S3Counters:
+    """What one S3 tier counts; metrics labels it with the tier's name."""
+
+    def __init__(self) -> None:
+        self.requests = Counts("op", "outcome")
+        self.seconds = Histograms(LATENCY_BUCKETS, "op")
+        self.bytes = Counts("direction")
+        self.retries = Counts("op")
+        self.corrupt = Counts().bind()
+
+    def __repr__(self) -> str:
+        return f"<S3Counters requests={self.requests.total():g} corrupt={self.corrupt.value:g}>"
 
 
 class _NotFound(Exception):
@@ -57,18 +74,18 @@ class _Corrupt(Exception):
 
 
 class S3Tier(Tier):
-    def __init__(self, cfg: S3TierConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, cfg: S3TierConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix
-        self.metrics = metrics if metrics is not None else Metrics()
+        self.counters = S3Counters()
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset)
+        self._clock = clock
+        #: S3 calls in flight at once
         self._limit = asyncio.Semaphore(cfg.max_concurrency)
         self._client: Any = None
         self._exit: contextlib.AsyncExitStack | None = None
-        self.corrupt = 0
-        self.metrics.s3_breaker.labels(self.name).set(0)
 
     def __repr__(self) -> str:
         return f"<S3Tier {self.name} s3://{self.bucket}/{self.prefix} {self.breaker!r}>"
@@ -116,14 +133,12 @@ class S3Tier(Tier):
     # -- one bounded, measured, breaker-guarded call
 
     async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        labels = self.metrics.s3_requests
-        now = time.monotonic()
+        requests = self.counters.requests
         if self._client is None:
             raise TierError(f"{self.name}: not open")
-        if not self.breaker.allow(now):
-            labels.labels(self.name, op, "rejected").inc()
+        if not self.breaker.allow(self._clock()):
+            requests.inc(op, "rejected")
             raise TierError(f"{self.name}: circuit breaker open; not calling S3")
-        self._publish_breaker()
         started = time.perf_counter()
         outcome = "error"
         try:
@@ -160,18 +175,14 @@ class S3Tier(Tier):
             elif outcome == "cancelled":
                 self.breaker.abandon()
             else:
-                self.breaker.failure(time.monotonic())
-            self._publish_breaker()
-            labels.labels(self.name, op, outcome).inc()
-            self.metrics.s3_seconds.labels(self.name, op).observe(time.perf_counter() - started)
-
-    def _publish_breaker(self) -> None:
-        self.metrics.s3_breaker.labels(self.name).set(int(self.breaker.state))
+                self.breaker.failure(self._clock())
+            requests.inc(op, outcome)
+            self.counters.seconds.observe(time.perf_counter() - started, op)
 
     def _count_retries(self, op: str, response: Any) -> None:
         retries = int(response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
         if retries:
-            self.metrics.s3_retries.labels(self.name, op).inc(retries)
+            self.counters.retries.inc(op, n=retries)
 
     # -- operations
 
@@ -202,11 +213,10 @@ class S3Tier(Tier):
         except _NotFound:
             return None
         except _Corrupt as exc:
-            self.corrupt += 1
-            self.metrics.s3_corrupt.labels(self.name).inc()
+            self.counters.corrupt.inc()
             log.warning("%s: object for key %s is corrupt: %s", self.name, key.hex(), exc)
             return None
-        self.metrics.s3_bytes.labels(self.name, "in").inc(len(data))
+        self.counters.bytes.inc("in", n=len(data))
         return data
 
     async def _put(self, key: bytes, value: Buffer) -> None:
@@ -222,7 +232,7 @@ class S3Tier(Tier):
             self._count_retries("put", resp)
 
         await self._call("put", call)
-        self.metrics.s3_bytes.labels(self.name, "out").inc(len(body))
+        self.counters.bytes.inc("out", n=len(body))
 
     async def _delete(self, key: bytes) -> None:
         async def call() -> None:
@@ -254,5 +264,8 @@ class S3Tier(Tier):
             capacity_bytes=0,
             used_bytes=0,
             blocks=0,
-            extra={"corrupt": self.corrupt, "breaker_state": int(self.breaker.state)},
+            extra={
+                "corrupt": int(self.counters.corrupt.value),
+                "breaker_state": int(self.breaker.state),
+            },
         )

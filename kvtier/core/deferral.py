@@ -1,4 +1,4 @@
-"""The reader-side bound on PENDING, per request tag. Pure; imports nothing of kvtier.
+"""The reader-side bound on PENDING, per request tag. Pure; imports only the shared records.
 
 An engine request that keeps finding its prefix blocked by one PENDING key
 should not defer forever: with ``max_pending_wait`` set, the tag's state
@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MISS, HIT, PENDING, RETRY = 0, 1, 2, 3
+from kvtier.model import MISS, PENDING
 
 
 @dataclass(slots=True)

@@ -24,196 +24,37 @@ File I/O runs on a small dedicated thread pool rather than aiofiles: a
 whole block write (open, write, fsync, rename) is one hop to a thread
 instead of one per call, and the pool bounds how many blocks hit the disk
 at once.
+
+Imports the tiers' base, budget and policy; never the core or metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
-import hashlib
 import logging
-import os
-import struct
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import xxhash
-
 from kvtier.errors import TierError, ValueTooLargeError
-from kvtier.tiers.base import Buffer, LocalTier, TierStats
-from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, NoRoom, plan_eviction
+from kvtier.model import Buffer
+from kvtier.tiers.base import LocalTier, TierStats
+from kvtier.tiers.budget import Budget
+from kvtier.tiers.disk.format import SUFFIX, CorruptBlock, block_name, file_size
+from kvtier.tiers.disk.io import (
+    read_block,
+    scan_bucket,
+    sync_paths,
+    unlink_all,
+    write_block,
+)
+from kvtier.tiers.policy import EvictionPolicy, NoRoom
 
 log = logging.getLogger("kvtier.disk")
 
 FsyncPolicy = Literal["none", "batch", "always"]
-
-MAGIC = b"KVTB"
-FORMAT_VERSION = 1
-#: magic, format version, reserved, key length, value length, xxh3_64(key + value)
-HEADER = struct.Struct("<4sBBHQQ")
-SUFFIX = ".blk"
-TMP_MARK = ".tmp-"
-_PEEK = HEADER.size + 4096  # enough to hold any header and key
-
-
-class CorruptBlock(Exception):
-    """A block file failed its format, length, key or checksum check."""
-
-
-def block_name(key: bytes) -> str:
-    return hashlib.blake2b(key, digest_size=16).hexdigest()
-
-
-def checksum(key: bytes, value: Buffer) -> int:
-    h = xxhash.xxh3_64()
-    h.update(key)
-    h.update(value)
-    return h.intdigest()
-
-
-def file_size(key: bytes, value_len: int) -> int:
-    return HEADER.size + len(key) + value_len
-
-
-def parse_header(buf: bytes, file_len: int) -> tuple[bytes, int, int]:
-    """(key, value length, checksum) from a file's first bytes; raises CorruptBlock."""
-    if len(buf) < HEADER.size:
-        raise CorruptBlock("shorter than a header")
-    magic, version, _reserved, key_len, value_len, digest = HEADER.unpack_from(buf, 0)
-    if magic != MAGIC:
-        raise CorruptBlock("bad magic")
-    if version != FORMAT_VERSION:
-        raise CorruptBlock(f"unknown format version {version}")
-    if len(buf) < HEADER.size + key_len:
-        raise CorruptBlock("truncated key")
-    key = bytes(buf[HEADER.size : HEADER.size + key_len])
-    if file_len != HEADER.size + key_len + value_len:
-        raise CorruptBlock(
-            f"file is {file_len} bytes, header says {HEADER.size + key_len + value_len}"
-        )
-    return key, value_len, digest
-
-
-# ---------------------------------------------------------------- blocking helpers
-# These run on the tier's thread pool, never on the event loop.
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_block(
-    path: Path, key: bytes, value: Buffer, fsync: bool, victims: Sequence[Path]
-) -> None:
-    _unlink_all(victims)
-    header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(key), len(value), checksum(key, value))
-    tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            written = os.writev(fd, [header, key, value])
-            total = file_size(key, len(value))
-            if written < total:  # a short vectored write: finish plainly
-                rest = memoryview(b"".join([header, key, bytes(value)]))[written:]
-                while rest:
-                    rest = rest[os.write(fd, rest) :]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        _unlink_all([tmp])
-        raise
-    if fsync:
-        _fsync_dir(path.parent)
-
-
-def _read_block(path: Path, key: bytes) -> memoryview:
-    with open(path, "rb") as fh:
-        data = fh.read()
-    got_key, _value_len, digest = parse_header(data, len(data))
-    if got_key != key:
-        raise CorruptBlock("file holds another key")
-    value = memoryview(data)[HEADER.size + len(key) :]
-    if checksum(key, value) != digest:
-        raise CorruptBlock("checksum mismatch")
-    return value
-
-
-def _unlink_all(paths: Sequence[Path]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _sync_paths(paths: Sequence[Path]) -> None:
-    dirs = set()
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue  # evicted or deleted since; nothing to make durable
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dirs.add(path.parent)
-    for d in dirs:
-        _fsync_dir(d)
-
-
-@dataclass(slots=True)
-class ScanResult:
-    entries: list[tuple[bytes, int]]  # key, file size
-    temp_removed: int = 0
-    corrupt_removed: int = 0
-
-
-def _scan_bucket(bucket: Path) -> ScanResult:
-    """Index one fan-out directory: headers only; torn and stray files go."""
-    result = ScanResult([])
-    try:
-        it = os.scandir(bucket)
-    except FileNotFoundError:
-        return result
-    with it:
-        for entry in it:
-            name = entry.name
-            if TMP_MARK in name:
-                _unlink_all([Path(entry.path)])
-                result.temp_removed += 1
-                continue
-            if not name.endswith(SUFFIX):
-                continue
-            try:
-                size = entry.stat().st_size
-                with open(entry.path, "rb") as fh:
-                    head = fh.read(_PEEK)
-                key, _value_len, _digest = parse_header(head, size)
-                if block_name(key) + SUFFIX != name:
-                    raise CorruptBlock("file name does not match its key")
-            except FileNotFoundError:
-                continue
-            except (CorruptBlock, OSError) as exc:
-                log.warning("discarding unreadable block file %s: %s", entry.path, exc)
-                _unlink_all([Path(entry.path)])
-                result.corrupt_removed += 1
-                continue
-            result.entries.append((key, size))
-    return result
-
-
-# ---------------------------------------------------------------- the tier
 
 
 class DiskTier(LocalTier):
@@ -232,21 +73,15 @@ class DiskTier(LocalTier):
         io_threads: int = 4,
         policy: EvictionPolicy[bytes] | None = None,
     ) -> None:
-        if capacity <= 0:
-            raise ValueError("capacity must be positive")
         self.root = Path(root)
-        self.capacity = capacity
+        #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
+        self.budget = Budget(capacity, policy)
         self.fsync = fsync
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
-        self._policy: EvictionPolicy[bytes] = policy if policy is not None else LRUPolicy()
-        self._index: dict[bytes, int] = {}  # key -> file size
-        self._pins: dict[bytes, int] = {}
+        #: a write or unlink of each key in flight; a second write waits for it
         self._writing: dict[bytes, asyncio.Future[None]] = {}
         self._file_writes: set[bytes] = set()  # keys whose file write is in flight
         self._deleted_while_writing: set[bytes] = set()
-        self.used_bytes = 0
-        self.inflight_bytes = 0
-        self.evictions = 0
         # counters, exposed through stats()
         self.reads = self.read_bytes = 0
         self.writes = self.written_bytes = 0
@@ -267,9 +102,21 @@ class DiskTier(LocalTier):
     def __repr__(self) -> str:
         return (
             f"<DiskTier {self.root} used={self.used_bytes}/{self.capacity} "
-            f"blocks={len(self._index)} writing={len(self._writing)} "
+            f"blocks={len(self.budget)} writing={len(self._writing)} "
             f"scanned={self.buckets_scanned}/{self.buckets_total}>"
         )
+
+    @property
+    def capacity(self) -> int:
+        return self.budget.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self.budget.used
+
+    @property
+    def evictions(self) -> int:
+        return self.budget.evictions
 
     # -- paths
 
@@ -301,17 +148,15 @@ class DiskTier(LocalTier):
         found = 0
         # Scan as many buckets at once as there are I/O threads; merge in order.
         scans = [
-            loop.run_in_executor(self._pool, _scan_bucket, self.root / f"{i:02x}")
+            loop.run_in_executor(self._pool, scan_bucket, self.root / f"{i:02x}")
             for i in range(256)
         ]
         try:
             for i, scan in enumerate(scans):
                 result = await scan
                 for key, size in result.entries:
-                    if key not in self._index and key not in self._writing:
-                        self._index[key] = size
-                        self.used_bytes += size
-                        self._policy.admit(key)
+                    if key not in self.budget and key not in self._writing:
+                        self.budget.admit(key, size)
                         found += 1
                 self.temp_removed += result.temp_removed
                 self.corrupt += result.corrupt_removed
@@ -339,50 +184,33 @@ class DiskTier(LocalTier):
         )
 
     async def _shrink_to_capacity(self) -> None:
-        victims = self._evict(self.used_bytes - self.capacity, 0)
-        await asyncio.get_running_loop().run_in_executor(self._pool, _unlink_all, victims)
+        victims = self._evict(0)  # until indexed plus in-flight bytes fit
+        await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, victims)
 
     # -- index (synchronous)
 
     def contains(self, key: bytes) -> bool:
-        return key in self._index
+        return key in self.budget
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.budget)
 
-    def _drop(self, key: bytes) -> int:
-        size = self._index.pop(key)
-        self.used_bytes -= size
-        self._policy.remove(key)
-        return size
-
-    def _evict(self, need: int, free: int) -> list[Path]:
+    def _evict(self, need: int) -> list[Path]:
         """Remove victims from the index; returns their paths to unlink."""
-        index, pins = self._index, self._pins
-        victims = plan_eviction(
-            need,
-            free,
-            self._policy.candidates(),
-            size_of=lambda k: index[k],
-            pinned=lambda k: pins.get(k, 0) > 0,
-        )
-        for key in victims:
-            self._drop(key)
-        self.evictions += len(victims)
-        return [self.path_of(k) for k in victims]
+        return [self.path_of(k) for k in self.budget.evict_for(need)]
 
     # -- reads
 
     async def read(self, key: bytes) -> Buffer | None:
         """The block, or None if absent; a corrupt file is discarded and counted."""
-        if key not in self._index:
+        if key not in self.budget:
             return None
-        self._pins[key] = self._pins.get(key, 0) + 1
-        self._policy.touch(key)
+        self.budget.pin(key)
+        self.budget.touch(key)
         path = self.path_of(key)
         try:
             value = await asyncio.get_running_loop().run_in_executor(
-                self._pool, _read_block, path, key
+                self._pool, read_block, path, key
             )
         except FileNotFoundError:
             self._forget(key)
@@ -391,23 +219,19 @@ class DiskTier(LocalTier):
             log.warning("discarding corrupt block %s (%s): %s", key.hex(), path, exc)
             self.corrupt += 1
             self._forget(key)
-            await asyncio.get_running_loop().run_in_executor(self._pool, _unlink_all, [path])
+            await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, [path])
             return None
         except OSError as exc:
             raise TierError(f"disk: reading {path} failed: {exc}") from exc
         finally:
-            left = self._pins.get(key, 1) - 1
-            if left:
-                self._pins[key] = left
-            else:
-                self._pins.pop(key, None)
+            self.budget.unpin(key)
         self.reads += 1
         self.read_bytes += len(value)
         return value
 
     def _forget(self, key: bytes) -> None:
-        if key in self._index:
-            self._drop(key)
+        if key in self.budget:
+            self.budget.remove(key)
 
     # -- writes
 
@@ -417,8 +241,8 @@ class DiskTier(LocalTier):
         # Another write (or an unlink) of this key is in flight: let it land first.
         while (pending := self._writing.get(key)) is not None:
             await asyncio.shield(pending)
-        if key in self._index:
-            self._policy.touch(key)
+        if key in self.budget:
+            self.budget.touch(key)
         else:
             size = file_size(key, len(value))
             if size > self.capacity:
@@ -426,17 +250,17 @@ class DiskTier(LocalTier):
                     f"block of {size} bytes is larger than the disk tier ({self.capacity} bytes)"
                 )
             try:
-                victims = self._evict(size, self.capacity - self.used_bytes - self.inflight_bytes)
+                victims = self._evict(size)
             except NoRoom as exc:
                 raise TierError(f"disk: {exc}") from None
             done: asyncio.Future[None] = loop.create_future()
             self._writing[key] = done
             self._file_writes.add(key)
-            self.inflight_bytes += size
+            self.budget.hold(size)
             path = self.path_of(key)
             try:
                 await loop.run_in_executor(
-                    self._pool, _write_block, path, key, value, self.fsync == "always", victims
+                    self._pool, write_block, path, key, value, self.fsync == "always", victims
                 )
             except OSError as exc:
                 self.write_errors += 1
@@ -445,7 +269,7 @@ class DiskTier(LocalTier):
                     raise TierError(f"disk full writing {path}: {exc.strerror}") from exc
                 raise TierError(f"disk: writing {path} failed: {exc}") from exc
             finally:
-                self.inflight_bytes -= size
+                self.budget.release(size)
                 self._file_writes.discard(key)
                 del self._writing[key]
                 if not done.done():
@@ -454,11 +278,9 @@ class DiskTier(LocalTier):
             self.written_bytes += len(value)
             if key in self._deleted_while_writing:
                 self._deleted_while_writing.discard(key)
-                await loop.run_in_executor(self._pool, _unlink_all, [path])
+                await loop.run_in_executor(self._pool, unlink_all, [path])
                 return
-            self._index[key] = size
-            self.used_bytes += size
-            self._policy.admit(key)
+            self.budget.admit(key, size)
             if self.fsync == "batch":
                 self._dirty.append(path)
                 self._write_gen += 1
@@ -477,7 +299,7 @@ class DiskTier(LocalTier):
                 gen = self._write_gen
                 self._syncing = loop.create_future()
                 try:
-                    await loop.run_in_executor(self._pool, _sync_paths, paths)
+                    await loop.run_in_executor(self._pool, sync_paths, paths)
                     self._synced_gen = max(self._synced_gen, gen)
                 finally:
                     fut, self._syncing = self._syncing, None
@@ -496,13 +318,13 @@ class DiskTier(LocalTier):
                 return False
             self._deleted_while_writing.add(key)  # unlinked once its write lands
             return True
-        if key not in self._index:
+        if key not in self.budget:
             return False
-        self._drop(key)
+        self.budget.remove(key)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._writing[key] = done
-        unlink = loop.run_in_executor(self._pool, _unlink_all, [self.path_of(key)])
+        unlink = loop.run_in_executor(self._pool, unlink_all, [self.path_of(key)])
 
         def finished(_f: asyncio.Future[None]) -> None:
             if self._writing.get(key) is done:
@@ -540,7 +362,7 @@ class DiskTier(LocalTier):
             name=self.name,
             capacity_bytes=self.capacity,
             used_bytes=self.used_bytes,
-            blocks=len(self._index),
+            blocks=len(self.budget),
             evictions=self.evictions,
             extra={
                 "reads": self.reads,

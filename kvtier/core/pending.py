@@ -1,11 +1,17 @@
 """Pending writes: reservations by clients and promotions into RAM.
 
-A key with a :class:`Reservation` reads PENDING. Each reservation has an
-owner, a write deadline and a ``done`` future that waiters await; the
-future is resolved however the reservation ends (completed by a store,
-aborted, owner gone, deadline passed), so nothing is pending forever. The
-table only decides and records; the service frees space, resolves metrics
-and logs. Imports nothing of kvtier.
+A key with a :class:`Reservation` reads PENDING. Each reservation has a
+typed owner (a client connection, or a promotion from a named tier), a
+write deadline and a ``done`` future that waiters await. Invariants:
+
+* a key has at most one pending write;
+* ``done`` is resolved however the reservation ends (completed by a store,
+  aborted, owner gone, deadline passed), so nothing is pending forever;
+* only the reservation that holds a key's entry can end it (a stale handle
+  ends nothing).
+
+The table only decides and records; the service frees space, arms timers,
+counts and logs. Imports only the shared records.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.model import ConnId
+
 
 class End(enum.Enum):
     COMPLETED = "completed"
@@ -24,13 +32,26 @@ class End(enum.Enum):
     EXPIRED = "expired"
 
 
+@dataclass(slots=True, frozen=True)
+class Promotion:
+    """A load from a lower tier into RAM, owned by no client."""
+
+    source: str  # the tier the block comes from
+
+    def __str__(self) -> str:
+        return f"promotion from {self.source}"
+
+
+#: who will complete a pending write
+Owner = ConnId | Promotion
+
+
 @dataclass(slots=True, eq=False)
 class Reservation:
     key: bytes
-    owner: str  # "conn#12" for clients, "promotion:<tier>" for promotions
-    owner_id: int  # connection id; 0 for promotions
+    owner: Owner
     deadline: float
-    size: int
+    size: int  # bytes of RAM held for the block (0: none)
     started: float
     done: asyncio.Future[End] = field(repr=False)
     timer: Any = field(default=None, repr=False)  # the scheduler's deadline timer
@@ -40,7 +61,8 @@ class Reservation:
 class ReservationTable:
     def __init__(self) -> None:
         self._by_key: dict[bytes, Reservation] = {}
-        self._by_owner: dict[int, set[bytes]] = {}
+        #: keys reserved by each client connection (promotions are not indexed)
+        self._by_owner: dict[ConnId, set[bytes]] = {}
 
     def __repr__(self) -> str:
         return f"<ReservationTable pending={len(self._by_key)} owners={len(self._by_owner)}>"
@@ -57,18 +79,17 @@ class ReservationTable:
     def add(
         self,
         key: bytes,
-        owner: str,
-        owner_id: int,
+        owner: Owner,
         deadline: float,
         size: int,
         now: float,
         loop: asyncio.AbstractEventLoop,
     ) -> Reservation:
         assert key not in self._by_key, "a key has at most one pending write"
-        res = Reservation(key, owner, owner_id, deadline, size, now, loop.create_future())
+        res = Reservation(key, owner, deadline, size, now, loop.create_future())
         self._by_key[key] = res
-        if owner_id:
-            self._by_owner.setdefault(owner_id, set()).add(key)
+        if isinstance(owner, ConnId):
+            self._by_owner.setdefault(owner, set()).add(key)
         return res
 
     def end(self, res: Reservation, how: End) -> bool:
@@ -76,18 +97,18 @@ class ReservationTable:
         if self._by_key.get(res.key) is not res:
             return False
         del self._by_key[res.key]
-        if res.owner_id:
-            keys = self._by_owner.get(res.owner_id)
+        if isinstance(res.owner, ConnId):
+            keys = self._by_owner.get(res.owner)
             if keys is not None:
                 keys.discard(res.key)
                 if not keys:
-                    del self._by_owner[res.owner_id]
+                    del self._by_owner[res.owner]
         if not res.done.done():
             res.done.set_result(how)
         return True
 
-    def owned_by(self, owner_id: int) -> list[Reservation]:
-        return [self._by_key[k] for k in self._by_owner.get(owner_id, ())]
+    def owned_by(self, owner: ConnId) -> list[Reservation]:
+        return [self._by_key[k] for k in self._by_owner.get(owner, ())]
 
     def all(self) -> Iterable[Reservation]:
         return list(self._by_key.values())

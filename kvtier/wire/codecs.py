@@ -1,39 +1,22 @@
-"""Wire protocol v1: framing and message layouts. Pure: bytes in, messages out.
+"""Wire protocol v1 message layouts: one encoder and decoder per operation.
 
-Nothing here does I/O or imports the rest of kvtier; see docs/protocol.md for
-the specification this module implements. Structural errors raise
-:class:`CodecError` subclasses; the server and client map them onto the
-kvtier error hierarchy at their edges.
+Pure: records of :mod:`kvtier.model` in, bytes out, and back. No I/O; must
+not import the core, the tiers, the server or the client. See
+docs/protocol.md for the layouts.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-Buffer = bytes | bytearray | memoryview
-
-MAGIC = b"KV"
-VERSION = 1
-SUPPORTED_VERSIONS = (1,)
-
-#: magic, version, opcode, flags, status, request id, meta length, data length
-HEADER = struct.Struct("<2sBBHHQII")
-HEADER_SIZE = HEADER.size  # 24
-
-FLAG_REPLY = 0x0001
-FLAG_DURABLE = 0x0002  # PUT: acknowledge once the block is durable
-KNOWN_REQUEST_FLAGS = FLAG_DURABLE
+from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Reserve
+from kvtier.wire.framing import MAX_KEY_BYTES_V1, SUPPORTED_VERSIONS, CodecError
 
 MISSING = 0xFFFFFFFF  # a GET reply length meaning "no such block"
-
-#: Hard ceilings of the v1 encoding (the configured limits must be below them).
-MAX_KEY_BYTES_V1 = 0xFFFF
-MAX_FRAME_BYTES_V1 = 0xFFFFFFFF
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -43,117 +26,6 @@ _LOOKUP_HEAD = struct.Struct("<BBHdd")  # mode, reserved, window, wait, max_pend
 _LOOKUP_REPLY_HEAD = struct.Struct("<IB3xI")  # prefix hits, defer, count
 _HELLO_REQ = struct.Struct("<BB")
 _HELLO_REPLY = struct.Struct("<BxHIII")  # version, max key, max batch, max frame, max block
-
-
-class Op(enum.IntEnum):
-    HELLO = 0x01
-    PING = 0x02
-    STATS = 0x03
-    LOOKUP = 0x10
-    GET = 0x11
-    PUT = 0x12
-    DELETE = 0x13
-    RESERVE = 0x20
-    ABORT = 0x21
-    RELEASE = 0x22
-
-
-class State(enum.IntEnum):
-    """Per-key lookup answer."""
-
-    MISS = 0
-    HIT = 1
-    PENDING = 2
-    RETRY = 3
-
-
-class LookupMode(enum.IntEnum):
-    KEYS = 0  # per-key states only
-    PREFIX = 1  # leading run of HIT
-    SLIDING_WINDOW = 2  # longest prefix whose last `window` blocks all hit
-
-
-class PutStatus(enum.IntEnum):
-    STORED = 0
-    EXISTS = 1
-
-
-class ReserveStatus(enum.IntEnum):
-    """Per-key answer to RESERVE."""
-
-    GRANTED = 0  # the caller now owns the pending write
-    PRESENT = 1  # already readable: nothing to compute
-    PENDING = 2  # another write is in flight: wait for it instead
-    REFUSED = 3  # no room can be made for the announced size
-
-
-class CodecError(Exception):
-    """A frame or message does not follow the v1 encoding."""
-
-
-class BadMagic(CodecError):
-    """The stream does not carry kvtier frames; framing is lost."""
-
-
-class OversizedFrame(CodecError):
-    """A header announces a body above the frame limit; framing is abandoned."""
-
-    def __init__(self, header: Header, limit: int) -> None:
-        super().__init__(
-            f"frame body of {header.meta_len + header.data_len} bytes exceeds "
-            f"the maximum frame size of {limit} bytes"
-        )
-        self.header = header
-
-
-@dataclass(slots=True, frozen=True)
-class Header:
-    version: int
-    opcode: int
-    flags: int
-    status: int
-    request_id: int
-    meta_len: int
-    data_len: int
-
-
-@dataclass(slots=True, frozen=True)
-class Frame:
-    header: Header
-    meta: Buffer
-    data: Buffer
-
-
-def pack_header(
-    opcode: int, request_id: int, meta_len: int, data_len: int, flags: int = 0, status: int = 0
-) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, opcode, flags, status, request_id, meta_len, data_len)
-
-
-def unpack_header(buf: Buffer, offset: int = 0) -> Header:
-    magic, version, opcode, flags, status, rid, meta_len, data_len = HEADER.unpack_from(buf, offset)
-    if magic != MAGIC:
-        raise BadMagic(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    return Header(version, opcode, flags, status, rid, meta_len, data_len)
-
-
-def frame_parts(
-    opcode: int,
-    request_id: int,
-    meta: Buffer = b"",
-    data: Sequence[Buffer] = (),
-    flags: int = 0,
-    status: int = 0,
-) -> list[Buffer]:
-    """The buffers of one frame, for a vectored write (no re-joining)."""
-    data_len = 0
-    for part in data:
-        data_len += len(part)
-    parts: list[Buffer] = [pack_header(opcode, request_id, len(meta), data_len, flags, status)]
-    if meta:
-        parts.append(meta)
-    parts.extend(data)
-    return parts
 
 
 # --------------------------------------------------------------------------- keys
@@ -172,14 +44,8 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     return b"".join((_KEYS_HEAD.pack(n, 0), struct.pack(f"<{n}H", *lengths), *keys))
 
 
-def decode_keys(buf: Buffer, offset: int = 0) -> tuple[list[bytes], int]:
-    """Decode a key list; returns the keys and the offset after it."""
-    keys, end, _uniform = decode_keys_ex(buf, offset)
-    return keys, end
-
-
-def decode_keys_ex(buf: Buffer, offset: int = 0) -> tuple[list[bytes], int, int]:
-    """Like :func:`decode_keys`, also returning the uniform key length (0 if mixed)."""
+def decode_keys(buf: Buffer, offset: int = 0) -> tuple[list[bytes], int, int]:
+    """A key list: the keys, the offset after it, the uniform key length (0 if mixed)."""
     end = len(buf)
     if offset + _KEYS_HEAD.size > end:
         raise CodecError("truncated key list header")
@@ -314,34 +180,6 @@ def negotiate_version(hello: Hello) -> int | None:
 # --------------------------------------------------------------------------- LOOKUP
 
 
-@dataclass(slots=True, frozen=True)
-class Lookup:
-    keys: list[bytes]
-    mode: LookupMode = LookupMode.KEYS
-    window: int = 0
-    wait: float = 0.0
-    max_pending_wait: float = 0.0
-    request_tag: bytes = b""
-    #: the length every key has, when the encoding said so (0: mixed or unknown)
-    key_len: int = field(default=0, compare=False)
-
-
-@dataclass(slots=True, frozen=True)
-class LookupReply:
-    """Per-key states (one byte each, values of :class:`State`) and the prefix answer."""
-
-    raw_states: bytes
-    prefix_hits: int
-    defer: bool
-
-    @property
-    def states(self) -> list[State]:
-        return [State(s) for s in self.raw_states]
-
-    def __len__(self) -> int:
-        return len(self.raw_states)
-
-
 def encode_lookup(req: Lookup) -> bytes:
     tag = req.request_tag
     if len(tag) > 255:
@@ -370,7 +208,7 @@ def decode_lookup(buf: Buffer) -> Lookup:
     tag = bytes(buf[offset : offset + tag_len])
     if len(tag) != tag_len:
         raise CodecError("truncated request tag")
-    keys, end, key_len = decode_keys_ex(buf, offset + tag_len)
+    keys, end, key_len = decode_keys(buf, offset + tag_len)
     _expect_end(buf, end)
     return Lookup(keys, lookup_mode, window, wait, max_pending_wait, tag, key_len)
 
@@ -434,7 +272,7 @@ def encode_put(keys: Sequence[bytes], values: Sequence[Buffer]) -> tuple[bytes, 
 
 def decode_put(meta: Buffer, data: Buffer) -> tuple[list[bytes], list[Buffer]]:
     """Keys and values. A value is a zero-copy view when the frame holds one."""
-    keys, offset = decode_keys(meta, 0)
+    keys, offset, _ = decode_keys(meta, 0)
     lengths, end = _decode_u32_array(meta, offset, len(keys))
     _expect_end(meta, end)
     if sum(lengths) != len(data):
@@ -478,13 +316,6 @@ def decode_delete_reply(buf: Buffer) -> list[bool]:
 _F64 = struct.Struct("<d")
 
 
-@dataclass(slots=True, frozen=True)
-class Reserve:
-    keys: list[bytes]
-    sizes: list[int]  # expected block sizes; 0 = unknown (no room is held)
-    deadline: float = 0.0  # seconds; 0 = the server's pending_deadline
-
-
 def encode_reserve(req: Reserve) -> bytes:
     if len(req.sizes) != len(req.keys):
         raise CodecError("RESERVE needs one size per key")
@@ -501,7 +332,7 @@ def decode_reserve(buf: Buffer) -> Reserve:
     if len(buf) < _F64.size:
         raise CodecError("truncated RESERVE")
     (deadline,) = _F64.unpack_from(buf, 0)
-    keys, offset = decode_keys(buf, _F64.size)
+    keys, offset, _ = decode_keys(buf, _F64.size)
     sizes, end = _decode_u32_array(buf, offset, len(keys))
     _expect_end(buf, end)
     return Reserve(keys, list(sizes), deadline)
@@ -549,106 +380,3 @@ def encode_error(message: str) -> bytes:
 
 def decode_error(buf: Buffer) -> str:
     return bytes(buf).decode(errors="replace")
-
-
-# --------------------------------------------------------------------------- framing
-
-
-_MIN_TAIL = 16 * 1024
-
-
-class FrameReader:
-    """Incremental frame assembler for ``asyncio.BufferedProtocol``.
-
-    Small frames are received into one reusable buffer and many are parsed per
-    ``recv``; a frame whose body exceeds ``direct_threshold`` is received
-    straight into a buffer of its own (no copy), which becomes the frame's
-    ``meta``/``data`` views. Bodies above ``max_frame`` raise
-    :class:`OversizedFrame` and leave the reader unusable (the caller closes).
-    """
-
-    def __init__(
-        self,
-        max_frame: int,
-        buffer_size: int = 256 * 1024,
-        direct_threshold: int = 64 * 1024,
-    ) -> None:
-        if buffer_size < direct_threshold + HEADER_SIZE:
-            raise ValueError("buffer_size must hold a header plus a direct_threshold body")
-        self.max_frame = max_frame
-        self.direct_threshold = direct_threshold
-        self._buf = bytearray(buffer_size)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
-        self._body: bytearray | None = None
-        self._body_filled = 0
-        self._body_header: Header | None = None
-
-    def __repr__(self) -> str:
-        mode = f"direct {self._body_filled}/{len(self._body)}" if self._body is not None else "ring"
-        return f"<FrameReader {mode} buffered={self._end - self._start}>"
-
-    @property
-    def idle(self) -> bool:
-        """True when no partial frame is buffered."""
-        return self._body is None and self._start == self._end
-
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        if self._body is not None:
-            return memoryview(self._body)[self._body_filled :]
-        # Compact before the tail gets small, so that a recv never reads a
-        # few bytes at a time; a partial frame here is at most
-        # HEADER_SIZE + direct_threshold bytes, which always fits.
-        if len(self._buf) - self._end < _MIN_TAIL and self._start > 0:
-            self._compact()
-        return self._view[self._end :]
-
-    def _compact(self) -> None:
-        pending = self._end - self._start
-        self._buf[:pending] = self._view[self._start : self._end]
-        self._start, self._end = 0, pending
-
-    def buffer_updated(self, nbytes: int) -> list[Frame]:
-        frames: list[Frame] = []
-        if self._body is not None:
-            self._body_filled += nbytes
-            if self._body_filled < len(self._body):
-                return frames
-            frames.append(self._finish_direct())
-            return frames
-        self._end += nbytes
-        self._parse(frames)
-        return frames
-
-    def _finish_direct(self) -> Frame:
-        assert self._body is not None and self._body_header is not None
-        body, header = memoryview(self._body), self._body_header
-        self._body, self._body_header, self._body_filled = None, None, 0
-        return Frame(header, body[: header.meta_len], body[header.meta_len :])
-
-    def _parse(self, frames: list[Frame]) -> None:
-        view = self._view
-        while self._end - self._start >= HEADER_SIZE:
-            header = unpack_header(view, self._start)
-            body_len = header.meta_len + header.data_len
-            if body_len > self.max_frame:
-                raise OversizedFrame(header, self.max_frame)
-            body_start = self._start + HEADER_SIZE
-            available = self._end - body_start
-            if available >= body_len:
-                meta_end = body_start + header.meta_len
-                frame_end = meta_end + header.data_len
-                frames.append(
-                    Frame(header, bytes(view[body_start:meta_end]), bytes(view[meta_end:frame_end]))
-                )
-                self._start = frame_end
-                continue
-            if body_len > self.direct_threshold:
-                body = bytearray(body_len)
-                body[:available] = view[body_start : self._end]
-                self._body, self._body_header, self._body_filled = body, header, available
-                self._start = self._end = 0
-            break
-        if self._start == self._end:
-            self._start = self._end = 0

@@ -1,14 +1,13 @@
-"""How long a prefix of a key chain can be loaded. Pure; imports nothing of kvtier.
+"""How long a prefix of a key chain can be loaded. Pure; imports only the shared records.
 
-States are the wire values: 0 MISS, 1 HIT, 2 PENDING, 3 RETRY.
+States are the plain ints of :mod:`kvtier.model`: 0 MISS, 1 HIT, 2 PENDING, 3 RETRY.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-MISS, HIT, PENDING, RETRY = 0, 1, 2, 3
-
+from kvtier.model import HIT, PENDING, RETRY
 
 _HIT_BYTE = bytes([HIT])
 

@@ -1,66 +1,60 @@
-"""The reference client: async, pipelined over one connection, plus a
-blocking wrapper for synchronous engine code.
+"""The reference client, async: pipelined over one Unix-socket connection.
 
 Every call sends one or more frames with fresh request ids and awaits the
 matching replies, so any number of calls may be in flight at once on one
 connection. A miss is ``None``; failures raise :class:`~kvtier.errors.KvtierError`.
+
+Imports only the wire, the shared records, the errors and the light
+defaults: never pydantic, aiobotocore, prometheus_client, the core or the
+server, so an engine that imports it pays for none of them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import threading
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import Future as ConcurrentFuture
+from collections.abc import Sequence
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
+from kvtier import wire
 from kvtier._version import __version__
+from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
 from kvtier.errors import (
     ConnectionClosedError,
     DaemonUnavailableError,
-    KvtierError,
     ProtocolError,
     RequestTimeoutError,
     error_from_code,
 )
-from kvtier.protocol import codec
-from kvtier.protocol.codec import (
-    FLAG_DURABLE,
-    Buffer,
-    Frame,
-    LookupMode,
-    LookupReply,
-    Op,
-    PutStatus,
-    ReserveStatus,
-)
+from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Reserve, ReserveStatus
+from kvtier.wire import FLAG_DURABLE, Frame, HelloReply, Op
+from kvtier.wire.flow_control import FlowControl
 
-T = TypeVar("T")
 #: seconds, None for no limit, or ``...`` for the client's default
 Timeout = float | None | EllipsisType
 
-DEFAULT_TIMEOUT = 30.0
 #: values at least this large travel one per frame (received without a copy)
 _SOLO_VALUE_BYTES = 64 * 1024
 
 
 class _ClientProtocol(asyncio.BufferedProtocol):
     def __init__(self, max_frame: int) -> None:
-        self.reader = codec.FrameReader(max_frame)
+        self.reader = wire.FrameReader(max_frame)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future[Frame]] = {}
         self.closed_exc: Exception | None = None
-        self._can_write = asyncio.Event()
-        self._can_write.set()
+        self.flow: FlowControl | None = None
         self.closed_event = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<_ClientProtocol pending={len(self.pending)} {self.flow!r} {self.reader!r}>"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the Transport API without subclassing it
         self.transport = cast(asyncio.Transport, transport)
+        self.flow = FlowControl(self.transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -68,7 +62,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             frames = self.reader.buffer_updated(nbytes)
-        except codec.CodecError as exc:
+        except wire.CodecError as exc:
             self._fail(ProtocolError(f"bad reply stream from the server: {exc}"))
             if self.transport is not None:
                 self.transport.abort()
@@ -85,7 +79,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self._fail(ConnectionClosedError(f"connection to the daemon closed: {exc or 'EOF'}"))
-        self._can_write.set()
+        if self.flow is not None:
+            self.flow.closed()
         self.closed_event.set()
 
     def _fail(self, exc: Exception) -> None:
@@ -97,13 +92,16 @@ class _ClientProtocol(asyncio.BufferedProtocol):
                 fut.set_exception(exc)
 
     def pause_writing(self) -> None:
-        self._can_write.clear()
+        if self.flow is not None:
+            self.flow.pause_writing()
 
     def resume_writing(self) -> None:
-        self._can_write.set()
+        if self.flow is not None:
+            self.flow.resume_writing()
 
     async def drain(self) -> None:
-        await self._can_write.wait()
+        if self.flow is not None:
+            await self.flow.drain()
 
 
 def _expire(fut: asyncio.Future[Frame], seconds: float) -> None:
@@ -122,7 +120,7 @@ class Client:
         self.timeout = timeout
         self.name = name
         self._ids = itertools.count(1)
-        self.server: codec.HelloReply | None = None
+        self.server: HelloReply | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -140,15 +138,11 @@ class Client:
 
         ``path`` defaults to the daemon's default socket path.
         """
-        if path is None:
-            from kvtier.config import default_socket_path
-
-            path = default_socket_path()
-        path = Path(path)
+        path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await loop.create_unix_connection(
-                lambda: _ClientProtocol(codec.MAX_FRAME_BYTES_V1), str(path)
+                lambda: _ClientProtocol(wire.MAX_FRAME_BYTES_V1), str(path)
             )
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DaemonUnavailableError(f"no kvtier daemon is listening on {path}: {exc}") from exc
@@ -189,7 +183,7 @@ class Client:
         rid = next(self._ids)
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         proto.pending[rid] = fut
-        proto.transport.writelines(codec.frame_parts(op, rid, meta, data, flags=flags))
+        proto.transport.writelines(wire.frame_parts(op, rid, meta, data, flags=flags))
         fut.add_done_callback(lambda _f: proto.pending.pop(rid, None))
         return fut
 
@@ -210,7 +204,7 @@ class Client:
                 fut.cancel()  # no-op when done; frees the slot when abandoned
         for frame in frames:
             if frame.header.status:
-                raise error_from_code(frame.header.status, codec.decode_error(frame.meta))
+                raise error_from_code(frame.header.status, wire.decode_error(frame.meta))
         return frames
 
     async def _call(
@@ -223,9 +217,7 @@ class Client:
     ) -> Frame:
         """One request, one reply: the per-call fast path (no gather, no timeout context)."""
         fut = self._send(op, meta, data, flags)
-        proto = self._protocol
-        if not proto._can_write.is_set():
-            await proto.drain()
+        await self._protocol.drain()
         seconds = self._timeout(timeout)
         handle = None
         if seconds is not None:
@@ -236,7 +228,7 @@ class Client:
             if handle is not None:
                 handle.cancel()
         if frame.header.status:
-            raise error_from_code(frame.header.status, codec.decode_error(frame.meta))
+            raise error_from_code(frame.header.status, wire.decode_error(frame.meta))
         return frame
 
     def _timeout(self, timeout: Timeout) -> float | None:
@@ -250,11 +242,11 @@ class Client:
 
     # -- operations
 
-    async def hello(self) -> codec.HelloReply:
+    async def hello(self) -> HelloReply:
         frame = await self._call(
-            Op.HELLO, codec.encode_hello(codec.Hello(1, codec.VERSION, self.name))
+            Op.HELLO, wire.encode_hello(wire.Hello(1, wire.VERSION, self.name))
         )
-        return codec.decode_hello_reply(frame.meta)
+        return wire.decode_hello_reply(frame.meta)
 
     async def ping(self, payload: bytes = b"", *, timeout: Timeout = ...) -> bytes:
         frame = await self._call(Op.PING, payload, timeout=timeout)
@@ -262,7 +254,7 @@ class Client:
 
     async def stats(self, *, timeout: Timeout = ...) -> dict[str, Any]:
         frame = await self._call(Op.STATS, b"", timeout=timeout)
-        result: dict[str, Any] = codec.decode_json(frame.meta)
+        result: dict[str, Any] = wire.decode_json(frame.meta)
         return result
 
     async def lookup(
@@ -277,19 +269,19 @@ class Client:
         timeout: Timeout = ...,
     ) -> LookupReply:
         """Per-key states of ``keys`` and the usable prefix (``prefix_hits``, ``defer``)."""
-        meta = codec.encode_lookup(
-            codec.Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag)
+        meta = wire.encode_lookup(
+            Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag)
         )
         frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
-        return codec.decode_lookup_reply(frame.meta)
+        return wire.decode_lookup_reply(frame.meta)
 
     async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> LookupReply:
         return await self.lookup(keys, mode=LookupMode.PREFIX, timeout=timeout)
 
     async def get(self, key: bytes, *, timeout: Timeout = ...) -> memoryview | None:
         """The block stored under ``key``, or None."""
-        frame = await self._call(Op.GET, codec.encode_keys([key]), timeout=timeout)
-        return codec.decode_get_reply(frame.meta, frame.data)[0]
+        frame = await self._call(Op.GET, wire.encode_keys([key]), timeout=timeout)
+        return wire.decode_get_reply(frame.meta, frame.data)[0]
 
     async def get_many(
         self, keys: Sequence[bytes], *, timeout: Timeout = ...
@@ -297,13 +289,13 @@ class Client:
         """Blocks of ``keys`` in order (None where missing); read-only views, no copy."""
         step = self._max_batch()
         futs = [
-            self._send(Op.GET, codec.encode_keys(keys[i : i + step]))
+            self._send(Op.GET, wire.encode_keys(keys[i : i + step]))
             for i in range(0, len(keys), step)
         ]
         frames = await self._await(futs, self._timeout(timeout))
         out: list[memoryview | None] = []
         for frame in frames:
-            out.extend(codec.decode_get_reply(frame.meta, frame.data))
+            out.extend(wire.decode_get_reply(frame.meta, frame.data))
         return out
 
     async def put(
@@ -315,10 +307,10 @@ class Client:
         timeout: Timeout = ...,
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent)."""
-        meta, data = codec.encode_put([key], [value])
+        meta, data = wire.encode_put([key], [value])
         flags = FLAG_DURABLE if durable else 0
         frame = await self._call(Op.PUT, meta, data, flags, timeout)
-        return codec.decode_put_reply(frame.meta)[0]
+        return wire.decode_put_reply(frame.meta)[0]
 
     async def put_many(
         self,
@@ -333,13 +325,13 @@ class Client:
             raise ValueError("put_many needs one value per key")
         flags = FLAG_DURABLE if durable else 0
         futs = [
-            self._send(Op.PUT, *codec.encode_put(k, v), flags=flags)
+            self._send(Op.PUT, *wire.encode_put(k, v), flags=flags)
             for k, v in self._put_batches(keys, values)
         ]
         frames = await self._await(futs, self._timeout(timeout))
         out: list[PutStatus] = []
         for frame in frames:
-            out.extend(codec.decode_put_reply(frame.meta))
+            out.extend(wire.decode_put_reply(frame.meta))
         return out
 
     def _put_batches(
@@ -370,8 +362,8 @@ class Client:
         return (await self.delete_many([key], timeout=timeout))[0]
 
     async def delete_many(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> list[bool]:
-        frame = await self._call(Op.DELETE, codec.encode_keys(keys), timeout=timeout)
-        return codec.decode_delete_reply(frame.meta)
+        frame = await self._call(Op.DELETE, wire.encode_keys(keys), timeout=timeout)
+        return wire.decode_delete_reply(frame.meta)
 
     async def reserve(
         self,
@@ -389,136 +381,16 @@ class Client:
         :meth:`abort`, the deadline, or this connection closing.
         """
         sizes = list(sizes) if sizes is not None else [0] * len(keys)
-        meta = codec.encode_reserve(codec.Reserve(list(keys), sizes, deadline))
+        meta = wire.encode_reserve(Reserve(list(keys), sizes, deadline))
         frame = await self._call(Op.RESERVE, meta, timeout=timeout)
-        return [ReserveStatus(s) for s in codec.decode_status_bytes(frame.meta)]
+        return [ReserveStatus(s) for s in wire.decode_status_bytes(frame.meta)]
 
     async def abort(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> list[bool]:
         """Drop this connection's reservations of ``keys``; True where one ended."""
-        frame = await self._call(Op.ABORT, codec.encode_keys(keys), timeout=timeout)
-        return [bool(s) for s in codec.decode_status_bytes(frame.meta)]
+        frame = await self._call(Op.ABORT, wire.encode_keys(keys), timeout=timeout)
+        return [bool(s) for s in wire.decode_status_bytes(frame.meta)]
 
     async def release(self, request_tag: bytes, *, timeout: Timeout = ...) -> bool:
         """Free the daemon's per-request lookup state of ``request_tag``."""
-        frame = await self._call(Op.RELEASE, codec.encode_tag(request_tag), timeout=timeout)
+        frame = await self._call(Op.RELEASE, wire.encode_tag(request_tag), timeout=timeout)
         return bool(frame.meta and frame.meta[0])
-
-    async def raw_request(
-        self,
-        op: int,
-        meta: Buffer = b"",
-        data: Sequence[Buffer] = (),
-        flags: int = 0,
-        *,
-        timeout: Timeout = ...,
-    ) -> Frame:
-        """Send any frame and return the reply frame (error replies raise)."""
-        return await self._call(op, meta, data, flags, timeout)
-
-
-class BlockingClient:
-    """The same operations for synchronous code.
-
-    Runs a private event loop in a daemon thread; each method blocks the
-    calling thread until its reply arrives. Safe to share between threads:
-    calls from several threads are pipelined on the one connection.
-    """
-
-    def __init__(
-        self,
-        path: str | Path | None = None,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        name: str = f"kvtier-python-blocking/{__version__}",
-    ) -> None:
-        self._loop = _new_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kvtier-client", daemon=True
-        )
-        self._thread.start()
-        try:
-            self._client: Client = self._run(Client.connect(path, timeout=timeout, name=name))
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    def __repr__(self) -> str:
-        return f"<BlockingClient {self._client!r}>"
-
-    def __enter__(self) -> BlockingClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        fut: ConcurrentFuture[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        with contextlib.suppress(KvtierError):
-            self._run(self._client.close())
-        self._stop_loop()
-
-    @property
-    def server(self) -> codec.HelloReply | None:
-        return self._client.server
-
-    def ping(self, payload: bytes = b"", **kw: Any) -> bytes:
-        return self._run(self._client.ping(payload, **kw))
-
-    def stats(self, **kw: Any) -> dict[str, Any]:
-        return self._run(self._client.stats(**kw))
-
-    def lookup(self, keys: Sequence[bytes], **kw: Any) -> LookupReply:
-        return self._run(self._client.lookup(keys, **kw))
-
-    def lookup_prefix(self, keys: Sequence[bytes], **kw: Any) -> LookupReply:
-        return self._run(self._client.lookup_prefix(keys, **kw))
-
-    def get(self, key: bytes, **kw: Any) -> memoryview | None:
-        return self._run(self._client.get(key, **kw))
-
-    def get_many(self, keys: Sequence[bytes], **kw: Any) -> list[memoryview | None]:
-        return self._run(self._client.get_many(keys, **kw))
-
-    def put(self, key: bytes, value: Buffer, **kw: Any) -> PutStatus:
-        return self._run(self._client.put(key, value, **kw))
-
-    def put_many(
-        self, keys: Sequence[bytes], values: Sequence[Buffer], **kw: Any
-    ) -> list[PutStatus]:
-        return self._run(self._client.put_many(keys, values, **kw))
-
-    def delete(self, key: bytes, **kw: Any) -> bool:
-        return self._run(self._client.delete(key, **kw))
-
-    def delete_many(self, keys: Sequence[bytes], **kw: Any) -> list[bool]:
-        return self._run(self._client.delete_many(keys, **kw))
-
-    def reserve(
-        self, keys: Sequence[bytes], sizes: Sequence[int] | None = None, **kw: Any
-    ) -> list[ReserveStatus]:
-        return self._run(self._client.reserve(keys, sizes, **kw))
-
-    def abort(self, keys: Sequence[bytes], **kw: Any) -> list[bool]:
-        return self._run(self._client.abort(keys, **kw))
-
-    def release(self, request_tag: bytes, **kw: Any) -> bool:
-        return self._run(self._client.release(request_tag, **kw))
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop

@@ -1,0 +1,85 @@
+"""What the core counts, and the typed outcomes it counts by.
+
+The service bumps these plain counters; ``kvtier.metrics`` reads them at
+scrape time. No Prometheus here, no sockets. Every outcome is an enum whose
+value is the label the docs (docs/metrics.md) name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.counters import Counts, Histograms
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+DEFERRED_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ProbeUse(enum.Enum):
+    STARTED = "started"  # a backend probe was queued
+    JOINED = "joined"  # a probe was already in flight
+    CACHED = "cached"  # a kept verdict answered
+
+
+class ProbeFailure(enum.Enum):
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    BAD_RESULT = "bad_result"
+
+
+class Promoted(enum.Enum):
+    STARTED = "started"
+    COMPLETED = "completed"
+    ABSENT = "absent"  # the tier no longer had it
+    FAILED = "failed"
+    SUPERSEDED = "superseded"  # the key was stored or invalidated meanwhile
+    CANCELLED = "cancelled"  # deadline or shutdown
+
+
+class Written(enum.Enum):
+    """How a background write to a lower tier ended."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Dropped(enum.Enum):
+    """Why a background write to a lower tier was given up."""
+
+    BACKLOG = "backlog"
+    FAILED = "failed"
+
+
+class CoreCounters:
+    def __init__(self) -> None:
+        self.lookup_keys = Counts("state")
+        self.probes = Counts("tier", "outcome")
+        self.probe_verdicts = Counts("tier", "verdict")
+        self.probe_failures = Counts("tier", "kind")
+        self.probe_superseded = Counts("tier")
+        self.probe_batch_size = Histograms(BATCH_BUCKETS, "tier")
+        self.reservations = Counts("event")
+        self.pending_deadline_expired = Counts().bind()
+        self.lookup_pending_expired = Counts().bind()
+        self.lookup_deferred_seconds = Histograms(DEFERRED_BUCKETS).bind()
+        self.promotions = Counts("tier", "outcome")
+        self.demotions = Counts("tier", "outcome")
+        self.writes_dropped = Counts("tier", "cause")
+
+    def __repr__(self) -> str:
+        return (
+            f"<CoreCounters lookup_keys={self.lookup_keys.total():g} "
+            f"promotions={self.promotions.total():g}>"
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class MapSizes:
+    """Sizes of the service's maps (all drain to 0 when idle), read at scrape time."""
+
+    probes_inflight: dict[str, int]
+    verdicts_cached: dict[str, int]
+    pending_writes: int
+    request_states: int

@@ -1,0 +1,134 @@
+"""Write propagation: which lower tiers a stored or evicted block flows to.
+
+Each lower tier is a :class:`Writer` with a write policy:
+
+* ``write-through`` - every block stored by a client is written down in
+  the background;
+* ``write-back`` - a block is written down when RAM evicts it (a demotion);
+* ``none`` - nothing flows down (durable PUTs still reach the disk).
+
+A block promoted from a remote tier is also kept on the local disk unless
+its policy is ``none``; a block promoted from a tier is never written back
+to that tier. Background writes are bounded per tier: past
+``max_pending`` bytes in flight a write is dropped and counted, never
+queued without bound. Imports the tiers' interface and the core's counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.core.counts import CoreCounters, Dropped, Written
+from kvtier.model import Buffer
+from kvtier.tiers.base import Tier
+
+log = logging.getLogger("kvtier.service")
+
+
+class WritePolicy(enum.Enum):
+    WRITE_THROUGH = "write-through"
+    WRITE_BACK = "write-back"
+    NONE = "none"
+
+
+class WriteReason(enum.Enum):
+    WRITE_THROUGH = "write-through"  # a client stored it
+    DEMOTION = "demotion"  # RAM evicted it
+    KEEP_LOCAL = "keep-local"  # promoted from a remote tier, kept on disk too
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteSpec:
+    """A remote tier and how stores flow to it."""
+
+    tier: Tier
+    policy: WritePolicy = WritePolicy.NONE
+    max_pending: int = 0
+
+
+@dataclass(slots=True)
+class Writer:
+    """A lower tier that blocks flow to."""
+
+    name: str
+    policy: WritePolicy
+    #: bytes of background writes allowed in flight to this tier
+    max_pending: int
+    write: Callable[[bytes, Buffer], Awaitable[None]]
+    holds: Callable[[bytes], bool]  # already there: nothing to write
+    local: bool
+    #: bytes of background writes in flight now; bounded by max_pending
+    pending: int = 0
+
+
+class Propagation:
+    def __init__(
+        self,
+        writers: Sequence[Writer],
+        counters: CoreCounters,
+        task: Callable[[Coroutine[Any, Any, None]], object],
+        closing: Callable[[], bool],
+    ) -> None:
+        self.writers = list(writers)
+        self._local = {w.name for w in self.writers if w.local}
+        self._counters = counters
+        self._task = task
+        self._closing = closing
+
+    def __repr__(self) -> str:
+        busy = {w.name: w.pending for w in self.writers if w.pending}
+        return f"<Propagation writers={[w.name for w in self.writers]} in_flight={busy}>"
+
+    def stored(self, key: bytes, value: Buffer, promoted_from: str | None) -> None:
+        """``key`` was newly stored in RAM (by a client, or promoted from a tier)."""
+        for w in self.writers:
+            if promoted_from is None:
+                reason = WriteReason.WRITE_THROUGH
+                wanted = w.policy is WritePolicy.WRITE_THROUGH
+            else:
+                # A promoted block is in its source already; one that came from
+                # a remote tier is kept on the local disk as well.
+                reason = WriteReason.KEEP_LOCAL
+                wanted = (
+                    w.local
+                    and w.policy is not WritePolicy.NONE
+                    and promoted_from not in self._local
+                )
+            if wanted and not w.holds(key):
+                self._write_behind(w, key, value, reason)
+
+    def evicted(self, victims: Sequence[tuple[bytes, Buffer]]) -> None:
+        """RAM evicted ``victims``: write-back tiers take them."""
+        for key, value in victims:
+            for w in self.writers:
+                if w.policy is WritePolicy.WRITE_BACK and not w.holds(key):
+                    self._write_behind(w, key, value, WriteReason.DEMOTION)
+
+    def _write_behind(self, w: Writer, key: bytes, value: Buffer, why: WriteReason) -> None:
+        size = len(value)
+        if self._closing() or w.pending + size > w.max_pending:
+            self._counters.writes_dropped.inc(w.name, Dropped.BACKLOG.value)
+            return
+        w.pending += size
+        self._task(self._run(w, key, value, why, size))
+
+    async def _run(self, w: Writer, key: bytes, value: Buffer, why: WriteReason, size: int) -> None:
+        outcome = Written.FAILED
+        try:
+            await w.write(key, value)
+            outcome = Written.COMPLETED
+        except asyncio.CancelledError:
+            outcome = Written.CANCELLED
+            raise
+        except Exception as exc:
+            self._counters.writes_dropped.inc(w.name, Dropped.FAILED.value)
+            log.warning("%s: %s of key %s failed: %s", w.name, why.value, key.hex(), exc)
+        finally:
+            w.pending -= size
+            if why is WriteReason.DEMOTION:
+                self._counters.demotions.inc(w.name, outcome.value)

@@ -1,0 +1,156 @@
+"""The records every wing shares: keys, lookup states, replies, statuses, limits.
+
+Pure: imports nothing of kvtier and no third-party package. The wire codecs
+encode these records, the core computes them, the server and the client pass
+them along; none of them defines its own copy.
+
+States are plain ints on the hot path (a lookup builds a ``bytearray`` of
+them); :class:`State` names the same values for callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+#: a block value: the bytes themselves or a view over them (never copied needlessly)
+Buffer = bytes | bytearray | memoryview
+
+#: starts a background task in the daemon's task group
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+class State(enum.IntEnum):
+    """Per-key lookup answer (one byte each on the wire)."""
+
+    MISS = 0  # in no tier: recompute
+    HIT = 1  # readable now from RAM or disk
+    PENDING = 2  # a write is in flight: ask again next step
+    RETRY = 3  # existence not known yet (a remote probe is in flight): ask again
+
+
+#: the same values as plain ints, for the byte-per-key hot path
+MISS: Final = 0
+HIT: Final = 1
+PENDING: Final = 2
+RETRY: Final = 3
+
+STATE_NAMES: Final = {s.value: s.name.lower() for s in State}
+
+
+class LookupMode(enum.IntEnum):
+    KEYS = 0  # per-key states only
+    PREFIX = 1  # leading run of HIT
+    SLIDING_WINDOW = 2  # longest prefix whose last `window` blocks all hit
+
+
+class PutStatus(enum.IntEnum):
+    STORED = 0
+    EXISTS = 1
+
+
+class ReserveStatus(enum.IntEnum):
+    """Per-key answer to RESERVE."""
+
+    GRANTED = 0  # the caller now owns the pending write
+    PRESENT = 1  # already readable: nothing to compute
+    PENDING = 2  # another write is in flight: wait for it instead
+    REFUSED = 3  # no room can be made for the announced size
+
+
+@dataclass(slots=True, frozen=True)
+class Lookup:
+    keys: list[bytes]
+    mode: LookupMode = LookupMode.KEYS
+    window: int = 0
+    wait: float = 0.0
+    max_pending_wait: float = 0.0
+    request_tag: bytes = b""
+    #: the length every key has, when the encoding said so (0: mixed or unknown)
+    key_len: int = field(default=0, compare=False)
+
+
+@dataclass(slots=True, frozen=True)
+class LookupReply:
+    """Per-key states (one byte each, values of :class:`State`) and the prefix answer."""
+
+    raw_states: bytes
+    prefix_hits: int
+    defer: bool
+
+    @property
+    def states(self) -> list[State]:
+        return [State(s) for s in self.raw_states]
+
+    def __len__(self) -> int:
+        return len(self.raw_states)
+
+
+@dataclass(slots=True, frozen=True)
+class Reserve:
+    keys: list[bytes]
+    sizes: list[int]  # expected block sizes; 0 = unknown (no room is held)
+    deadline: float = 0.0  # seconds; 0 = the server's pending_deadline
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """What one request may carry; announced to clients in the HELLO reply."""
+
+    max_key_bytes: int
+    max_batch: int
+    max_block_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class ConnId:
+    """The server's identity of one client connection (a reservation's owner)."""
+
+    value: int
+
+    def __str__(self) -> str:
+        return f"conn#{self.value}"
+
+
+class CacheService(Protocol):
+    """The verbs the server calls; the core's ``Service`` implements them.
+
+    One calling convention: ``try_*`` answers now or returns None when the
+    answer needs I/O, in which case the server awaits the async verb of the
+    same name. Verbs without an async twin never wait.
+    """
+
+    limits: Limits
+
+    def try_lookup(self, req: Lookup) -> LookupReply | None: ...
+
+    async def lookup(
+        self, req: Lookup, cutoff: asyncio.Future[None] | None = None
+    ) -> LookupReply: ...
+
+    def try_get(self, keys: Sequence[bytes]) -> list[Buffer | None] | None: ...
+
+    async def get(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
+
+    def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None: ...
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[PutStatus]: ...
+
+    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None: ...
+
+    def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None: ...
+
+    async def delete(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]: ...
+
+    def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]: ...
+
+    def release(self, tag: bytes) -> bool: ...
+
+    def connection_closed(self, owner: ConnId) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...

@@ -1,0 +1,285 @@
+"""One client connection: frames in, handlers called, replies out.
+
+A ``BufferedProtocol`` receives frames into reusable buffers (see
+:class:`~kvtier.wire.framing.FrameReader`). A handler that answers without
+awaiting is replied to inline; one that must wait runs as a task in the
+daemon's task group, so replies may leave out of order (request ids pair
+them up) and a slow request never blocks a fast one on the same connection.
+
+Invariants: reading pauses while replies back up or ``max_inflight``
+requests are running, so one client cannot grow the daemon's memory; a
+connection closes once nothing is in flight after EOF or during shutdown;
+``done`` is set in ``connection_lost`` whatever happened.
+
+Imports the wire, the shared records and the errors; never the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from kvtier import wire
+from kvtier.errors import (
+    ErrorCode,
+    KvtierError,
+    ShuttingDownError,
+    UnknownOpcodeError,
+    UnsupportedVersionError,
+)
+from kvtier.model import Buffer, ConnId
+from kvtier.wire import FLAG_REPLY, Frame, Op
+from kvtier.wire.flow_control import FlowControl
+
+if TYPE_CHECKING:
+    from kvtier.server.server import Server
+
+log = logging.getLogger("kvtier.server")
+
+OP_NAMES = {int(op): op.name.lower() for op in Op}
+ERROR_NAMES = {int(c): c.name.lower() for c in ErrorCode}
+_CLOSES_FRAMING = (ErrorCode.MALFORMED, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OPCODE)
+
+
+@dataclass(slots=True)
+class Reply:
+    """A reply's meta and data; ``on_sent`` runs once the frame is handed to the transport."""
+
+    meta: bytes
+    data: list[Buffer] = field(default_factory=list)
+    on_sent: Callable[[], None] | None = None
+
+
+@dataclass(slots=True)
+class Later:
+    """A handler's answer that needs awaiting: the server runs it as a task."""
+
+    reply: Awaitable[Reply]
+    #: ends with the caller: cancelled when the connection goes (a waiting lookup)
+    cancel_on_close: bool = False
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One client connection."""
+
+    def __init__(self, server: Server, conn_id: int) -> None:
+        self.server = server
+        self.conn_id = ConnId(conn_id)
+        self.reader = wire.FrameReader(server.max_frame)
+        self.transport: asyncio.Transport | None = None
+        self.flow: FlowControl | None = None
+        #: requests running as tasks; bounded by the server's max_inflight
+        self.inflight = 0
+        self.closed = False
+        self._eof = False
+        #: waiting lookups, cancelled when the connection goes
+        self._waiting: set[asyncio.Task[None]] = set()
+        #: resolved when the client has sent EOF
+        self.eof: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        #: set once this connection has nothing left to do (used by shutdown)
+        self.done = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Connection #{self.conn_id.value} inflight={self.inflight} closed={self.closed} "
+            f"eof={self._eof} {self.flow!r} {self.reader!r}>"
+        )
+
+    # -- asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the Transport API without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+        self.flow = FlowControl(self.transport)
+        self.server.connection_opened(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        if self.flow is not None:
+            self.flow.closed()
+        for task in list(self._waiting):
+            task.cancel()
+        try:
+            self.server.connection_closed(self)
+        finally:
+            self.done.set()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.server.counters.received_bytes.value += nbytes
+        try:
+            frames = self.reader.buffer_updated(nbytes)
+        except wire.OversizedFrame as exc:
+            self._fatal(
+                exc.header.opcode, exc.header.request_id, ErrorCode.FRAME_TOO_LARGE, str(exc)
+            )
+            return
+        except wire.BadMagic as exc:
+            self._fatal(0, 0, ErrorCode.MALFORMED, f"{exc}; closing the connection")
+            return
+        for frame in frames:
+            self._dispatch(frame)
+        self._maybe_finish()
+
+    def eof_received(self) -> bool | None:
+        # The client finished sending: replies still in flight are written,
+        # then the connection closes (see _maybe_finish).
+        self._eof = True
+        # The client sends nothing more, so it cannot ask again: waiting
+        # lookups answer now with what is known.
+        if not self.eof.done():
+            self.eof.set_result(None)
+        if self.inflight:
+            return True  # keep the write side open until they are done
+        return None
+
+    def pause_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.pause_writing()
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.resume_writing()
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Stop reading requests while replies back up or too many are in flight."""
+        if self.transport is None or self.flow is None:
+            return
+        self.flow.reading(not self.flow.write_paused and self.inflight < self.server.max_inflight)
+
+    # -- requests
+
+    def _dispatch(self, frame: Frame) -> None:
+        header = frame.header
+        started = time.perf_counter()
+        op_name = OP_NAMES.get(header.opcode, "unknown")
+        try:
+            if header.version not in wire.SUPPORTED_VERSIONS:
+                raise UnsupportedVersionError(
+                    f"protocol version {header.version} is not supported; "
+                    f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
+                )
+            if header.flags & FLAG_REPLY or header.status:
+                raise wire.CodecError("a request must have the reply flag and status clear")
+            if header.flags & ~wire.KNOWN_REQUEST_FLAGS:
+                raise wire.CodecError(f"unknown flags 0x{header.flags:04x}")
+            if self.server.shutting_down and not self.server.admits_during_shutdown(self):
+                raise ShuttingDownError("the daemon is shutting down")
+            handler = self.server.ops.handlers.get(header.opcode)
+            if handler is None:
+                raise UnknownOpcodeError(f"unknown opcode 0x{header.opcode:02x}")
+            answer = handler(self, frame)
+        except Exception as exc:  # converted to an error reply at this edge
+            self._reply_error(header.opcode, header.request_id, exc, op_name, started)
+            return
+        if isinstance(answer, Reply):
+            self._reply(header.opcode, header.request_id, answer)
+            self.server.observe(op_name, "ok", time.perf_counter() - started)
+            return
+        self.inflight += 1
+        self._update_reading()
+        task = self.server.spawn(
+            self._finish(header.opcode, header.request_id, answer.reply, op_name, started)
+        )
+        if answer.cancel_on_close:
+            # A waiting lookup only waits for its caller: when the caller goes,
+            # so does it (the probes it joined are shared and carry on).
+            self._waiting.add(task)
+            task.add_done_callback(self._waiting.discard)
+
+    async def _finish(
+        self, opcode: int, request_id: int, pending: Awaitable[Reply], op_name: str, started: float
+    ) -> None:
+        try:
+            try:
+                reply = await pending
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._reply_error(opcode, request_id, exc, op_name, started)
+                return
+            self._reply(opcode, request_id, reply)
+            self.server.observe(op_name, "ok", time.perf_counter() - started)
+        finally:
+            self.inflight -= 1
+            self._update_reading()
+            self._maybe_finish()
+
+    def _reply(self, opcode: int, request_id: int, reply: Reply) -> None:
+        try:
+            self._write(
+                wire.frame_parts(opcode, request_id, reply.meta, reply.data, flags=FLAG_REPLY)
+            )
+        finally:
+            if reply.on_sent is not None:
+                reply.on_sent()
+
+    def _reply_error(
+        self, opcode: int, request_id: int, exc: Exception, op_name: str, started: float
+    ) -> None:
+        code, message = error_of(exc)
+        if code == ErrorCode.INTERNAL:
+            log.error("request %s #%d failed", op_name, request_id, exc_info=exc)
+        self.server.observe(op_name, ERROR_NAMES.get(code, "error"), time.perf_counter() - started)
+        if code in _CLOSES_FRAMING:
+            self.server.counters.protocol_errors.inc(ERROR_NAMES[code])
+        self._write(
+            wire.frame_parts(
+                opcode, request_id, wire.encode_error(message), flags=FLAG_REPLY, status=code
+            )
+        )
+
+    def _write(self, parts: list[Buffer]) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # the client is gone; its reply has nowhere to go
+        self.transport.writelines(parts)
+        self.server.counters.sent_bytes.value += sum(len(p) for p in parts)
+
+    def _fatal(self, opcode: int, request_id: int, code: ErrorCode, message: str) -> None:
+        """Framing is lost: say why, then close only this connection."""
+        log.warning("connection #%d: %s", self.conn_id.value, message)
+        self.server.counters.protocol_errors.inc(ERROR_NAMES[code])
+        self.server.observe(OP_NAMES.get(opcode, "unknown"), ERROR_NAMES[code], 0.0)
+        self._write(
+            wire.frame_parts(
+                opcode, request_id, wire.encode_error(message), flags=FLAG_REPLY, status=code
+            )
+        )
+        if self.transport is not None:
+            self.transport.close()  # flushes the error reply first
+
+    def _maybe_finish(self) -> None:
+        """Close once nothing is in flight, after EOF or during shutdown."""
+        if (
+            (self.server.shutting_down or self._eof)
+            and self.inflight == 0
+            and self.reader.idle
+            and self.transport is not None
+            and not self.transport.is_closing()
+        ):
+            self.transport.close()
+
+    def close_if_idle(self) -> None:
+        self._maybe_finish()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def error_of(exc: BaseException) -> tuple[ErrorCode, str]:
+    """The wire error code and message of an exception: the server's one mapping."""
+    if isinstance(exc, KvtierError):
+        return exc.code, exc.message
+    if isinstance(exc, wire.CodecError):
+        return ErrorCode.MALFORMED, str(exc)
+    return ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}"

@@ -1,0 +1,141 @@
+"""Accept connections, count what they do, shut down gracefully.
+
+The server owns the listening socket, the set of open connections, the op
+table and the request counters (read by metrics at scrape time). Shutdown
+stops accepting, lets in-flight requests finish within a grace period, then
+closes what is left: connections drain by their own events, never by
+polling. Imports the wire, the shared records and the errors; never the
+core or metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from kvtier._version import __version__
+from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
+from kvtier.model import CacheService, Spawn
+from kvtier.server.connection import Connection
+from kvtier.server.ops import Ops
+
+log = logging.getLogger("kvtier.server")
+
+
+class ServerCounters:
+    """What the server counts; metrics reads it at scrape time."""
+
+    def __init__(self) -> None:
+        self.requests = Counts("op", "outcome")
+        self.request_seconds = Histograms(LATENCY_BUCKETS, "op")
+        self.protocol_errors = Counts("code")
+        self.connections = Counts().bind()
+        self.received_bytes = Counts().bind()
+        self.sent_bytes = Counts().bind()
+
+    def __repr__(self) -> str:
+        return (
+            f"<ServerCounters requests={self.requests.total():g} "
+            f"connections={self.connections.value:g}>"
+        )
+
+
+class Server:
+    """Accepts connections and routes frames to the op table."""
+
+    def __init__(
+        self,
+        service: CacheService,
+        spawn: Spawn,
+        *,
+        max_frame: int,
+        max_inflight: int,
+        server_name: str = f"kvtier/{__version__}",
+    ) -> None:
+        self.spawn = spawn
+        self.max_frame = max_frame
+        #: requests one connection may have running at once before reading pauses
+        self.max_inflight = max_inflight
+        self.server_name = server_name
+        self.counters = ServerCounters()
+        self.ops = Ops(
+            service, max_frame=max_frame, server_name=server_name, server_stats=self.stats
+        )
+        self.connections: set[Connection] = set()
+        self.shutting_down = False
+        #: connections that had a partial frame when shutdown began: that frame is served
+        self._busy_at_shutdown: set[Connection] = set()
+        self._service = service
+        self._next_id = 0
+        self._aserver: asyncio.AbstractServer | None = None
+        # bound once: every request records one
+        self._observed: dict[tuple[str, str], Any] = {}
+
+    def __repr__(self) -> str:
+        return f"<Server connections={len(self.connections)} shutting_down={self.shutting_down}>"
+
+    def stats(self) -> dict[str, Any]:
+        return {"connections": len(self.connections), "version": self.server_name}
+
+    def observe(self, op: str, outcome: str, seconds: float) -> None:
+        cells = self._observed.get((op, outcome))
+        if cells is None:
+            cells = self._observed[(op, outcome)] = (
+                self.counters.requests.bind(op, outcome),
+                self.counters.request_seconds.bind(op),
+            )
+        cells[0].value += 1
+        cells[1].observe(seconds)
+
+    # -- lifecycle
+
+    async def start(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._aserver = await loop.create_unix_server(self._new_connection, sock=sock)
+
+    def _new_connection(self) -> Connection:
+        self._next_id += 1
+        return Connection(self, self._next_id)
+
+    def connection_opened(self, conn: Connection) -> None:
+        self.connections.add(conn)
+        self.counters.connections.value += 1
+
+    def connection_closed(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        self._busy_at_shutdown.discard(conn)
+        self._service.connection_closed(conn.conn_id)
+
+    def admits_during_shutdown(self, conn: Connection) -> bool:
+        """A frame that was partly received when shutdown began is still served."""
+        if conn in self._busy_at_shutdown:
+            if conn.reader.idle:
+                self._busy_at_shutdown.discard(conn)
+            return True
+        return False
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop accepting, let in-flight requests finish within ``grace``, then close."""
+        self.shutting_down = True
+        if self._aserver is not None:
+            self._aserver.close()
+        self._busy_at_shutdown = {c for c in self.connections if not c.reader.idle}
+        for conn in list(self.connections):
+            conn.close_if_idle()
+        waiters = [conn.done.wait() for conn in list(self.connections)]
+        if waiters:
+            try:
+                async with asyncio.timeout(grace):
+                    await asyncio.gather(*waiters)
+            except TimeoutError:
+                log.warning(
+                    "%d connection(s) still busy after the %.1fs grace period; closing them",
+                    len(self.connections),
+                    grace,
+                )
+                for conn in list(self.connections):
+                    conn.abort()
+        if self._aserver is not None:
+            await self._aserver.wait_closed()

@@ -1,0 +1,120 @@
+"""A byte budget for one local tier: capacity, sizes, pins and the eviction order.
+
+The RAM tier and the disk tier both keep one. It decides which keys go to
+make room (through the tier's eviction policy, skipping pinned keys) and
+keeps the byte accounting; the tier owns the values or files and does the
+removal it is told to. Pure; imports only the policy module.
+
+Invariants: ``used + held <= capacity`` after every admit (``held``: bytes
+promised to blocks still arriving); a pinned key is never chosen; a key is
+admitted at most once (its size is fixed until it is removed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, plan_eviction
+
+
+class Budget:
+    def __init__(self, capacity: int, policy: EvictionPolicy[bytes] | None = None) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        #: bytes of admitted keys
+        self.used = 0
+        #: bytes promised to blocks still arriving (reservations, writes in flight)
+        self.held = 0
+        self.evictions = 0
+        self._sizes: dict[bytes, int] = {}
+        #: readers of each key; a pinned key is never evicted
+        self._pins: dict[bytes, int] = {}
+        self._policy: EvictionPolicy[bytes] = policy if policy is not None else LRUPolicy()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Budget used={self.used}/{self.capacity} held={self.held} "
+            f"keys={len(self._sizes)} pinned={len(self._pins)} evictions={self.evictions}>"
+        )
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used - self.held
+
+    @property
+    def pinned_count(self) -> int:
+        return len(self._pins)
+
+    def keys(self) -> Iterable[bytes]:
+        return self._sizes.keys()
+
+    def size_of(self, key: bytes) -> int:
+        return self._sizes[key]
+
+    # -- membership
+
+    def admit(self, key: bytes, size: int) -> None:
+        assert key not in self._sizes, "a key is admitted once"
+        self._sizes[key] = size
+        self.used += size
+        self._policy.admit(key)
+
+    def touch(self, key: bytes) -> None:
+        self._policy.touch(key)
+
+    def remove(self, key: bytes) -> int:
+        """Forget ``key``; returns its size (the caller frees the value)."""
+        size = self._sizes.pop(key)
+        self.used -= size
+        self._policy.remove(key)
+        return size
+
+    # -- pins
+
+    def pin(self, key: bytes) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: bytes) -> None:
+        left = self._pins.get(key, 0) - 1
+        if left > 0:
+            self._pins[key] = left
+        else:
+            self._pins.pop(key, None)
+
+    def drop_pins(self, key: bytes) -> None:
+        """``key`` is gone: its readers hold their own references to the value."""
+        self._pins.pop(key, None)
+
+    # -- room
+
+    def evict_for(self, need: int) -> list[bytes]:
+        """Remove the victims that make ``need`` bytes fit; returns them in order.
+
+        Raises :class:`~kvtier.tiers.policy.NoRoom` (nothing removed) when
+        evicting every unpinned key would not be enough.
+        """
+        sizes, pins = self._sizes, self._pins
+        victims = plan_eviction(
+            need,
+            self.free,
+            self._policy.candidates(),
+            size_of=sizes.__getitem__,
+            pinned=pins.__contains__,
+        )
+        for key in victims:
+            self.remove(key)
+        self.evictions += len(victims)
+        return victims
+
+    def hold(self, size: int) -> None:
+        self.held += size
+
+    def release(self, size: int) -> None:
+        self.held = max(0, self.held - size)

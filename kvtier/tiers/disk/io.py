@@ -1,0 +1,144 @@
+"""Blocking file I/O of the disk tier. Runs on the tier's thread pool, never
+on the event loop.
+
+A block is written to a temporary name in its final directory and renamed
+into place, so a reader only ever sees whole files; a scan removes the
+temporary files a crash left and discards files that fail their checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.model import Buffer
+from kvtier.tiers.base import block_checksum
+from kvtier.tiers.disk.format import (
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    PEEK,
+    SUFFIX,
+    TMP_MARK,
+    CorruptBlock,
+    block_name,
+    file_size,
+    parse_header,
+)
+
+log = logging.getLogger("kvtier.disk")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_block(
+    path: Path, key: bytes, value: Buffer, fsync: bool, victims: Sequence[Path]
+) -> None:
+    unlink_all(victims)
+    header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(key), len(value), block_checksum(key, value))
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            written = os.writev(fd, [header, key, value])
+            total = file_size(key, len(value))
+            if written < total:  # a short vectored write: finish plainly
+                rest = memoryview(b"".join([header, key, bytes(value)]))[written:]
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        unlink_all([tmp])
+        raise
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def read_block(path: Path, key: bytes) -> memoryview:
+    with open(path, "rb") as fh:
+        data = fh.read()
+    got_key, _value_len, digest = parse_header(data, len(data))
+    if got_key != key:
+        raise CorruptBlock("file holds another key")
+    value = memoryview(data)[HEADER.size + len(key) :]
+    if block_checksum(key, value) != digest:
+        raise CorruptBlock("checksum mismatch")
+    return value
+
+
+def unlink_all(paths: Sequence[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def sync_paths(paths: Sequence[Path]) -> None:
+    dirs = set()
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # evicted or deleted since; nothing to make durable
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dirs.add(path.parent)
+    for d in dirs:
+        _fsync_dir(d)
+
+
+@dataclass(slots=True)
+class ScanResult:
+    entries: list[tuple[bytes, int]]  # key, file size
+    temp_removed: int = 0
+    corrupt_removed: int = 0
+
+
+def scan_bucket(bucket: Path) -> ScanResult:
+    """Index one fan-out directory: headers only; torn and stray files go."""
+    result = ScanResult([])
+    try:
+        it = os.scandir(bucket)
+    except FileNotFoundError:
+        return result
+    with it:
+        for entry in it:
+            name = entry.name
+            if TMP_MARK in name:
+                unlink_all([Path(entry.path)])
+                result.temp_removed += 1
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                size = entry.stat().st_size
+                with open(entry.path, "rb") as fh:
+                    head = fh.read(PEEK)
+                key, _value_len, _digest = parse_header(head, size)
+                if block_name(key) + SUFFIX != name:
+                    raise CorruptBlock("file name does not match its key")
+            except FileNotFoundError:
+                continue
+            except (CorruptBlock, OSError) as exc:
+                log.warning("discarding unreadable block file %s: %s", entry.path, exc)
+                unlink_all([Path(entry.path)])
+                result.corrupt_removed += 1
+                continue
+            result.entries.append((key, size))
+    return result
