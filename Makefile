@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench bench-deps clean
+.PHONY: run test lint typecheck imports unit bench bench-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The import contracts of pyproject.toml: the wings import one way only.
+imports: $(STAMP)
+	$(BIN)/lint-imports
+
 unit: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-test: lint typecheck unit
+test: lint typecheck imports unit
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

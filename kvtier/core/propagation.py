@@ -50,6 +50,20 @@ class RemoteSpec:
     policy: WritePolicy = WritePolicy.NONE
     max_pending: int = 0
 
+    def writer(self, written: Callable[[bytes], None]) -> Writer:
+        """The tier as a :class:`Writer`; ``written(key)`` runs after each store."""
+        tier = self.tier
+
+        async def write(key: bytes, value: Buffer) -> None:
+            await tier.batch_store([key], [value])
+            written(key)
+
+        return Writer(tier.name, self.policy, self.max_pending, write, _never, local=False)
+
+
+def _never(_key: bytes) -> bool:
+    return False
+
 
 @dataclass(slots=True)
 class Writer:

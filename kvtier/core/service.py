@@ -10,18 +10,9 @@ then gives the complete answer. ``put``, ``reserve``, ``abort`` and
 Every verb asks :class:`~kvtier.core.locate.Locator` where a key is and acts
 on the answer; no other code decides the order of the tiers.
 
-Where the two invariants live:
-
-* *A probe is shared while in flight, and always ends*: remote existence
-  probes go through one :class:`~kvtier.core.probes.ProbeMap` per remote
-  tier. A probe is a future in the map plus a key queued on the scheduler,
-  which flushes each tick's keys into one ``batch_lookup`` task per tier.
-  Callers only ever wait on the future (never on the task), so a caller
-  going away cannot cancel a probe; the task resolves every key it covered
-  in ``finally``.
-* *Nothing is pending forever*: every PENDING key is a reservation of
-  :class:`~kvtier.core.writes.PendingWrites` with a deadline timer in the
-  scheduler; however it ends, its ``done`` future is resolved.
+Where the two invariants live: shared probes that always end in
+:mod:`~kvtier.core.remotes`; pending writes that always end, with their
+deadline timers, in :mod:`~kvtier.core.writes`.
 
 Imports the core, the tiers, the shared records and the errors; never the
 wire, the server or metrics.
@@ -36,27 +27,22 @@ from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
 from kvtier.core import limits as check
-from kvtier.core.counts import CoreCounters, MapSizes, ProbeFailure, ProbeUse
+from kvtier.core.counts import CoreCounters, MapSizes
 from kvtier.core.deferral import DeferralTracker
-from kvtier.core.locate import Location, Locator, Where
+from kvtier.core.locate import Locator, Where
+from kvtier.core.lookup import LookupEvaluator, SeenProbes
 from kvtier.core.pending import End, Reservation
-from kvtier.core.prefix import prefix_answer
-from kvtier.core.probes import Probe, ProbeMap, Verdict
+from kvtier.core.probes import Verdict
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
+from kvtier.core.remotes import RemoteProbes, RemoteSlot
 from kvtier.core.scheduler import Scheduler
 from kvtier.core.writes import PendingWrites
 from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLargeError
 from kvtier.model import (
-    HIT,
-    MISS,
-    PENDING,
-    RETRY,
-    STATE_NAMES,
     Buffer,
     ConnId,
     Limits,
     Lookup,
-    LookupMode,
     LookupReply,
     PutStatus,
     Reserve,
@@ -72,22 +58,6 @@ log = logging.getLogger("kvtier.service")
 #: a GET gives up on a key after this many rounds of waiting on writes that
 #: ended without the block (each round is bounded by a write deadline)
 _MAX_READ_ROUNDS = 8
-
-
-class RemoteSlot:
-    """A remote tier, its probe map and its probe counters (bound once)."""
-
-    def __init__(self, index: int, tier: Tier, probes: ProbeMap, counters: CoreCounters) -> None:
-        self.index = index
-        self.tier = tier
-        self.probes = probes
-        self.name = tier.name
-        self.started = counters.probes.bind(tier.name, ProbeUse.STARTED.value)
-        self.joined = counters.probes.bind(tier.name, ProbeUse.JOINED.value)
-        self.cached = counters.probes.bind(tier.name, ProbeUse.CACHED.value)
-
-    def __repr__(self) -> str:
-        return f"<RemoteSlot {self.name} {self.probes!r}>"
 
 
 class Service:
@@ -123,57 +93,46 @@ class Service:
             complete=lambda key, value, source: self._store_local(key, value, source),
         )
         self.deferrals = DeferralTracker(self.cfg.request_state_ttl, self.cfg.max_request_states)
-        self.remotes = [
-            RemoteSlot(
-                i,
-                spec.tier,
-                ProbeMap(
-                    spec.tier.name,
-                    verdict_ttl=self.cfg.verdict_ttl,
-                    error_ttl=self.cfg.error_ttl,
-                    max_verdicts=self.cfg.max_verdicts,
-                ),
-                self.counters,
-            )
-            for i, spec in enumerate(remotes)
-        ]
-        for slot in self.remotes:
-            self.scheduler.add_prober(slot.name, self._dispatcher(slot))
+        self.probing = RemoteProbes(
+            [spec.tier for spec in remotes],
+            verdict_ttl=self.cfg.verdict_ttl,
+            error_ttl=self.cfg.error_ttl,
+            max_verdicts=self.cfg.max_verdicts,
+            probe_timeout=self.cfg.probe_timeout,
+            scheduler=self.scheduler,
+            counters=self.counters,
+            task=self._task,
+            on_present=self._probed_present,
+        )
+        self.remotes = self.probing.slots
         self.locator = Locator(
             ram.resident(), disk, self.pending.table, [s.probes for s in self.remotes]
         )
-        self.propagation = Propagation(
-            self._writers(remotes), self.counters, self._task, self._closing_now
+        self.evaluator = LookupEvaluator(
+            ram=ram,
+            disk=disk,
+            pending=self.pending.table,
+            locator=self.locator,
+            probing=self.probing,
+            deferrals=self.deferrals,
+            counters=self.counters,
+            remote_hit_reads_hit=self.cfg.remote_hit == "hit",
+            promote_on_lookup=self.disk_cfg.promote_on_lookup,
+            promote_remote=self._promote,
+            promote_from_disk=self._promote_from_disk,
+            closing=self._closing_now,
         )
-        self._state_counters = {
-            state: self.counters.lookup_keys.bind(name) for state, name in STATE_NAMES.items()
-        }
-
-    def _writers(self, remotes: Sequence[RemoteSpec]) -> list[Writer]:
-        writers: list[Writer] = []
-        if self.disk is not None:
-            writers.append(
-                Writer(
-                    self.disk.name,
-                    WritePolicy(self.disk_cfg.write_policy),
-                    self.disk_cfg.max_pending_write_bytes,
-                    self.disk.write,
-                    self.disk.contains,
-                    local=True,
-                )
-            )
-        for spec in remotes:
-            if spec.policy is not WritePolicy.NONE:
-                tier = spec.tier
-
-                async def write(key: bytes, value: Buffer, tier: Tier = tier) -> None:
-                    await tier.batch_store([key], [value])
-                    self._invalidate(key)
-
-                writers.append(
-                    Writer(tier.name, spec.policy, spec.max_pending, write, _never, local=False)
-                )
-        return writers
+        writers = [spec.writer(self._invalidate) for spec in remotes]
+        if disk is not None:
+            policy = WritePolicy(self.disk_cfg.write_policy)
+            pending = self.disk_cfg.max_pending_write_bytes
+            writers.insert(0, Writer(disk.name, policy, pending, disk.write, disk.contains, True))
+        self.propagation = Propagation(
+            [w for w in writers if w.policy is not WritePolicy.NONE or w.local],
+            self.counters,
+            self._task,
+            self._closing_now,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -197,13 +156,11 @@ class Service:
     def close(self) -> None:
         """End every pending write and probe (waiters answered MISS)."""
         self.pending.end_all()
-        for slot in self.remotes:
-            slot.probes.abandon_all()
+        self.probing.abandon_all()
 
     def sweep(self) -> None:
         now = self.scheduler.now()
-        for slot in self.remotes:
-            slot.probes.expire(now)
+        self.probing.expire(now)
         self.deferrals.expire(now)
         if self.disk is not None and self.disk.fsync == "batch" and not self._closing_now():
             self._task(self._sync_disk())
@@ -235,8 +192,8 @@ class Service:
         check.check_lookup(self.limits, req)
         if req.wait > 0:
             return None
-        reply, _, _ = self._evaluate(req, self._now(), None)
-        self._count(reply.raw_states)
+        reply, _, _ = self.evaluator.evaluate(req, self._now(), None)
+        self.evaluator.count(reply.raw_states)
         return reply
 
     async def lookup(self, req: Lookup, cutoff: asyncio.Future[None] | None = None) -> LookupReply:
@@ -247,13 +204,13 @@ class Service:
         # Probes this lookup has already seen end: a key whose probe failed is
         # answered MISS rather than probed again in a loop (errors are not kept
         # as verdicts for long, possibly not at all).
-        seen: dict[tuple[int, bytes], asyncio.Future[Verdict]] = {}
+        seen: SeenProbes = {}
         while True:
             now = self._now()
-            reply, waits, bound_at = self._evaluate(req, now, seen)
+            reply, waits, bound_at = self.evaluator.evaluate(req, now, seen)
             until = deadline if bound_at is None else min(deadline, bound_at)
             if not waits or now >= until or self._closing_now() or (cutoff and cutoff.done()):
-                self._count(reply.raw_states)
+                self.evaluator.count(reply.raw_states)
                 return reply
             if self._closing is not None:
                 waits.append(self._closing)
@@ -263,199 +220,20 @@ class Service:
             # write futures survive this caller going away.
             await asyncio.wait(waits, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)
 
-    def _evaluate(
-        self,
-        req: Lookup,
-        now: float,
-        seen: dict[tuple[int, bytes], asyncio.Future[Verdict]] | None,
-    ) -> tuple[LookupReply, list[asyncio.Future[Any]], float | None]:
-        """States of ``req.keys`` now; with ``seen`` (a waiting lookup) also the
-        futures whose settling can change the answer."""
-        keys = req.keys
-        disk = self.disk
-        disk_only: list[int] = []  # indices of HITs that are on disk but not in RAM
-        futures: list[asyncio.Future[Any] | None] = []
-        if not self.remotes and not self.pending.table and (disk is None or not disk.scanning):
-            # The fast path. HIT is 1 and MISS is 0: membership tests map
-            # straight onto states.
-            states = bytearray(map(self.ram.resident().__contains__, keys))
-            if disk is not None and states.count(MISS):
-                on_disk = disk.contains
-                for i in range(len(states)):
-                    if not states[i] and on_disk(keys[i]):
-                        states[i] = HIT
-                        disk_only.append(i)
-        else:
-            states = bytearray(len(keys))
-            locate = self.locator.locate
-            for i, key in enumerate(keys):
-                loc = locate(key, now, seen)
-                if loc.where is Where.DISK and loc.reservation is None:
-                    disk_only.append(i)
-                states[i], fut = self._lookup_state(key, loc, now, seen)
-                futures.append(fut)
-        bound_at: float | None = None
-        if req.max_pending_wait > 0:
-            result = self.deferrals.observe(
-                req.request_tag, keys, states, req.max_pending_wait, now
-            )
-            if result.ends_deferral is not None:
-                self.counters.lookup_deferred_seconds.observe(result.ends_deferral)
-            if result.expired_index is not None:
-                # Past the reader's bound: a MISS for this request, never a hit.
-                states[result.expired_index] = MISS
-                if result.newly_expired:
-                    self.counters.lookup_pending_expired.inc()
-            bound_at = result.expires_at
-        window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
-        hits, defer = prefix_answer(states, window)
-        if disk_only and self.disk_cfg.promote_on_lookup:
-            # Start loading the usable disk hits into RAM: the GET comes next.
-            limit = hits if req.mode != LookupMode.KEYS else len(keys)
-            for i in disk_only:
-                if i >= limit:
-                    break
-                if states[i] == HIT:
-                    self._promote_from_disk(keys[i], now)
-        collected: list[asyncio.Future[Any]] = []
-        if seen is not None and futures:
-            # Wait only on keys that can still change the answer: in prefix
-            # mode, those before the first MISS.
-            stop = len(states)
-            if req.mode == LookupMode.PREFIX:
-                first_miss = states.find(MISS)
-                stop = first_miss if first_miss >= 0 else stop
-            for i, fut in enumerate(futures[:stop]):
-                if fut is not None and states[i] in (PENDING, RETRY):
-                    collected.append(fut)
-        return LookupReply(bytes(states), hits, defer), collected, bound_at
+    # ------------------------------------------------------------ promotions
 
-    def _lookup_state(
-        self,
-        key: bytes,
-        loc: Location,
-        now: float,
-        seen: dict[tuple[int, bytes], asyncio.Future[Verdict]] | None,
-    ) -> tuple[int, asyncio.Future[Any] | None]:
-        """Act on where ``key`` is for a lookup: its state, and what settles it."""
-        where = loc.where
-        if where is Where.RAM or where is Where.DISK:
-            return HIT, None
-        if where is Where.PENDING:
-            return PENDING, loc.settles
-        if where is Where.REMOTE:
-            slot = self.remotes[loc.remote]
-            slot.cached.value += 1
-            if self.cfg.remote_hit == "hit":
-                return HIT, None
-            return PENDING, self._promote(slot, key, now).done
-        self._count_cached(loc)
-        if where is Where.PROBING:
-            settles = loc.settles
-            for i, fut in loc.inflight:
-                self.remotes[i].joined.value += 1
-                if seen is not None:
-                    seen[(i, key)] = fut
-            if not self._closing_now():  # no new backend work once shutdown has begun
-                for i in loc.unprobed:
-                    probe = self._begin_probe(self.remotes[i], key)
-                    if seen is not None:
-                        seen[(i, key)] = probe.future
-                    settles = settles or probe.future
-            if settles is not None:
-                return RETRY, settles
-            if self.disk is not None and self.disk.scanning:
-                return RETRY, self.disk.scan_done
-            return MISS, None
-        if where is Where.SCANNING:
-            # Not indexed yet is not absent: the disk may still hold it.
-            return RETRY, loc.settles
-        return MISS, None
-
-    def _count_cached(self, loc: Location) -> None:
-        """Count the remote tiers whose kept verdict answered for this key."""
-        if not self.remotes:
-            return
-        busy = set(loc.unprobed).union(i for i, _ in loc.inflight)
-        for slot in self.remotes:
-            if slot.index not in busy:
-                slot.cached.value += 1
-
-    def _count(self, raw: bytes) -> None:
-        for state, cell in self._state_counters.items():
-            n = raw.count(state)
-            if n:
-                cell.value += n
-
-    # ------------------------------------------------------------ probes
-
-    def _begin_probe(self, slot: RemoteSlot, key: bytes) -> Probe:
-        probe = slot.probes.begin(key, asyncio.get_running_loop())
-        slot.started.value += 1
-        self.scheduler.enqueue_probe(slot.name, key)
-        return probe
-
-    def _dispatcher(self, slot: RemoteSlot) -> Any:
-        def dispatch(keys: list[bytes]) -> None:
-            probes = [p for p in (slot.probes.inflight(k) for k in keys) if p is not None]
-            if not probes:
-                return  # every key was invalidated before its batch left
-            self.counters.probe_batch_size.observe(len(probes), slot.name)
-            self._task(self._run_probe(slot, probes))
-
-        return dispatch
-
-    async def _run_probe(self, slot: RemoteSlot, probes: list[Probe]) -> None:
-        """One ``batch_lookup`` for ``probes``; every probe is resolved, whatever happens."""
-        keys = [p.key for p in probes]
-        verdicts: list[Verdict] | None = None
-        failure = ProbeFailure.ERROR
-        try:
-            async with asyncio.timeout(self.cfg.probe_timeout):
-                answers = await slot.tier.batch_lookup(keys)
-                found = [bool(a) for a in answers]  # an iterable may fail mid-way
-            if len(found) != len(keys):
-                failure = ProbeFailure.BAD_RESULT
-                raise TierError(
-                    f"{slot.name}: batch_lookup returned {len(found)} results for {len(keys)} keys"
-                )
-            verdicts = [Verdict.PRESENT if f else Verdict.ABSENT for f in found]
-        except TimeoutError:
-            failure = ProbeFailure.TIMEOUT
-            log.warning(
-                "%s: probe of %d key(s) timed out after %.3fs",
-                slot.name,
-                len(keys),
-                self.cfg.probe_timeout,
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("%s: probe of %d key(s) failed: %s", slot.name, len(keys), exc)
-        finally:
-            now = self._now()
-            if verdicts is None:
-                self.counters.probe_failures.inc(slot.name, failure.value, n=len(keys))
-            for i, probe in enumerate(probes):
-                verdict = verdicts[i] if verdicts is not None else Verdict.ERROR
-                owned = slot.probes.complete(probe, verdict, now)
-                self.counters.probe_verdicts.inc(slot.name, verdict.value)
-                if not owned:
-                    self.counters.probe_superseded.inc(slot.name)
-                elif (
-                    verdict is Verdict.PRESENT
-                    and self.cfg.remote_hit == "promote"
-                    and not self._closing_now()
-                    and self.locator.locate(probe.key, now).where is Where.REMOTE
-                ):
-                    # Start loading now, so the next lookup finds it PENDING or HIT.
-                    self._promote(slot, probe.key, now)
+    def _probed_present(self, slot: RemoteSlot, key: bytes, now: float) -> None:
+        """A probe found ``key`` in ``slot``: start loading it, so the next lookup
+        finds it PENDING or HIT."""
+        if (
+            self.cfg.remote_hit == "promote"
+            and not self._closing_now()
+            and self.locator.locate(key, now).where is Where.REMOTE
+        ):
+            self._promote(slot, key, now)
 
     def _invalidate(self, key: bytes) -> None:
-        for slot in self.remotes:
-            slot.probes.invalidate(key)
-
-    # ------------------------------------------------------------ promotions
+        self.probing.invalidate(key)
 
     def _promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
         async def load() -> Buffer | None:
@@ -705,18 +483,9 @@ class Service:
         return local + [s.tier for s in self.remotes]
 
     def stats(self) -> dict[str, Any]:
-        tiers: dict[str, Any] = {}
-        for st in (t.stats() for t in self.tiers()):
-            tiers[st.name] = {
-                "capacity_bytes": st.capacity_bytes,
-                "used_bytes": st.used_bytes,
-                "blocks": st.blocks,
-                "evictions": st.evictions,
-                **st.extra,
-            }
         sizes = self.map_sizes()
         return {
-            "tiers": tiers,
+            "tiers": {st.name: st.as_dict() for st in (t.stats() for t in self.tiers())},
             "maps": {
                 "probes_inflight": sum(sizes.probes_inflight.values()),
                 "verdicts": sum(sizes.verdicts_cached.values()),
@@ -728,10 +497,6 @@ class Service:
                 for s in self.remotes
             },
         }
-
-
-def _never(_key: bytes) -> bool:
-    return False
 
 
 def _nothing() -> None:

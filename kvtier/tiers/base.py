@@ -35,6 +35,16 @@ class TierStats:
     evictions: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
+    def as_dict(self) -> dict[str, int]:
+        """The STATS reply's entry for this tier."""
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "blocks": self.blocks,
+            "evictions": self.evictions,
+            **self.extra,
+        }
+
 
 class Tier(abc.ABC):
     """A place blocks live. All batch methods keep the order of ``keys``."""

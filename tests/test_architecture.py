@@ -1,0 +1,51 @@
+"""The layout holds: no import cycles, and the client stays light to import.
+
+The one-way rules themselves are import-linter contracts (pyproject.toml,
+run by ``make test``); these check what the contracts cannot say.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grimp
+
+HEAVY = ("pydantic", "pydantic_settings", "aiobotocore", "botocore", "prometheus_client", "aiohttp")
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    graph = grimp.build_graph("kvtier", exclude_type_checking_imports=True)
+    cycles = []
+    for module in sorted(graph.modules):
+        for imported in graph.find_modules_directly_imported_by(module):
+            if imported == module or not imported.startswith("kvtier"):
+                continue
+            back = graph.find_shortest_chain(importer=imported, imported=module)
+            if back is not None:
+                cycles.append((module, *back))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _modules_loaded_by(statement: str) -> set[str]:
+    code = f"{statement}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout))
+
+
+def test_import_kvtier_for_the_client_loads_no_daemon_stack() -> None:
+    for statement in (
+        "import kvtier",
+        "from kvtier import BlockingClient, Client, LookupMode",
+        "from kvtier.client import Client",
+    ):
+        loaded = _modules_loaded_by(statement)
+        heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
+        assert not heavy, f"{statement!r} loaded {heavy[:5]}"
+        assert not any(m.startswith(("kvtier.core", "kvtier.server")) for m in loaded)
+
+
+def test_config_still_loads_on_first_use() -> None:
+    loaded = _modules_loaded_by("import kvtier\nkvtier.load_config")
+    assert "pydantic" in loaded and "kvtier.config" in loaded
