@@ -50,8 +50,12 @@ def build_remote_tier(tc: RemoteTierConfig) -> Tier:
 class Daemon:
     """One kvtier daemon. ``await Daemon(config).run()`` serves until :meth:`stop`."""
 
-    def __init__(self, config: Config, *, remote_tiers: Sequence[Tier] | None = None) -> None:
-        """``remote_tiers`` replaces the configured remote tiers (tests inject doubles)."""
+    def __init__(
+        self, config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = None
+    ) -> None:
+        """``remote_tiers`` replaces the configured remote tiers (tests and benchmarks
+        inject doubles, or real tiers built with a test clock); a bare tier gets
+        write policy none."""
         self.config = config
         self.metrics = Metrics()
         self.ram = RamTier(config.ram.capacity_bytes(), make_policy(config.ram.policy))
@@ -73,7 +77,7 @@ class Daemon:
                 for tc in config.remote_tiers
             ]
         else:
-            specs = [RemoteSpec(tier) for tier in remote_tiers]
+            specs = [t if isinstance(t, RemoteSpec) else RemoteSpec(t) for t in remote_tiers]
         self.remote_tiers = [spec.tier for spec in specs]
         for tier in self.remote_tiers:
             if isinstance(tier, S3Tier):

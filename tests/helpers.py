@@ -19,6 +19,7 @@ from typing import Any
 
 from kvtier import wire
 from kvtier.config import load_config
+from kvtier.core.propagation import RemoteSpec
 from kvtier.daemon import READY_MESSAGE, Daemon
 from kvtier.tiers.base import Tier
 
@@ -33,7 +34,7 @@ def short_tmpdir() -> Path:
 @contextlib.asynccontextmanager
 async def running_daemon(
     sock_dir: Path,
-    remote_tiers: Sequence[Tier] | None = None,
+    remote_tiers: Sequence[Tier | RemoteSpec] | None = None,
     remote_tier_configs: list[dict[str, Any]] | None = None,
     **sections: dict[str, Any],
 ) -> AsyncIterator[Daemon]:
@@ -65,8 +66,12 @@ async def running_daemon(
         await task
 
 
-async def wait_until(predicate: Callable[[], bool], limit: int = 100_000) -> None:
-    """Yield to the event loop until ``predicate()`` holds (no timed sleeps)."""
+async def wait_until(predicate: Callable[[], bool], limit: int = 10_000) -> None:
+    """Yield to the event loop until ``predicate()`` holds (no timed sleeps).
+
+    Only for counters, which no event announces; anything with an event
+    (a connection's ``done``, a gate, ``Daemon.settle``) waits on that.
+    """
     for _ in range(limit):
         if predicate():
             return
@@ -173,6 +178,12 @@ class RawConnection:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.sock.connect(str(path))
+
+    def __enter__(self) -> RawConnection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self.sock.close()

@@ -4,7 +4,7 @@ connection, and a second client on the same daemon keeps working throughout."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -142,28 +142,78 @@ def test_garbage_closes_only_that_connection(raw: RawConnection, bystander: Bloc
     assert raw.at_eof()
 
 
+def scrape_until(proc: DaemonProcess, done: Callable[[str], bool], tries: int = 200) -> str:
+    """Scrape until ``done`` holds: each scrape is a full turn of the daemon's loop."""
+    for _ in range(tries):
+        text = proc.scrape()
+        if done(text):
+            return text
+    raise AssertionError("the daemon never reached the expected state")
+
+
 def test_truncated_frame_then_hangup(proc: DaemonProcess, bystander: BlockingClient) -> None:
+    before = proc.scrape()
+    truncated = metric_value(before, "kvtier_protocol_errors_total", 'code="truncated_frame"')
+    opened = metric_value(before, "kvtier_connections_open")
     conn = RawConnection(proc.socket_path)
     meta, data = wire.encode_put([b"torn"], [b"x" * 100_000])
     frame = wire.pack_header(Op.PUT, 21, len(meta), 100_000) + meta + data[0]
     conn.send(frame[: len(frame) // 2])
     conn.sock.shutdown(2)
     conn.close()
+    after = scrape_until(
+        proc, lambda t: metric_value(t, "kvtier_connections_open") == opened
+    )  # the daemon closed its side
+    assert metric_value(after, "kvtier_protocol_errors_total", 'code="truncated_frame"') == (
+        truncated + 1
+    )
     assert bystander.get(b"torn") is None  # a torn frame stores nothing
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
 
 
 def test_client_that_never_reads_does_not_stall_others(
     proc: DaemonProcess, bystander: BlockingClient
 ) -> None:
-    bystander.put(b"big", bytes(8 * 1024 * 1024))
-    hog = RawConnection(proc.socket_path)
-    for rid in range(40):  # 320 MiB of replies it never reads
-        hog.send_frame(Op.GET, rid, wire.encode_keys([b"big"]))
-    assert bystander.get(b"big") == bytes(8 * 1024 * 1024)
+    block = 8 * 1024 * 1024
+    bystander.put(b"big", bytes(block))
+    rss_before = rss_bytes(proc.pid)
+    received_before = metric_value(proc.scrape(), "kvtier_received_bytes_total")
+    hog = RawConnection(proc.socket_path, timeout=0.5)
+    request = wire.encode_keys([b"big"])
+    sent = 0
+    with pytest.raises(TimeoutError):  # the daemon stopped reading: our send blocks
+        for rid in range(1_000_000):  # 8 TB of replies, were they all served
+            hog.send_frame(Op.GET, rid, request)
+            sent += 1
+    assert bystander.get(b"big") == bytes(block)
+    received = metric_value(proc.scrape(), "kvtier_received_bytes_total") - received_before
+    frame_len = wire.HEADER_SIZE + len(request)
+    # It read what fills its buffers and the in-flight limit, not what we sent.
+    assert received < sent * frame_len
+    # Replies to a client that never reads are not materialised without bound:
+    # far less than the 8 MiB x requests it asked for.
+    assert rss_bytes(proc.pid) - rss_before < 64 * block
     hog.close()
 
 
 def test_protocol_errors_are_counted(proc: DaemonProcess, bystander: BlockingClient) -> None:
-    text = proc.scrape()
-    assert metric_value(text, "kvtier_protocol_errors_total", 'code="unknown_opcode"') >= 1
-    assert metric_value(text, "kvtier_requests_total", 'op="get",outcome="bad_key"') >= 1
+    def counts(text: str) -> tuple[float, float]:
+        return (
+            metric_value(text, "kvtier_protocol_errors_total", 'code="unknown_opcode"'),
+            metric_value(text, "kvtier_requests_total", 'op="get",outcome="bad_key"'),
+        )
+
+    unknown, bad_key = counts(proc.scrape())
+    with RawConnection(proc.socket_path) as raw:
+        raw.send_frame(0x7E, 1)
+        expect_error(raw, 1, ErrorCode.UNKNOWN_OPCODE)
+        raw.send_frame(Op.GET, 2, wire.encode_keys([b""]))
+        expect_error(raw, 2, ErrorCode.BAD_KEY)
+    assert counts(proc.scrape()) == (unknown + 1, bad_key + 1)

@@ -58,6 +58,15 @@ async def core(sock_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[
         yield Core(daemon, tier)
 
 
+async def until_waiting(core: Core, n: int) -> None:
+    """Until ``n`` requests are waiting in the daemon (each STATS is one round trip)."""
+    async with await core.client() as probe:
+        for _ in range(1000):
+            if (await probe.stats())["server"]["requests_waiting"] == n:
+                return
+    raise AssertionError(f"never saw {n} waiting request(s)")
+
+
 # ---------------------------------------------------------------- shared probes
 
 
@@ -118,8 +127,10 @@ async def test_verdict_outlives_its_callers_until_the_truth_changes(core: Core) 
     gate = core.tier.lookup_gate = asyncio.Event()
     async with await core.client() as c:
         assert (await c.lookup([K])).states == [R]  # nobody waits on this probe
+        await core.tier.lookup_started.wait()
         gate.set()
-        await wait_until(lambda: core.daemon.service.map_sizes().probes_inflight["mem"] == 0)
+        await core.daemon.settle()  # the probe's task ends by itself
+        assert (await c.stats())["maps"]["probes_inflight"] == 0
         assert (await c.lookup([K])).states == [M]  # from the kept verdict
         assert len(core.tier.lookup_calls) == 1
         assert core.counter("kvtier_probes_total", tier="mem", outcome="cached") == 1
@@ -249,7 +260,7 @@ async def test_writer_disconnect_releases_its_reservations(core: Core) -> None:
     async with await core.client() as reader:
         assert await writer.reserve([K, b"k2"]) == [ReserveStatus.GRANTED] * 2
         waiting = asyncio.create_task(reader.lookup([K, b"k2"], wait=30.0))
-        await wait_until(lambda: len(core.daemon.server.connections) == 2)  # type: ignore[union-attr]
+        await until_waiting(core, 1)
         await writer.close()
         assert (await waiting).states == [M, M]
         assert core.counter("kvtier_reservations_total", event="released") == 2
@@ -264,7 +275,7 @@ async def test_reservation_is_completed_by_put_and_never_stolen(core: Core) -> N
         assert await other.reserve([K]) == [ReserveStatus.PENDING]  # not stolen
         assert await other.abort([K]) == [False]  # nor aborted by someone else
         waiting = asyncio.create_task(other.lookup([K], wait=30.0))
-        await wait_until(lambda: core.counter("kvtier_lookup_keys_total", state="pending") == 0)
+        await until_waiting(core, 1)
         await writer.put(K, VALUE)
         assert (await waiting).states == [H]
         assert core.counter("kvtier_reservations_total", event="completed") == 1
@@ -390,14 +401,14 @@ async def test_a_waiting_lookup_ends_with_its_connection(core: Core) -> None:
     waiting = asyncio.create_task(c.lookup([K], wait=600.0))
     await core.tier.lookup_started.wait()
 
-    def requests() -> list[asyncio.Task[Any]]:
-        return [t for t in core.daemon._tasks if "_finish" in repr(t)]
-
-    await wait_until(lambda: len(requests()) == 1)
+    assert core.daemon.server is not None
+    (conn,) = core.daemon.server.connections
+    assert conn.inflight == 1  # the waiting lookup
     await c.close()
     with pytest.raises(ConnectionClosedError):
         await waiting
-    await wait_until(lambda: not requests())  # the server stopped waiting at once ...
+    await conn.done.wait()
+    assert conn.inflight == 0  # the server stopped waiting at once ...
     assert core.daemon.service.map_sizes().probes_inflight["mem"] == 1  # ... the probe did not
     gate.set()
     await core.daemon.settle()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,10 @@ from typing import Any
 import pytest
 
 from kvtier import Client, State
+from kvtier.config import S3TierConfig
+from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.daemon import Daemon
-from kvtier.tiers.s3 import CHECKSUM_META
+from kvtier.tiers.s3 import CHECKSUM_META, S3Tier
 from tests.helpers import DaemonProcess, running_daemon, wait_until
 from tests.s3server import S3Server, s3_server
 
@@ -122,21 +125,37 @@ async def test_64_lookups_one_head_then_64_gets_one_get(s3: S3Server, daemon: Da
         await c.close()
 
 
-@pytest.mark.s3tier(
-    connect_timeout=0.5,
-    read_timeout=0.5,
-    op_timeout=1.0,
-    max_attempts=1,
-    breaker_failures=2,
-    breaker_reset=1.0,
-    lookup={"probe_timeout": 1.5, "error_ttl": 0.0},
-)
 async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
-    s3: S3Server, daemon: Daemon
+    s3: S3Server, sock_dir: Path
 ) -> None:
-    bucket = daemon.bucket  # type: ignore[attr-defined]
+    bucket = s3.new_bucket()
+    skew = 0.0  # the breaker's clock runs ahead of real time by this much
+
+    def clock() -> float:
+        return time.monotonic() + skew
+
+    cfg = S3TierConfig.model_validate(
+        s3.tier_config(
+            bucket,
+            connect_timeout=0.5,
+            read_timeout=0.5,
+            op_timeout=1.0,
+            max_attempts=1,
+            breaker_failures=2,
+            breaker_reset=60.0,
+        )
+    )
+    tier = RemoteSpec(S3Tier(cfg, clock=clock), WritePolicy.WRITE_THROUGH, 1 << 28)
     uploaded = s3.proxy.when_completed("PUT", object_path(bucket, b"local"))
-    async with await Client.connect(daemon.socket_path) as c:
+    async with (
+        running_daemon(
+            sock_dir,
+            remote_tiers=[tier],
+            disk={"enabled": False},
+            lookup={"probe_timeout": 1.5, "error_ttl": 0.0},
+        ) as daemon,
+        await Client.connect(daemon.socket_path) as c,
+    ):
         await c.put(b"local", b"served from RAM")
         assert await asyncio.to_thread(uploaded.wait, 30)  # no S3 traffic left in flight
         s3.proxy.go_away()
@@ -160,7 +179,9 @@ async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
             Body=VALUE,
             Metadata={CHECKSUM_META: _checksum(K, VALUE)},
         )
-        await asyncio.sleep(1.05)  # allow-sleep: the breaker's reset interval has to elapse
+        reply = await c.lookup([K], wait=10.0)
+        assert reply.states == [M]  # still open: the probe was refused, not sent
+        skew += 60.0  # the breaker's reset interval passes
         reply = await c.lookup([K], wait=10.0)
         assert reply.states == [H]  # the trial request succeeded: S3 hits are back
         assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0

@@ -42,6 +42,8 @@ log = logging.getLogger("kvtier.server")
 
 OP_NAMES = {int(op): op.name.lower() for op in Op}
 ERROR_NAMES = {int(c): c.name.lower() for c in ErrorCode}
+#: the protocol-error label of a frame cut short by the client closing
+TRUNCATED = "truncated_frame"
 _CLOSES_FRAMING = (ErrorCode.MALFORMED, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OPCODE)
 
 
@@ -100,6 +102,11 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
+        if not self.reader.idle:
+            # The client went away in the middle of a frame: nothing of it is
+            # served or stored; say so once.
+            self.server.counters.protocol_errors.inc(TRUNCATED)
+            log.info("connection #%d closed inside a frame; discarded it", self.conn_id.value)
         if self.flow is not None:
             self.flow.closed()
         for task in list(self._waiting):

@@ -77,7 +77,11 @@ class Server:
         return f"<Server connections={len(self.connections)} shutting_down={self.shutting_down}>"
 
     def stats(self) -> dict[str, Any]:
-        return {"connections": len(self.connections), "version": self.server_name}
+        return {
+            "connections": len(self.connections),
+            "requests_waiting": sum(c.inflight for c in self.connections),
+            "version": self.server_name,
+        }
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
         cells = self._observed.get((op, outcome))

@@ -12,7 +12,7 @@ admitted at most once (its size is fixed until it is removed).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, plan_eviction
 
@@ -52,8 +52,8 @@ class Budget:
     def pinned_count(self) -> int:
         return len(self._pins)
 
-    def keys(self) -> Iterable[bytes]:
-        return self._sizes.keys()
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._sizes)
 
     def size_of(self, key: bytes) -> int:
         return self._sizes[key]
