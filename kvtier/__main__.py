@@ -1,3 +1,5 @@
+"""``python -m kvtier``: the command line."""
+
 import sys
 
 from kvtier.cli import main

@@ -1,1 +1,3 @@
+"""The package version, defined once. Imports nothing."""
+
 __version__ = "0.1.0"

@@ -4,6 +4,8 @@ Each figure is the median of several timed runs after a warm-up run; every
 operation's latency is recorded so p50/p99 come from the same runs. The
 comparative suite (``make bench``: Redis and the raw socket limit side by
 side) lives in ``benchmarks/`` and reuses this harness.
+
+Imports only the client and the shared records: it measures a daemon from outside.
 """
 
 from __future__ import annotations

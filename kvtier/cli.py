@@ -1,4 +1,8 @@
-"""The ``kvtier`` command line."""
+"""The ``kvtier`` command line.
+
+The top of the house: imports the client, the config and (for ``serve``) the
+daemon; nothing imports it.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ metrics together, and owns their lifetime (startup -> serve -> shutdown).
 Every background task is created in the task group that :meth:`Daemon.run`
 owns; shutdown drains in-flight requests, cancels what is left, and waits
 for it.
+
+It may import every wing; nothing but the command line imports it.
 """
 
 from __future__ import annotations

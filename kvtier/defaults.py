@@ -2,6 +2,8 @@
 
 The client needs the default socket path and timeout without paying for the
 daemon's pydantic config, so both live here, defined once.
+
+Imports nothing of kvtier.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ raised :class:`KvtierError` into an error reply with that code, and the
 client converts the reply back into the same exception class. Third-party
 exceptions are converted where they enter kvtier. A cache miss is never an
 error: it is a return value (``None`` or the ``MISS`` state).
+
+Imports nothing of kvtier: every wing may raise these.
 """
 
 from __future__ import annotations
@@ -109,7 +111,11 @@ class NoCapacityError(KvtierError):
 
 
 class BusyError(KvtierError):
-    """The server has too many requests in flight on this connection."""
+    """Reserved wire code: the server is too busy to take this request.
+
+    The v1 server never sends it (it stops reading instead, see
+    docs/protocol.md, flow control); the code stays reserved so that a
+    client decodes it if a later server does."""
 
     code = ErrorCode.BUSY
 

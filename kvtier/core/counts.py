@@ -3,6 +3,8 @@
 The service bumps these plain counters; ``kvtier.metrics`` reads them at
 scrape time. No Prometheus here, no sockets. Every outcome is an enum whose
 value is the label the docs (docs/metrics.md) name.
+
+Imports only the plain counters; never Prometheus.
 """
 
 from __future__ import annotations

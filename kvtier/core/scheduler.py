@@ -6,6 +6,8 @@ periodic sweeps. Timer callbacks are synchronous and short; anything that
 does I/O is spawned as a task by the callback's owner. The loop never
 blocks: it waits on one future, woken by the earliest deadline or by a
 new, earlier timer.
+
+Imports only the timer heap; no sockets, no Prometheus.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 It behaves like a remote tier (lookups are probed, not answered from the
 local index) and lets a test gate every call with an ``asyncio.Event``,
 count calls, and inject the failures a real backend can produce.
+
+Imports the tiers' base; never the core or metrics.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ any key bytes are safe. The header holds a magic, the format version, the
 key and value lengths and the XXH3-64 of key and value
 (:func:`~kvtier.tiers.base.block_checksum`); a file whose length, key or
 checksum does not match is :class:`CorruptBlock`, never served. Pure.
+
+Imports only the shared records.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ on the event loop.
 A block is written to a temporary name in its final directory and renamed
 into place, so a reader only ever sees whole files; a scan removes the
 temporary files a crash left and discards files that fail their checks.
+
+Imports the format and the block checksum; never asyncio, the core or metrics.
 """
 
 from __future__ import annotations
