@@ -13,7 +13,7 @@ import struct
 import sys
 from typing import Any, cast
 
-import uvloop
+from kvtier import loops
 
 HEAD = struct.Struct("<cQ")
 MAX = 4 * 1024 * 1024
@@ -121,4 +121,4 @@ class RawStore:
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(sys.argv[1]))
+    loops.run(serve(sys.argv[1]))

@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-import uvloop
 
 from benchmarks.raw import RawStore
-from kvtier import Client
+from kvtier import Client, loops
 from kvtier._version import __version__
 from kvtier.bench import (
     BLOCK_SIZES,
@@ -502,7 +501,7 @@ def cli() -> int:
         figures = [Figure(**f) for f in saved["figures"]]
         runs = len(figures[0].runs) if figures else 0
     else:
-        figures, runs = uvloop.run(main(args))
+        figures, runs = loops.run(main(args))
     report(args, figures, runs)
     return 0
 

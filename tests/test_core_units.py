@@ -9,7 +9,7 @@ import pytest
 from kvtier.core.deferral import DeferralTracker, blocking_pending
 from kvtier.core.probes import ProbeMap, Verdict
 from kvtier.core.scheduler import Scheduler
-from kvtier.core.timers import TimerHeap
+from kvtier.core.timers import COMPACT_MIN, TimerHeap
 from kvtier.model import HIT, MISS, PENDING, RETRY
 
 # ------------------------------------------------------------------ timers
@@ -32,6 +32,21 @@ def test_timer_heap_fires_in_order_and_skips_cancelled() -> None:
     assert len(heap) == 1
     assert [t.deadline for t in heap.pop_due(10.0)] == [3.0]
     assert len(heap) == 0 and heap.next_deadline() is None
+
+
+def test_cancelled_timers_are_reclaimed() -> None:
+    heap = TimerHeap()
+    keep = heap.push(1e9, lambda: None)
+    held = []
+    for i in range(100_000):  # RESERVE + ABORT in a loop, with a long deadline
+        t = heap.push(1e6 + i, lambda: None)
+        heap.cancel(t)
+        held.append(heap.held)
+    assert len(heap) == 1
+    assert max(held) <= COMPACT_MIN + 2  # never more dead entries than the bound
+    assert heap.next_deadline() == 1e9
+    heap.cancel(keep)
+    assert heap.next_deadline() is None and heap.held == 0
 
 
 # ------------------------------------------------------------------ probe map

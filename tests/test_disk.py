@@ -203,6 +203,22 @@ async def test_32_concurrent_gets_of_a_disk_only_block_read_once(
         assert d.ram.contains(b"block")
 
 
+async def test_a_key_listed_twice_is_loaded_once(daemon_with_disk: Daemon) -> None:
+    d = daemon_with_disk
+    assert d.disk is not None
+    async with await Client.connect(d.socket_path) as c:
+        await c.put(b"twice", b"T" * 1000, durable=True)
+        d.ram.remove(b"twice")
+        reply = await c.lookup([b"twice", b"other", b"twice"])  # prefetch starts one load
+        assert reply.states == [State.HIT, State.MISS, State.HIT]
+        assert await c.get_many([b"twice", b"twice"]) == [b"T" * 1000] * 2
+        await d.settle()
+        started = d.metrics.registry.get_sample_value(
+            "kvtier_promotions_total", {"tier": "disk", "outcome": "started"}
+        )
+        assert started == 1
+
+
 async def test_write_back_demotes_on_eviction(sock_dir: Path) -> None:
     async with running_daemon(
         sock_dir, ram={"capacity": "1MiB"}, disk={"write_policy": "write-back"}

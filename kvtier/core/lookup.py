@@ -118,10 +118,12 @@ class LookupEvaluator:
         if disk_only and self._promote_on_lookup:
             # Start loading the usable disk hits into RAM: the GET comes next.
             limit = hits if req.mode != LookupMode.KEYS else len(keys)
+            pending = self._pending
             for i in disk_only:
                 if i >= limit:
                     break
-                if states[i] == HIT:
+                # A key listed twice is loaded once: the first start is pending.
+                if states[i] == HIT and keys[i] not in pending:
                     self._promote_from_disk(keys[i], now)
         collected: list[asyncio.Future[Any]] = []
         if seen is not None and futures:

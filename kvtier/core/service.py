@@ -322,6 +322,8 @@ class Service:
         check.check_keys(self.limits, keys)
         pin = self.ram.pin
         values = [pin(k) for k in keys]
+        if None not in values:
+            return values
         now = self._now()
         locate = self.locator.locate
         for key, value in zip(keys, values, strict=True):

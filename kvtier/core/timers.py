@@ -3,6 +3,11 @@
 The scheduler loop keeps one of these instead of one sleeping task per key:
 ``push`` is O(log n), ``cancel`` is O(1) (lazy: a cancelled entry is skipped
 when it reaches the top), ``pop_due`` returns what has expired.
+
+Invariant: cancelled entries never outnumber live ones by more than
+``COMPACT_MIN`` - past that, the heap is rebuilt without them (amortised
+O(1) per cancel), so a client that reserves and aborts in a loop with long
+deadlines cannot grow it; a cancelled timer drops its callback at once.
 """
 
 from __future__ import annotations
@@ -11,6 +16,13 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+#: cancelled entries tolerated in the heap before it is compacted
+COMPACT_MIN = 1024
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass(order=True, slots=True)
@@ -29,11 +41,16 @@ class TimerHeap:
 
     def __repr__(self) -> str:
         nxt = self.next_deadline()
-        return f"<TimerHeap live={self._live} next={nxt}>"
+        return f"<TimerHeap live={self._live} held={len(self._heap)} next={nxt}>"
 
     def __len__(self) -> int:
         """Timers that are neither cancelled nor fired."""
         return self._live
+
+    @property
+    def held(self) -> int:
+        """Entries in the heap, cancelled ones not yet reclaimed included."""
+        return len(self._heap)
 
     def push(self, deadline: float, callback: Callable[[], object]) -> Timer:
         timer = Timer(deadline, next(self._seq), callback)
@@ -44,7 +61,12 @@ class TimerHeap:
     def cancel(self, timer: Timer) -> None:
         if not timer.cancelled:
             timer.cancelled = True
+            timer.callback = _nothing  # let go of what the callback holds
             self._live -= 1
+            dead = len(self._heap) - self._live
+            if dead > COMPACT_MIN and dead > self._live:
+                self._heap = [t for t in self._heap if not t.cancelled]
+                heapq.heapify(self._heap)
 
     def next_deadline(self) -> float | None:
         heap = self._heap
