@@ -1,11 +1,10 @@
 """The cache service: the verbs (lookup, get, put, delete, reserve) over the tiers.
 
-The service knows nothing of sockets, frames or Prometheus: the server
-decodes a request into a record of :mod:`kvtier.model`, calls one verb and
-encodes what it returns. One calling convention: ``try_*`` answers now or
-returns None when the answer needs I/O; the async verb of the same name
-then gives the complete answer. ``put``, ``reserve``, ``abort`` and
-``release`` never wait.
+The server decodes a request into a record of :mod:`kvtier.model`, calls
+one verb and encodes what it returns. One calling convention: ``try_*``
+answers now or returns None when the answer needs I/O; the async verb of
+the same name then gives the complete answer. ``put``, ``reserve``,
+``abort`` and ``release`` never wait.
 
 Every verb asks :class:`~kvtier.core.locate.Locator` where a key is and acts
 on the answer; no other code decides the order of the tiers.
@@ -253,7 +252,7 @@ class Service:
         assert self.disk is not None
         disk = self.disk
         return self.pending.promote(
-            disk.name, key, self.cfg.pending_deadline, now, lambda: disk.read(key), _nothing
+            disk.name, key, self.cfg.pending_deadline, now, lambda: disk.read(key), lambda: None
         )
 
     # ------------------------------------------------------------ RESERVE / ABORT / RELEASE
@@ -499,7 +498,3 @@ class Service:
                 for s in self.remotes
             },
         }
-
-
-def _nothing() -> None:
-    return None

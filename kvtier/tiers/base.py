@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvtier.model import Buffer
+from kvtier.tiers.budget import Budget
 
 
 def block_checksum(key: bytes, value: Buffer) -> int:
@@ -79,7 +80,9 @@ class Tier(abc.ABC):
 
 
 class LocalTier(Tier):
-    """A tier whose index lives in memory and answers without I/O."""
+    """A tier whose index lives in memory and answers without I/O, under a byte budget."""
+
+    budget: Budget
 
     @abc.abstractmethod
     def contains(self, key: bytes) -> bool:
@@ -87,3 +90,15 @@ class LocalTier(Tier):
 
     async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
+
+    @property
+    def capacity(self) -> int:
+        return self.budget.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self.budget.used
+
+    @property
+    def evictions(self) -> int:
+        return self.budget.evictions

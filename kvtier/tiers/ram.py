@@ -36,20 +36,8 @@ class RamTier(LocalTier):
         return len(self._values)
 
     @property
-    def capacity(self) -> int:
-        return self.budget.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self.budget.used
-
-    @property
     def reserved_bytes(self) -> int:
         return self.budget.held
-
-    @property
-    def evictions(self) -> int:
-        return self.budget.evictions
 
     # -- index
 

@@ -106,18 +106,6 @@ class DiskTier(LocalTier):
             f"scanned={self.buckets_scanned}/{self.buckets_total}>"
         )
 
-    @property
-    def capacity(self) -> int:
-        return self.budget.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self.budget.used
-
-    @property
-    def evictions(self) -> int:
-        return self.budget.evictions
-
     # -- paths
 
     def path_of(self, key: bytes) -> Path:
