@@ -113,6 +113,12 @@ def test_batch_too_large(raw: RawConnection, bystander: BlockingClient) -> None:
     keys = [i.to_bytes(4, "big") for i in range(65537)]
     raw.send_frame(Op.GET, 15, wire.encode_keys(keys))
     expect_error(raw, 15, ErrorCode.BATCH_TOO_LARGE)
+    # A whole frame of 1-byte keys: refused from its count, before decoding.
+    n = 64 * 1024 * 1024 - 4096
+    raw.send_frame(
+        Op.LOOKUP, 16, wire.encode_lookup(Lookup([]))[:-6] + struct.pack("<IH", n, 1) + bytes(n)
+    )
+    assert "exceeds the maximum of 65536" in expect_error(raw, 16, ErrorCode.BATCH_TOO_LARGE)
     assert_still_usable(raw)
 
 

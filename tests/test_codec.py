@@ -224,3 +224,39 @@ def test_protocol_doc_example_matches_the_codec() -> None:
     reply = wire.pack_header(Op.LOOKUP, 7, len(reply_meta), 0, flags=wire.FLAG_REPLY)
     assert f"request `{request.hex()}`" in doc
     assert f"reply `{(reply + reply_meta).hex()}`" in doc
+
+
+def test_a_batch_over_the_limit_is_refused_from_its_count_alone() -> None:
+    import tracemalloc
+
+    from kvtier.errors import BatchTooLargeError
+
+    # 64 MiB of 1-byte keys: refused before a single key is decoded.
+    frame = struct.pack("<IH", 64 * 1024 * 1024, 1) + bytes(64 * 1024 * 1024)
+    tracemalloc.start()
+    try:
+        with pytest.raises(BatchTooLargeError, match="exceeds the maximum of 65536"):
+            wire.decode_keys(frame, 0, 65536)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
+    # The same check guards every message that carries keys.
+    lookup = wire.encode_lookup(Lookup([b"k"] * 3))
+    with pytest.raises(BatchTooLargeError):
+        wire.decode_lookup(lookup, max_keys=2)
+    meta, _ = wire.encode_put([b"a", b"b", b"c"], [b"", b"", b""])
+    with pytest.raises(BatchTooLargeError):
+        wire.decode_put(meta, b"", max_keys=2)
+    with pytest.raises(BatchTooLargeError):
+        wire.decode_reserve(wire.encode_reserve(Reserve([b"a", b"b"], [0, 0])), max_keys=1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, 4097])
+def test_uniform_and_mixed_key_lists_decode_in_chunks(n: int) -> None:
+    uniform = [i.to_bytes(4, "big") for i in range(n)]
+    encoded = wire.encode_keys(uniform)
+    assert wire.decode_keys(encoded) == (uniform, len(encoded), 4 if n else 0)
+    mixed = [b"x" * (i % 7 + 1) for i in range(n)]
+    encoded = wire.encode_keys(mixed)
+    assert wire.decode_keys(encoded) == (mixed, len(encoded), 0 if n != 1 else 1)

@@ -102,11 +102,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
-        if not self.reader.idle:
-            # The client went away in the middle of a frame: nothing of it is
-            # served or stored; say so once.
-            self.server.counters.protocol_errors.inc(TRUNCATED)
-            log.info("connection #%d closed inside a frame; discarded it", self.conn_id.value)
+        self._discard_partial_frame()
         if self.flow is not None:
             self.flow.closed()
         for task in list(self._waiting):
@@ -139,13 +135,27 @@ class Connection(asyncio.BufferedProtocol):
         # The client finished sending: replies still in flight are written,
         # then the connection closes (see _maybe_finish).
         self._eof = True
-        # The client sends nothing more, so it cannot ask again: waiting
-        # lookups answer now with what is known.
+        # The client sends nothing more, so it cannot ask again (waiting
+        # lookups answer now with what is known), cannot PUT what it reserved
+        # (its reservations end now) and cannot finish a partial frame.
         if not self.eof.done():
             self.eof.set_result(None)
+        self._discard_partial_frame()
+        self.server.connection_ended(self)
         if self.inflight:
             return True  # keep the write side open until they are done
         return None
+
+    def _discard_partial_frame(self) -> None:
+        if self.reader.idle:
+            return
+        dropped = self.reader.discard()
+        self.server.counters.protocol_errors.inc(TRUNCATED)
+        log.info(
+            "connection #%d ended inside a frame; discarded %d byte(s)",
+            self.conn_id.value,
+            dropped,
+        )
 
     def pause_writing(self) -> None:
         if self.flow is not None:

@@ -35,6 +35,8 @@ class Ops:
         server_stats: Callable[[], dict[str, Any]],
     ) -> None:
         self.service = service
+        #: keys one request may carry, checked before a key list is decoded
+        self.max_batch = service.limits.max_batch
         self.max_frame = max_frame
         self.server_name = server_name
         self._server_stats = server_stats
@@ -85,7 +87,7 @@ class Ops:
         return Reply(wire.encode_json(stats))
 
     def lookup(self, conn: Connection, frame: Frame) -> Reply | Later:
-        req = wire.decode_lookup(frame.meta)
+        req = wire.decode_lookup(frame.meta, self.max_batch)
         reply = self.service.try_lookup(req)
         if reply is not None:
             return Reply(wire.encode_lookup_reply(reply))
@@ -95,7 +97,7 @@ class Ops:
         return Reply(wire.encode_lookup_reply(await self.service.lookup(req, conn.eof)))
 
     def get(self, conn: Connection, frame: Frame) -> Reply | Later:
-        keys = _only_keys(frame, "GET")
+        keys = self._only_keys(frame, "GET")
         values = self.service.try_get(keys)
         if values is not None:
             return self._get_reply(keys, values)
@@ -114,7 +116,7 @@ class Ops:
         return Reply(meta, data, on_sent=lambda: self.service.unpin(keys, values))
 
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:
-        keys, values = wire.decode_put(frame.meta, frame.data)
+        keys, values = wire.decode_put(frame.meta, frame.data, self.max_batch)
         statuses = self.service.put(keys, values)
         if frame.header.flags & wire.FLAG_DURABLE:
             return Later(self._put_durable(keys, values, statuses))
@@ -127,7 +129,7 @@ class Ops:
         return Reply(wire.encode_put_reply(statuses))
 
     def delete(self, conn: Connection, frame: Frame) -> Reply | Later:
-        keys = _only_keys(frame, "DELETE")
+        keys = self._only_keys(frame, "DELETE")
         deleted = self.service.try_delete(keys)
         if deleted is not None:
             return Reply(wire.encode_delete_reply(deleted))
@@ -139,11 +141,12 @@ class Ops:
     def reserve(self, conn: Connection, frame: Frame) -> Reply:
         if frame.data:
             raise wire.CodecError("RESERVE carries no data")
-        statuses = self.service.reserve(wire.decode_reserve(frame.meta), conn.conn_id)
+        req = wire.decode_reserve(frame.meta, self.max_batch)
+        statuses = self.service.reserve(req, conn.conn_id)
         return Reply(wire.encode_status_bytes(statuses))
 
     def abort(self, conn: Connection, frame: Frame) -> Reply:
-        aborted = self.service.abort(_only_keys(frame, "ABORT"), conn.conn_id)
+        aborted = self.service.abort(self._only_keys(frame, "ABORT"), conn.conn_id)
         return Reply(wire.encode_status_bytes(aborted))
 
     def release(self, conn: Connection, frame: Frame) -> Reply:
@@ -152,9 +155,8 @@ class Ops:
         existed = self.service.release(wire.decode_tag(frame.meta))
         return Reply(bytes([int(existed)]))
 
-
-def _only_keys(frame: Frame, op: str) -> list[bytes]:
-    keys, end, _ = wire.decode_keys(frame.meta)
-    if end != len(frame.meta) or frame.data:
-        raise wire.CodecError(f"{op} carries only a key list")
-    return keys
+    def _only_keys(self, frame: Frame, op: str) -> list[bytes]:
+        keys, end, _ = wire.decode_keys(frame.meta, 0, self.max_batch)
+        if end != len(frame.meta) or frame.data:
+            raise wire.CodecError(f"{op} carries only a key list")
+        return keys

@@ -107,6 +107,10 @@ class Server:
         self.connections.add(conn)
         self.counters.connections.value += 1
 
+    def connection_ended(self, conn: Connection) -> None:
+        """The client sent EOF: whatever it owned and can no longer complete ends now."""
+        self._service.connection_closed(conn.conn_id)
+
     def connection_closed(self, conn: Connection) -> None:
         self.connections.discard(conn)
         self._busy_at_shutdown.discard(conn)

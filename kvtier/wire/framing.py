@@ -158,6 +158,15 @@ class FrameReader:
         """True when no partial frame is buffered."""
         return self._body is None and self._start == self._end
 
+    def discard(self) -> int:
+        """Drop a partial frame (its sender went away); returns the bytes dropped."""
+        dropped = self._end - self._start
+        if self._body is not None:
+            dropped = HEADER_SIZE + self._body_filled
+        self._body, self._body_header, self._body_filled = None, None, 0
+        self._start = self._end = 0
+        return dropped
+
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._body is not None:
             return memoryview(self._body)[self._body_filled :]

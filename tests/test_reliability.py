@@ -1,0 +1,117 @@
+"""Whatever a client or a backend does, every probe, reservation and connection
+ends on time. One deterministic test per failure found from outside."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import Client, State, wire
+from kvtier.daemon import Daemon
+from kvtier.model import Lookup, Reserve
+from kvtier.wire import Op
+from tests.helpers import running_daemon
+
+K = b"k" * 32
+OTHER = b"o" * 32
+M, P = State.MISS, State.PENDING
+
+
+@pytest.fixture
+async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
+    async with running_daemon(sock_dir, disk={"enabled": False}) as d:
+        yield d
+
+
+class Raw:
+    """An asyncio connection that speaks frames by hand."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, path: Path) -> Raw:
+        return cls(*await asyncio.open_unix_connection(str(path)))
+
+    def send(self, op: int, rid: int, meta: bytes = b"", data: bytes = b"") -> None:
+        self.writer.write(wire.pack_header(op, rid, len(meta), len(data)) + meta + data)
+
+    async def recv(self) -> wire.Frame:
+        header = wire.unpack_header(await self.reader.readexactly(wire.HEADER_SIZE))
+        meta = await self.reader.readexactly(header.meta_len)
+        data = await self.reader.readexactly(header.data_len)
+        return wire.Frame(header, meta, data)
+
+    def half_close(self) -> None:
+        sock = self.writer.get_extra_info("socket")
+        sock.shutdown(socket.SHUT_WR)
+
+    async def at_eof(self) -> bool:
+        return await self.reader.read(1) == b""
+
+    async def close(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+def protocol_errors(d: Daemon, code: str) -> float:
+    return d.metrics.registry.get_sample_value("kvtier_protocol_errors_total", {"code": code}) or 0
+
+
+# ---------------------------------------------------------------- 1, 2: connections
+
+
+async def test_half_close_mid_frame_with_a_request_in_flight_frees_everything(
+    daemon: Daemon,
+) -> None:
+    async with await Client.connect(daemon.socket_path) as other:
+        assert await other.reserve([OTHER], deadline=600.0)  # keeps the lookup below waiting
+        raw = await Raw.open(daemon.socket_path)
+        raw.send(Op.RESERVE, 1, wire.encode_reserve(Reserve([K], [0], 600.0)))
+        assert (await raw.recv()).header.status == 0
+        raw.send(Op.LOOKUP, 2, wire.encode_lookup(Lookup([OTHER], wait=600.0)))
+        meta, data = wire.encode_put([K], [b"v" * 1_000_000])
+        frame = wire.pack_header(Op.PUT, 3, len(meta), 1_000_000) + meta + bytes(data[0])
+        raw.writer.write(frame[: len(frame) // 2])  # a big frame, cut in the middle
+        await raw.writer.drain()
+        assert (await other.stats())["server"]["requests_waiting"] == 1
+        raw.half_close()
+        # The waiting lookup answers at once with what is known, then the daemon closes.
+        reply = await raw.recv()
+        assert wire.decode_lookup_reply(reply.meta).states == [P]
+        assert await raw.at_eof()
+        await raw.close()
+        # Its reservation ended with its EOF (it can never send the PUT now) ...
+        assert (await other.lookup([K])).states == [M]
+        stats = await other.stats()
+        assert stats["maps"]["reservations"] == 1  # only the other writer's
+        assert stats["server"]["connections"] == 1
+        # ... and the half frame was discarded and counted.
+        assert protocol_errors(daemon, "truncated_frame") == 1
+
+
+async def test_eof_ends_reservations_while_a_get_of_its_own_is_in_flight(
+    daemon: Daemon,
+) -> None:
+    async with await Client.connect(daemon.socket_path) as other:
+        assert await other.reserve([OTHER], deadline=600.0)
+        raw = await Raw.open(daemon.socket_path)
+        raw.send(Op.RESERVE, 1, wire.encode_reserve(Reserve([K], [0], 600.0)))
+        assert (await raw.recv()).header.status == 0
+        raw.send(Op.GET, 2, wire.encode_keys([OTHER]))  # waits on the other writer
+        await raw.writer.drain()
+        assert (await other.stats())["server"]["requests_waiting"] == 1
+        await raw.close()  # fully closed while its GET is in flight
+        # Its reservation ends at once, not when the GET finishes.
+        waited = await other.lookup([K], wait=30.0)
+        assert waited.states == [M]
+        assert (await other.stats())["maps"]["reservations"] == 1
+        await other.put(OTHER, b"x")  # the GET can finish now; its reply has nowhere to go
+        await daemon.settle()
+        stats = await other.stats()
+        assert stats["server"]["connections"] == 1
+        assert stats["server"]["requests_waiting"] == 0
