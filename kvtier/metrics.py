@@ -157,6 +157,11 @@ class _Collector(Collector):
             "Probe results dropped because the key was invalidated meanwhile",
             c.probe_superseded,
         )
+        yield _counter(
+            "kvtier_probe_late",
+            "Probe answers that came after the probe deadline had resolved them; dropped",
+            c.probe_late,
+        )
         yield _histogram(
             "kvtier_probe_batch_size", "Keys per batch_lookup call", c.probe_batch_size
         )

@@ -193,6 +193,34 @@ async def test_stale_probe_result_arriving_last_is_ignored(core: Core) -> None:
         assert len(core.tier.lookup_calls) == 2
 
 
+@pytest.mark.lookup(probe_timeout=0.2, error_ttl=0.0)
+async def test_a_backend_that_ignores_cancellation_still_times_out(core: Core) -> None:
+    core.tier.blocks[K] = VALUE
+    core.tier.lookup_fault = "ignore_cancel"
+    gate = core.tier.lookup_gate = asyncio.Event()
+    async with await core.client() as c:
+        # Answered MISS at probe_timeout, not RETRY at the end of the caller's wait.
+        assert (await c.lookup([K], wait=30.0)).states == [M]
+        assert core.counter("kvtier_probe_failures_total", tier="mem", kind="timeout") == 1
+        assert core.tier.cancels_ignored >= 1
+        assert (await c.stats())["maps"]["probes_inflight"] == 0
+        gate.set()  # the backend answers at last: "present", too late
+        await core.daemon.settle()
+        assert core.counter("kvtier_probe_late_total", tier="mem") == 1
+        assert core.counter("kvtier_probe_verdicts_total", tier="mem", verdict="present") == 0
+        assert core.tier.load_calls == []  # the late answer started nothing
+
+
+@pytest.mark.parametrize("fault", ["endless", "junk"])
+async def test_answers_are_read_bounded_and_must_be_booleans(core: Core, fault: Any) -> None:
+    core.tier.blocks[K] = VALUE  # "junk" answers "no" (truthy) for it
+    core.tier.lookup_fault = fault
+    async with await core.client() as c:
+        assert (await c.lookup([K, b"absent"], wait=30.0)).states == [M, M]
+    assert core.counter("kvtier_probe_failures_total", tier="mem", kind="bad_result") == 2
+    assert core.tier.load_calls == []  # truthy junk is not a hit
+
+
 async def test_keys_of_one_tick_share_one_batch(core: Core) -> None:
     keys = [bytes([i]) * 8 for i in range(100)]
     async with await core.client() as c:

@@ -61,6 +61,7 @@ class CoreCounters:
         self.probe_verdicts = Counts("tier", "verdict")
         self.probe_failures = Counts("tier", "kind")
         self.probe_superseded = Counts("tier")
+        self.probe_late = Counts("tier")
         self.probe_batch_size = Histograms(BATCH_BUCKETS, "tier")
         self.reservations = Counts("event")
         self.pending_deadline_expired = Counts().bind()

@@ -9,7 +9,10 @@ first seed lesson):
   away cannot cancel it;
 * the task resolves every probe it covered in ``finally``, whatever the
   backend did (raised, hung past ``probe_timeout``, answered short);
-* a result for a probe superseded meanwhile is dropped and counted.
+* a result for a probe superseded meanwhile is dropped and counted;
+* the deadline resolves a probe even when the backend call ignores
+  cancellation; at most ``len(keys) + 1`` answers are read, and only
+  booleans count as answers (anything else fails the batch as bad_result).
 
 A PRESENT verdict is handed to ``on_present`` (the service decides whether
 to promote). Imports the core's pure maps, the tiers' interface and the
@@ -19,6 +22,7 @@ counters.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -116,18 +120,28 @@ class RemoteProbes:
         return dispatch
 
     async def _run(self, slot: RemoteSlot, probes: list[Probe]) -> None:
-        """One ``batch_lookup`` for ``probes``; every probe is resolved, whatever happens."""
+        """One ``batch_lookup`` for ``probes``; every probe is resolved by its deadline.
+
+        ``asyncio.timeout`` ends a backend call that honours cancellation; a
+        scheduler timer at the same deadline resolves the probes of one that
+        does not (its answer, if it ever comes, is dropped and counted late).
+        """
         keys = [p.key for p in probes]
+        batch = _Batch(slot, probes)
+        deadline = self._scheduler.now() + self._timeout
+        backstop = self._scheduler.call_at(deadline, lambda: self._expire(batch))
         verdicts: list[Verdict] | None = None
         failure = ProbeFailure.ERROR
         try:
             async with asyncio.timeout(self._timeout):
                 answers = await slot.tier.batch_lookup(keys)
-                found = [bool(a) for a in answers]  # an iterable may fail mid-way
-            if len(found) != len(keys):
+                # At most one answer too many is read: an endless iterable ends here.
+                found = list(itertools.islice(answers, len(keys) + 1))
+            if len(found) != len(keys) or not all(type(a) is bool for a in found):
                 failure = ProbeFailure.BAD_RESULT
                 raise TierError(
-                    f"{slot.name}: batch_lookup returned {len(found)} results for {len(keys)} keys"
+                    f"{slot.name}: batch_lookup answered {len(found)} result(s) for "
+                    f"{len(keys)} key(s), or not all of them booleans"
                 )
             verdicts = [Verdict.PRESENT if f else Verdict.ABSENT for f in found]
         except TimeoutError:
@@ -140,15 +154,48 @@ class RemoteProbes:
         except Exception as exc:
             log.warning("%s: probe of %d key(s) failed: %s", slot.name, len(keys), exc)
         finally:
-            now = self._scheduler.now()
-            counters = self._counters
-            if verdicts is None:
-                counters.probe_failures.inc(slot.name, failure.value, n=len(keys))
-            for i, probe in enumerate(probes):
-                verdict = verdicts[i] if verdicts is not None else Verdict.ERROR
-                owned = slot.probes.complete(probe, verdict, now)
-                counters.probe_verdicts.inc(slot.name, verdict.value)
-                if not owned:
-                    counters.probe_superseded.inc(slot.name)
-                elif verdict is Verdict.PRESENT:
-                    self._on_present(slot, probe.key, now)
+            self._scheduler.cancel(backstop)
+            if batch.resolved and verdicts is not None:
+                self._counters.probe_late.inc(slot.name, n=len(keys))
+            self._resolve(batch, verdicts, failure)
+
+    def _expire(self, batch: _Batch) -> None:
+        if not batch.resolved:
+            log.warning(
+                "%s: probe of %d key(s) still unanswered after %.3fs; resolved as timed out",
+                batch.slot.name,
+                len(batch.probes),
+                self._timeout,
+            )
+            self._resolve(batch, None, ProbeFailure.TIMEOUT)
+
+    def _resolve(
+        self, batch: _Batch, verdicts: list[Verdict] | None, failure: ProbeFailure
+    ) -> None:
+        """Resolve every probe of ``batch`` once: with ``verdicts``, or as errors."""
+        if batch.resolved:
+            return
+        batch.resolved = True
+        slot, counters = batch.slot, self._counters
+        now = self._scheduler.now()
+        if verdicts is None:
+            counters.probe_failures.inc(slot.name, failure.value, n=len(batch.probes))
+        for i, probe in enumerate(batch.probes):
+            verdict = verdicts[i] if verdicts is not None else Verdict.ERROR
+            owned = slot.probes.complete(probe, verdict, now)
+            counters.probe_verdicts.inc(slot.name, verdict.value)
+            if not owned:
+                counters.probe_superseded.inc(slot.name)
+            elif verdict is Verdict.PRESENT:
+                self._on_present(slot, probe.key, now)
+
+
+class _Batch:
+    """One batch_lookup call's probes; resolved once, by the answer or the deadline."""
+
+    __slots__ = ("probes", "resolved", "slot")
+
+    def __init__(self, slot: RemoteSlot, probes: list[Probe]) -> None:
+        self.slot = slot
+        self.probes = probes
+        self.resolved = False

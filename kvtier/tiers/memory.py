@@ -10,14 +10,18 @@ Imports the tiers' base; never the core or metrics.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 from kvtier.errors import TierError
 from kvtier.model import Buffer
 from kvtier.tiers.base import Tier, TierStats
 
-LookupFault = Literal["raise", "hang", "short", "raise_midway"]
+#: raise; hang; answer one short; fail while the answers are read; ignore
+#: cancellation while gated (a retry loop with a bare except); answer with an
+#: endless iterable; answer with values that are not booleans
+LookupFault = Literal["raise", "hang", "short", "raise_midway", "ignore_cancel", "endless", "junk"]
 
 
 class MemoryRemoteTier(Tier):
@@ -35,6 +39,8 @@ class MemoryRemoteTier(Tier):
         self.lookup_started = asyncio.Event()
         self.load_started = asyncio.Event()
         self.lookup_fault: LookupFault | None = None
+        #: cancellations swallowed under the "ignore_cancel" fault
+        self.cancels_ignored = 0
         self.load_fault: bool = False
 
     def __repr__(self) -> str:
@@ -52,7 +58,14 @@ class MemoryRemoteTier(Tier):
         self.lookup_calls.append(list(keys))
         self.lookup_started.set()
         if gate is not None:
-            await gate.wait()
+            while True:
+                try:
+                    await gate.wait()
+                    break
+                except asyncio.CancelledError:
+                    if fault != "ignore_cancel":
+                        raise
+                    self.cancels_ignored += 1
         if fault == "raise":
             raise TierError(f"{self.name}: backend failed")
         if fault == "hang":
@@ -61,6 +74,10 @@ class MemoryRemoteTier(Tier):
             return answers[:-1]
         if fault == "raise_midway":
             return _FailingList(answers)
+        if fault == "endless":
+            return cast(list[bool], itertools.repeat(True))
+        if fault == "junk":
+            return cast(list[bool], ["no" if a else None for a in answers])
         return answers
 
     async def batch_load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
