@@ -23,7 +23,7 @@ from aiohttp import web
 
 from kvtier import loops
 from kvtier._version import __version__
-from kvtier.config import Config, RemoteTierConfig, S3TierConfig
+from kvtier.config import Config, LookupConfig, RemoteTierConfig, S3TierConfig
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.scheduler import Scheduler
 from kvtier.core.service import Service
@@ -43,9 +43,9 @@ log = logging.getLogger("kvtier.daemon")
 READY_MESSAGE = "kvtier ready"
 
 
-def build_remote_tier(tc: RemoteTierConfig) -> Tier:
+def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig) -> Tier:
     if isinstance(tc, S3TierConfig):
-        return S3Tier(tc)
+        return S3Tier(tc, probe_timeout=lookup.probe_timeout, load_timeout=lookup.load_timeout)
     return MemoryRemoteTier(tc.name)
 
 
@@ -74,7 +74,9 @@ class Daemon:
         if remote_tiers is None:
             specs = [
                 RemoteSpec(
-                    build_remote_tier(tc), WritePolicy(tc.write_policy), tc.max_pending_write_bytes
+                    build_remote_tier(tc, config.lookup),
+                    WritePolicy(tc.write_policy),
+                    tc.max_pending_write_bytes,
                 )
                 for tc in config.remote_tiers
             ]
@@ -197,7 +199,9 @@ class Daemon:
             self.socket_path,
             metrics_url,
             self.ram.capacity,
-            f"{self.disk.root} ({self.disk.capacity} bytes)" if self.disk else "disabled",
+            f"{self.disk.root} ({self.disk.capacity} bytes)"
+            if self.disk is not None
+            else "disabled",
         )
         self.ready.set()
 

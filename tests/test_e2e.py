@@ -150,6 +150,8 @@ def test_make_run_serves_and_ping_answers(sock_dir: Path) -> None:
     proc._reader = threading.Thread(target=proc._drain, daemon=True)
     proc._reader.start()
     assert proc._ready.wait(120), "\n".join(proc.lines)
+    ready = next(line for line in proc.lines if "kvtier ready" in line)
+    assert f"disk={sock_dir / 'data'} (" in ready  # an empty disk tier is still a disk tier
     try:
         ping = subprocess.run(
             [sys.executable, "-m", "kvtier", "ping", "--socket", str(sock)],

@@ -41,3 +41,44 @@ async def test_metrics_endpoint_serves_series(daemon: Daemon) -> None:
         assert 'kvtier_tier_used_bytes{tier="ram"} 5.0' in body
         assert "kvtier_connections_open 1.0" in body
         assert 'kvtier_request_duration_seconds_count{op="put"} 1.0' in body
+
+
+def _row(family: str) -> str:
+    for line in DOCS.read_text().splitlines():
+        if line.startswith(f"| `{family}` |"):
+            return line
+    raise AssertionError(f"{family} has no row in docs/metrics.md")
+
+
+def test_every_label_value_is_documented() -> None:
+    from kvtier.core.counts import Dropped, ProbeFailure, ProbeUse, Promoted, Written
+    from kvtier.core.pending import End
+    from kvtier.core.probes import Verdict
+    from kvtier.model import State
+    from kvtier.server.connection import TRUNCATED
+    from kvtier.tiers.s3 import S3Outcome
+    from kvtier.wire import Op
+
+    values: dict[str, list[str]] = {
+        "kvtier_requests_total": [op.name.lower() for op in Op] + ["unknown", "ok"],
+        "kvtier_lookup_keys_total": [s.name.lower() for s in State],
+        "kvtier_protocol_errors_total": [
+            "malformed",
+            "unsupported_version",
+            "unknown_opcode",
+            "frame_too_large",
+            TRUNCATED,
+        ],
+        "kvtier_probes_total": [u.value for u in ProbeUse],
+        "kvtier_probe_verdicts_total": [v.value for v in Verdict],
+        "kvtier_probe_failures_total": [f.value for f in ProbeFailure],
+        "kvtier_reservations_total": ["granted", "refused"] + [e.value for e in End],
+        "kvtier_promotions_total": [p.value for p in Promoted],
+        "kvtier_demotions_total": [w.value for w in Written],
+        "kvtier_tier_writes_dropped_total": [d.value for d in Dropped],
+        "kvtier_s3_requests_total": [o.value for o in S3Outcome],
+    }
+    missing = {
+        family: [v for v in vals if f"`{v}`" not in _row(family)] for family, vals in values.items()
+    }
+    assert not {k: v for k, v in missing.items() if v}, f"undocumented label values: {missing}"

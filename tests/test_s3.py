@@ -222,3 +222,64 @@ def _checksum(key: bytes, value: bytes) -> str:
     from kvtier.tiers.s3 import object_checksum
 
     return object_checksum(key, value)
+
+
+async def test_a_hung_endpoint_opens_the_breaker_and_cold_lookups_answer_at_once(
+    sock_dir: Path,
+) -> None:
+    """An endpoint that accepts connections and never answers: each request ends
+    at its share of the probe deadline as a failure, the breaker opens after its
+    threshold, and from then on cold lookups are answered without a request."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read()  # until the client gives up
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tier = {
+        "kind": "s3",
+        "bucket": "hung-bucket",
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "region": "us-east-1",
+        "addressing_style": "path",
+        "access_key_id": "k",
+        "secret_access_key": "s",
+        "breaker_failures": 2,
+        "breaker_reset": 3600.0,
+        "write_policy": "none",
+    }
+    try:
+        async with (
+            running_daemon(
+                sock_dir,
+                remote_tier_configs=[tier],
+                disk={"enabled": False},
+                lookup={"probe_timeout": 0.5, "error_ttl": 0.0},
+            ) as daemon,
+            await Client.connect(daemon.socket_path) as c,
+        ):
+            for i in range(2):  # each one waits out its request's deadline, then MISS
+                assert (await c.lookup([bytes([i]) * 8], wait=30.0)).states == [M]
+
+            def requests(outcome: str) -> float:
+                return sample(
+                    daemon, "kvtier_s3_requests_total", tier="s3", op="head", outcome=outcome
+                )
+
+            assert requests("timeout") == 2  # failures, not "cancelled"
+            assert requests("cancelled") == 0
+            assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 2  # open
+            assert (
+                sample(daemon, "kvtier_probe_failures_total", tier="s3", kind="timeout") == 0
+            )  # the request ended before the probe deadline, as an S3 error
+            for i in range(2, 6):  # the breaker answers: no request is sent
+                assert (await c.lookup([bytes([i]) * 8], wait=30.0)).states == [M]
+            assert requests("rejected") == 4
+            assert requests("timeout") == 2
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()

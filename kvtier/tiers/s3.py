@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -65,6 +66,25 @@ class S3Counters:
         return f"<S3Counters requests={self.requests.total():g} corrupt={self.corrupt.value:g}>"
 
 
+class S3Outcome(enum.Enum):
+    """How one S3 request ended (the ``outcome`` label of kvtier_s3_requests_total)."""
+
+    OK = "ok"
+    NOT_FOUND = "not_found"
+    CORRUPT = "corrupt"  # S3 answered; the object is bad, not the endpoint
+    ERROR = "error"
+    TIMEOUT = "timeout"  # past its deadline: a failure of the endpoint
+    REJECTED = "rejected"  # not sent: the circuit breaker is open
+    CANCELLED = "cancelled"  # its caller went away first (shutdown)
+
+
+#: outcomes that prove the endpoint answers
+_HEALTHY = (S3Outcome.OK, S3Outcome.NOT_FOUND, S3Outcome.CORRUPT)
+#: a request is given this share of its caller's deadline, so that it ends,
+#: and counts as a failure, before the caller gives up on it
+DEADLINE_SHARE = 0.8
+
+
 class _NotFound(Exception):
     pass
 
@@ -74,8 +94,25 @@ class _Corrupt(Exception):
 
 
 class S3Tier(Tier):
-    def __init__(self, cfg: S3TierConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: S3TierConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        probe_timeout: float | None = None,
+        load_timeout: float | None = None,
+    ) -> None:
+        """``probe_timeout`` and ``load_timeout`` are the deadlines of the callers
+        of HEAD and GET (kvtier's [lookup] settings): each request ends within
+        its share of them, retries and connection set-up included."""
         self.cfg = cfg
+        #: overall bound of one request, by op
+        self.deadlines = {
+            "head": _within(cfg.op_timeout, probe_timeout),
+            "get": _within(cfg.op_timeout, load_timeout),
+            "put": cfg.op_timeout,
+            "delete": cfg.op_timeout,
+        }
         self.name = cfg.name
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix
@@ -97,9 +134,10 @@ class S3Tier(Tier):
 
     async def open(self) -> None:
         cfg = self.cfg
+        shortest = min(self.deadlines.values())
         config = AioConfig(
-            connect_timeout=cfg.connect_timeout,
-            read_timeout=cfg.read_timeout,
+            connect_timeout=min(cfg.connect_timeout, shortest),
+            read_timeout=min(cfg.read_timeout, self.deadlines["get"]),
             retries={"max_attempts": cfg.max_attempts, "mode": cfg.retry_mode},
             max_pool_connections=cfg.max_pool_connections,
             s3={"addressing_style": cfg.addressing_style},
@@ -137,46 +175,49 @@ class S3Tier(Tier):
         if self._client is None:
             raise TierError(f"{self.name}: not open")
         if not self.breaker.allow(self._clock()):
-            requests.inc(op, "rejected")
+            requests.inc(op, S3Outcome.REJECTED.value)
             raise TierError(f"{self.name}: circuit breaker open; not calling S3")
         started = time.perf_counter()
-        outcome = "error"
+        deadline = self.deadlines[op]
+        outcome = S3Outcome.ERROR
         try:
-            async with self._limit, asyncio.timeout(self.cfg.op_timeout):
+            # The deadline covers waiting for a slot too: a queue behind a hung
+            # endpoint is the endpoint's failure.
+            async with asyncio.timeout(deadline), self._limit:
                 result = await fn()
-            outcome = "ok"
+            outcome = S3Outcome.OK
             return result
         except _NotFound:
-            outcome = "not_found"
+            outcome = S3Outcome.NOT_FOUND
             raise
         except _Corrupt:
-            outcome = "corrupt"  # S3 answered; the object is bad, not the endpoint
+            outcome = S3Outcome.CORRUPT
             raise
         except TimeoutError as exc:
-            outcome = "timeout"
-            raise TierError(f"{self.name}: {op} timed out after {self.cfg.op_timeout}s") from exc
+            outcome = S3Outcome.TIMEOUT
+            raise TierError(f"{self.name}: {op} timed out after {deadline:g}s") from exc
         except ClientError as exc:
             self._count_retries(op, exc.response)
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in _NOT_FOUND:
-                outcome = "not_found"
+                outcome = S3Outcome.NOT_FOUND
                 raise _NotFound() from None
             raise TierError(f"{self.name}: {op} failed: {code or exc}") from exc
         except (BotoCoreError, OSError) as exc:
             raise TierError(f"{self.name}: {op} failed: {exc}") from exc
         except asyncio.CancelledError:
-            outcome = "cancelled"
+            outcome = S3Outcome.CANCELLED
             raise
         except Exception as exc:  # aiohttp and friends, converted at the edge
             raise TierError(f"{self.name}: {op} failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            if outcome in ("ok", "not_found", "corrupt"):
+            if outcome in _HEALTHY:
                 self.breaker.success()
-            elif outcome == "cancelled":
+            elif outcome is S3Outcome.CANCELLED:
                 self.breaker.abandon()
             else:
                 self.breaker.failure(self._clock())
-            requests.inc(op, outcome)
+            requests.inc(op, outcome.value)
             self.counters.seconds.observe(time.perf_counter() - started, op)
 
     def _count_retries(self, op: str, response: Any) -> None:
@@ -269,3 +310,9 @@ class S3Tier(Tier):
                 "breaker_state": int(self.breaker.state),
             },
         )
+
+
+def _within(op_timeout: float, caller_deadline: float | None) -> float:
+    if caller_deadline is None:
+        return op_timeout
+    return min(op_timeout, caller_deadline * DEADLINE_SHARE)
