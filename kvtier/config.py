@@ -104,6 +104,19 @@ def _size_or_zero(value: Any) -> Any:
     return 0 if value == 0 else parse_size(value)
 
 
+def _socket_mode(value: Any) -> Any:
+    mode = int(value, 8) if isinstance(value, str) else value
+    if not isinstance(mode, int) or mode & ~0o660 or mode & 0o600 != 0o600:
+        raise ValueError(
+            f"socket_mode must give the owner read and write and nothing to others "
+            f"(0600 or 0660), got {value!r}"
+        )
+    return mode
+
+
+#: a Unix socket's permission bits: owner rw, optionally group rw, never others
+SocketMode = Annotated[int, BeforeValidator(_socket_mode)]
+
 #: a byte count (``8GiB`` or an int), or "auto"
 Capacity = Annotated[int | Literal["auto"], BeforeValidator(_capacity)]
 #: a byte count, 0 allowed
@@ -122,6 +135,14 @@ class ServerConfig(_Section):
     max_block_bytes: ByteSize = Field(default=ByteSize(16 * MiB), ge=1)
     max_inflight_per_connection: int = Field(default=1024, ge=1)
     shutdown_grace: float = Field(default=10.0, ge=0)
+    #: the socket file's mode: 0600 (the daemon's user only) or, for engines
+    #: running as another user of a shared group, 0660; written as "0660" or 432
+    socket_mode: SocketMode = 0o600
+    #: peers allowed to connect, checked with SO_PEERCRED at accept (a peer
+    #: passes if its uid or its gid is listed); unset with a group-readable
+    #: socket: the daemon's own uid only
+    allowed_uids: list[int] | None = None
+    allowed_gids: list[int] | None = None
 
     @model_validator(mode="after")
     def _block_fits_frame(self) -> ServerConfig:

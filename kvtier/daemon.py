@@ -30,7 +30,7 @@ from kvtier.core.service import Service
 from kvtier.metrics import Metrics, start_metrics_server
 from kvtier.model import Limits
 from kvtier.server.server import Server
-from kvtier.server.sockets import bind_unix_socket
+from kvtier.server.sockets import PeerPolicy, bind_unix_socket
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryRemoteTier
@@ -139,7 +139,7 @@ class Daemon:
             for tier in self.remote_tiers:
                 await tier.open()
                 opened.append(tier)
-            sock = bind_unix_socket(self.socket_path)
+            sock = bind_unix_socket(self.socket_path, self.config.server.socket_mode)
             self._socket_ino = os.stat(self.socket_path).st_ino
             runner = await self._start_metrics()
         except BaseException:
@@ -161,11 +161,13 @@ class Daemon:
             self.service.start(spawn)
             if self.disk is not None:
                 spawn(self.disk.rebuild_index())  # serves meanwhile: unscanned keys read RETRY
+            sc = self.config.server
             self.server = server = Server(
                 self.service,
                 spawn,
                 max_frame=int(self.config.server.max_frame_bytes),
                 max_inflight=self.config.server.max_inflight_per_connection,
+                peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
             )
             self.metrics.watch_server(server.counters, lambda: len(server.connections))
             try:

@@ -31,6 +31,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 10
     INTERNAL = 11
     BUSY = 12
+    FORBIDDEN = 13
 
 
 class KvtierError(Exception):
@@ -120,6 +121,12 @@ class BusyError(KvtierError):
     code = ErrorCode.BUSY
 
 
+class ForbiddenError(KvtierError):
+    """The daemon does not accept connections from this user."""
+
+    code = ErrorCode.FORBIDDEN
+
+
 class ShuttingDownError(KvtierError):
     """The daemon is shutting down and accepts no new work."""
 
@@ -169,6 +176,7 @@ _BY_CODE: dict[ErrorCode, type[KvtierError]] = {
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
     ErrorCode.INTERNAL: ServerError,
     ErrorCode.BUSY: BusyError,
+    ErrorCode.FORBIDDEN: ForbiddenError,
 }
 
 

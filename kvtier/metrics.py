@@ -129,6 +129,12 @@ class _Collector(Collector):
         yield CounterMetricFamily(
             "kvtier_connections", "Client connections accepted", value=c.connections.value
         )
+        yield _counter(
+            "kvtier_connections_refused",
+            "Connections refused at accept, by reason: not_allowed (uid/gid not listed), "
+            "no_credentials (the peer's credentials could not be read)",
+            c.connections_refused,
+        )
         yield CounterMetricFamily(
             "kvtier_received_bytes",
             "Bytes of frames received from clients",

@@ -77,6 +77,7 @@ def test_every_label_value_is_documented() -> None:
         "kvtier_demotions_total": [w.value for w in Written],
         "kvtier_tier_writes_dropped_total": [d.value for d in Dropped],
         "kvtier_s3_requests_total": [o.value for o in S3Outcome],
+        "kvtier_connections_refused_total": ["not_allowed", "no_credentials"],
     }
     missing = {
         family: [v for v in vals if f"`{v}`" not in _row(family)] for family, vals in values.items()

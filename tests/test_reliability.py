@@ -115,3 +115,60 @@ async def test_eof_ends_reservations_while_a_get_of_its_own_is_in_flight(
         stats = await other.stats()
         assert stats["server"]["connections"] == 1
         assert stats["server"]["requests_waiting"] == 0
+
+
+# ---------------------------------------------------------------- who may connect
+
+
+async def test_a_user_not_allowed_is_refused_counted_and_others_served(sock_dir: Path) -> None:
+    import os
+    import stat
+
+    from kvtier.errors import ForbiddenError
+
+    async with running_daemon(
+        sock_dir,
+        disk={"enabled": False},
+        server={"socket_mode": "0660", "allowed_uids": [os.getuid() + 1]},
+    ) as d:
+        assert stat.S_IMODE(os.stat(d.socket_path).st_mode) == 0o660
+        with pytest.raises(ForbiddenError, match=f"uid {os.getuid()}"):
+            await Client.connect(d.socket_path)
+        refused = d.metrics.registry.get_sample_value(
+            "kvtier_connections_refused_total", {"reason": "not_allowed"}
+        )
+        assert refused == 1
+        assert d.server is not None and not d.server.connections
+    async with (
+        running_daemon(
+            sock_dir,
+            disk={"enabled": False},
+            server={"socket_mode": 0o660, "allowed_gids": [os.getgid()]},
+        ) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        assert await c.ping(b"in") == b"in"  # admitted by its group
+
+
+def test_socket_mode_must_not_open_the_socket_to_others() -> None:
+    from kvtier.config import load_config
+    from kvtier.errors import ConfigError
+
+    for bad in ("0666", "0644", "0400", 0o700):
+        with pytest.raises(ConfigError, match="socket_mode"):
+            load_config(None, {"server": {"socket_mode": bad}})
+    assert load_config(None, {"server": {"socket_mode": "0660"}}).server.socket_mode == 0o660
+
+
+def test_peer_policy_defaults() -> None:
+    import os
+
+    from kvtier.server.sockets import Peer, PeerPolicy
+
+    me, other = Peer(1, os.getuid(), 0), Peer(2, os.getuid() + 1, 4242)
+    private = PeerPolicy.for_socket(0o600, None, None)
+    assert private.allows(other) and private.allows(None)  # the file mode decides
+    shared = PeerPolicy.for_socket(0o660, None, None)
+    assert shared.allows(me) and not shared.allows(other) and not shared.allows(None)
+    listed = PeerPolicy.for_socket(0o660, None, [4242])
+    assert listed.allows(other) and not listed.allows(me)

@@ -68,6 +68,10 @@ class _ClientProtocol(asyncio.BufferedProtocol):
                 self.transport.abort()
             return
         for frame in frames:
+            if frame.header.request_id == 0 and frame.header.status:
+                # Unasked: the server refuses this connection and closes it.
+                self._fail(error_from_code(frame.header.status, wire.decode_error(frame.meta)))
+                continue
             fut = self.pending.pop(frame.header.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(frame)

@@ -32,6 +32,7 @@ from kvtier.errors import (
     UnsupportedVersionError,
 )
 from kvtier.model import Buffer, ConnId
+from kvtier.server.sockets import Peer, peer_of
 from kvtier.wire import FLAG_REPLY, Frame, Op
 from kvtier.wire.flow_control import FlowControl
 
@@ -97,7 +98,25 @@ class Connection(asyncio.BufferedProtocol):
         # uvloop's transports implement the Transport API without subclassing it
         self.transport = cast(asyncio.Transport, transport)
         self.flow = FlowControl(self.transport)
+        peer = peer_of(transport.get_extra_info("socket"))
+        if not self.server.peers.allows(peer):
+            self._refuse(peer)
+            return
         self.server.connection_opened(self)
+
+    def _refuse(self, peer: Peer | None) -> None:
+        """Not a user this daemon serves: say so, count it, close before reading anything."""
+        who = f"uid {peer.uid} gid {peer.gid} pid {peer.pid}" if peer else "unknown peer"
+        log.warning("connection #%d refused: %s is not allowed", self.conn_id.value, who)
+        self.server.counters.connections_refused.inc("not_allowed" if peer else "no_credentials")
+        message = f"{who} may not use this daemon (server.allowed_uids / allowed_gids)"
+        self._write(
+            wire.frame_parts(
+                0, 0, wire.encode_error(message), flags=FLAG_REPLY, status=ErrorCode.FORBIDDEN
+            )
+        )
+        assert self.transport is not None
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -20,6 +20,7 @@ from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.model import CacheService, Spawn
 from kvtier.server.connection import Connection
 from kvtier.server.ops import Ops
+from kvtier.server.sockets import PeerPolicy
 
 log = logging.getLogger("kvtier.server")
 
@@ -32,6 +33,7 @@ class ServerCounters:
         self.request_seconds = Histograms(LATENCY_BUCKETS, "op")
         self.protocol_errors = Counts("code")
         self.connections = Counts().bind()
+        self.connections_refused = Counts("reason")
         self.received_bytes = Counts().bind()
         self.sent_bytes = Counts().bind()
 
@@ -52,6 +54,7 @@ class Server:
         *,
         max_frame: int,
         max_inflight: int,
+        peers: PeerPolicy | None = None,
         server_name: str = f"kvtier/{__version__}",
     ) -> None:
         self.spawn = spawn
@@ -59,6 +62,8 @@ class Server:
         #: requests one connection may have running at once before reading pauses
         self.max_inflight = max_inflight
         self.server_name = server_name
+        #: who may connect (checked at accept)
+        self.peers = peers if peers is not None else PeerPolicy(None)
         self.counters = ServerCounters()
         self.ops = Ops(
             service, max_frame=max_frame, server_name=server_name, server_stats=self.stats

@@ -1,6 +1,9 @@
-"""The Unix socket's file: a private directory, a stale socket cleared, mode 0600.
+"""The Unix socket's file and who may use it.
 
-Synchronous and small; called once at startup. Imports only the errors.
+The file: a private directory, a stale socket cleared, the configured mode
+(0600, or 0660 for a shared group). The peers: :class:`PeerPolicy` checks
+each connection's uid and gid (SO_PEERCRED) at accept. Synchronous and
+small. Imports only the errors.
 """
 
 from __future__ import annotations
@@ -11,23 +14,26 @@ import logging
 import os
 import socket
 import stat
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvtier.errors import SocketInUseError, UnsafeSocketDirError
 
 log = logging.getLogger("kvtier.server")
 
 
-def prepare_socket_path(path: Path) -> None:
-    """Make ``path``'s directory (0700 when we create it) and clear a stale socket.
+def prepare_socket_path(path: Path, dir_mode: int = 0o700) -> None:
+    """Make ``path``'s directory (``dir_mode`` when we create it) and clear a stale socket.
 
     A socket file that still answers belongs to a live daemon and is not
     stolen; a socket file nobody answers on is left over from a dead one.
     """
     parent = path.parent
     if not parent.exists():
-        parent.mkdir(mode=0o700, parents=True)
-        os.chmod(parent, 0o700)
+        parent.mkdir(mode=dir_mode, parents=True)
+        os.chmod(parent, dir_mode)
     else:
         # Another user who controls the directory could swap the socket for
         # their own: refuse directories we cannot trust.
@@ -62,9 +68,10 @@ def prepare_socket_path(path: Path) -> None:
     raise SocketInUseError(f"another kvtier daemon is serving on {path}")
 
 
-def bind_unix_socket(path: Path) -> socket.socket:
-    """A listening socket at ``path``, created with mode 0600."""
-    prepare_socket_path(path)
+def bind_unix_socket(path: Path, mode: int = 0o600) -> socket.socket:
+    """A listening socket at ``path`` with permission bits ``mode`` (0600 or 0660)."""
+    # A group-usable socket needs a group-traversable directory.
+    prepare_socket_path(path, 0o750 if mode & 0o060 else 0o700)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
@@ -76,7 +83,51 @@ def bind_unix_socket(path: Path) -> socket.socket:
         raise
     finally:
         os.umask(old_umask)
-    os.chmod(path, 0o600)
+    os.chmod(path, mode)
     sock.listen(512)
     sock.setblocking(False)
     return sock
+
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+@dataclass(slots=True, frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_of(sock: Any) -> Peer | None:
+    """The connecting process's credentials, or None where the platform has none."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except (AttributeError, OSError):
+        return None
+    return Peer(*_UCRED.unpack(raw))
+
+
+@dataclass(slots=True, frozen=True)
+class PeerPolicy:
+    """Who may connect: ``uids is None`` admits whoever can open the socket."""
+
+    uids: frozenset[int] | None
+    gids: frozenset[int] = frozenset()
+
+    @classmethod
+    def for_socket(cls, mode: int, uids: list[int] | None, gids: list[int] | None) -> PeerPolicy:
+        """Explicit lists win; without them a private socket needs no check and a
+        group-usable one admits the daemon's own user only."""
+        if uids is None and gids is None:
+            if not mode & 0o077:
+                return cls(None)
+            return cls(frozenset({os.getuid()}))
+        return cls(frozenset(uids or ()), frozenset(gids or ()))
+
+    def allows(self, peer: Peer | None) -> bool:
+        if self.uids is None:
+            return True
+        if peer is None:
+            return False  # nothing to check against: refuse
+        return peer.uid in self.uids or peer.gid in self.gids
