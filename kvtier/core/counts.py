@@ -86,3 +86,4 @@ class MapSizes:
     verdicts_cached: dict[str, int]
     pending_writes: int
     request_states: int
+    timers: int

@@ -47,10 +47,12 @@ class Scheduler:
         self._wake: asyncio.Future[None] | None = None
         self._armed_for: float | None = None
         self._stopping = False
+        #: timers that re-arm themselves for the scheduler's life (sweeps)
+        self._periodic = 0
 
     def __repr__(self) -> str:
         queued = sum(len(b.keys) for b in self._batches.values())
-        return f"<Scheduler timers={len(self._timers)} queued_probes={queued}>"
+        return f"<Scheduler {self._timers!r} periodic={self._periodic} queued_probes={queued}>"
 
     def now(self) -> float:
         if self._clock is not None:
@@ -60,6 +62,11 @@ class Scheduler:
     @property
     def timer_count(self) -> int:
         return len(self._timers)
+
+    @property
+    def deadline_count(self) -> int:
+        """Timers armed for one-off deadlines (periodic sweeps not counted): 0 when idle."""
+        return len(self._timers) - self._periodic
 
     # -- timers
 
@@ -75,6 +82,7 @@ class Scheduler:
 
     def every(self, interval: float, callback: Callable[[], Any]) -> None:
         """Run ``callback`` every ``interval`` seconds for the scheduler's life."""
+        self._periodic += 1
 
         def tick() -> None:
             try:

@@ -477,6 +477,7 @@ class Service:
             verdicts_cached={s.name: s.probes.verdict_count for s in self.remotes},
             pending_writes=len(self.pending.table),
             request_states=len(self.deferrals),
+            timers=self.scheduler.deadline_count,
         )
 
     def tiers(self) -> list[Tier]:
@@ -492,6 +493,7 @@ class Service:
                 "verdicts": sum(sizes.verdicts_cached.values()),
                 "reservations": sizes.pending_writes,
                 "request_states": sizes.request_states,
+                "timers": sizes.timers,
             },
             "probes": {
                 s.name: {"inflight": s.probes.inflight_count, "verdicts": s.probes.verdict_count}
