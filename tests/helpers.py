@@ -112,8 +112,12 @@ class DaemonProcess:
         )
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
-        if not self._ready.wait(timeout) or self.proc.poll() is not None:
+        if not self._ready.wait(timeout):
             self.stop(signal.SIGKILL)
+            raise RuntimeError("daemon did not become ready:\n" + "\n".join(self.lines))
+        if not self.metrics_url and not any(READY_MESSAGE in line for line in self.lines):
+            # Its stderr closed without the ready line: it is exiting on its own.
+            self.wait(timeout)
             raise RuntimeError("daemon did not become ready:\n" + "\n".join(self.lines))
         return self
 

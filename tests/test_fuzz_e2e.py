@@ -45,8 +45,7 @@ def proc(sock_dir: Path) -> Iterator[DaemonProcess]:
 
 def frames(rng: random.Random) -> list[bytes]:
     """A script of valid requests, some of them to be mutated or cut."""
-    key = lambda: rng.randbytes(rng.choice([1, 8, 32]))  # noqa: E731
-    keys = [key() for _ in range(rng.randrange(1, 6))]
+    keys = [rng.randbytes(rng.choice([1, 8, 32])) for _ in range(rng.randrange(1, 6))]
     out = []
     for rid in range(1, rng.randrange(2, 12)):
         op = rng.choice([Op.LOOKUP, Op.GET, Op.PUT, Op.RESERVE, Op.ABORT, Op.PING, Op.DELETE])
