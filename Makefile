@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck imports unit bench bench-deps clean
+.PHONY: run test lint typecheck imports unit bench bench-deps soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ bench-deps: $(BENCH_STAMP)
 bench: bench-deps
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)
+
+# A long mixed workload with misbehaving clients and S3 outages that verifies
+# every byte, then checks the daemon drained and shuts down promptly.
+# DURATION in seconds (default 60); not part of make test.
+DURATION ?= 60
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --duration $(DURATION)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
