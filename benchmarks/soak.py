@@ -239,6 +239,8 @@ def main() -> int:
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the S3 server's access log
+    # The proxy logs each S3 request the daemon abandons at its deadline.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="kvt-soak-", dir="/tmp") as tmp:
         s3 = S3Server()
         try:
