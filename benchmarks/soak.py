@@ -28,7 +28,7 @@ from kvtier import Client, loops, wire
 from kvtier.errors import KvtierError
 from kvtier.model import Lookup, LookupMode, Reserve
 from kvtier.wire import Op
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, rss_bytes
 from tests.s3server import S3Server
 
 
@@ -37,14 +37,6 @@ def value_of(key: bytes) -> bytes:
     digest = hashlib.sha256(key).digest()
     size = 1024 + int.from_bytes(digest[:3], "big") % (512 * 1024)
     return (digest * (size // 32 + 1))[:size]
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 @dataclass

@@ -166,6 +166,15 @@ class DaemonProcess:
             return text
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid``."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def metric_value(text: str, name: str, labels: str = "") -> float:
     """The value of one sample in a Prometheus text exposition."""
     needle = f"{name}{{{labels}}}" if labels else name

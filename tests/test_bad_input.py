@@ -12,7 +12,7 @@ from kvtier import BlockingClient, wire
 from kvtier.errors import ErrorCode
 from kvtier.model import Lookup
 from kvtier.wire import Op
-from tests.helpers import DaemonProcess, RawConnection, metric_value
+from tests.helpers import DaemonProcess, RawConnection, metric_value, rss_bytes
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +174,6 @@ def test_truncated_frame_then_hangup(proc: DaemonProcess, bystander: BlockingCli
         truncated + 1
     )
     assert bystander.get(b"torn") is None  # a torn frame stores nothing
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_client_that_never_reads_does_not_stall_others(

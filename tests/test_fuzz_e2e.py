@@ -16,18 +16,10 @@ import pytest
 from kvtier import Client, wire
 from kvtier.model import Lookup, LookupMode, Reserve
 from kvtier.wire import Op
-from tests.helpers import DaemonProcess, metric_value
+from tests.helpers import DaemonProcess, metric_value, rss_bytes
 
 SEED = 20261130
 CONNECTIONS = 200
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture

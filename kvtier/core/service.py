@@ -7,11 +7,9 @@ the same name then gives the complete answer. ``put``, ``reserve``,
 ``abort`` and ``release`` never wait.
 
 Every verb asks :class:`~kvtier.core.locate.Locator` where a key is and acts
-on the answer; no other code decides the order of the tiers.
-
-Where the two invariants live: shared probes that always end in
-:mod:`~kvtier.core.remotes`; pending writes that always end, with their
-deadline timers, in :mod:`~kvtier.core.writes`.
+on the answer; no other code decides the order of the tiers. The two
+invariants live in :mod:`~kvtier.core.remotes` (probes are shared and always
+end) and :mod:`~kvtier.core.writes` (nothing is pending forever).
 
 Imports the core, the tiers, the shared records and the errors; never the
 wire, the server or metrics.
