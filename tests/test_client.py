@@ -201,3 +201,25 @@ async def test_server_closing_fails_pending_calls(sock_dir: Path) -> None:
         with pytest.raises(ConnectionClosedError):
             await client.ping()
         await client.close()
+
+
+async def test_get_into_receives_blocks_straight_into_the_callers_buffer(daemon: Daemon) -> None:
+    from kvtier.errors import ValueTooLargeError
+
+    big, small = bytes(range(256)) * 4096, b"tiny block"  # 1 MiB (direct), 10 B (ring)
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put_many([b"big", b"small"], [big, small])
+        region = bytearray(b"\xee" * (3 * len(big)))  # three rows, like a KV region
+        rows = [memoryview(region)[i * len(big) : (i + 1) * len(big)] for i in range(3)]
+        got = await c.get_many_into([b"big", b"small", b"absent"], rows)
+        assert got == [len(big), len(small), None]
+        assert rows[0] == big
+        assert rows[1][: len(small)] == small and rows[1][len(small) :] == b"\xee" * (
+            len(big) - len(small)
+        )
+        assert rows[2] == b"\xee" * len(big)  # a miss writes nothing
+        with pytest.raises(ValueTooLargeError, match="destination holds 100"):
+            await c.get_into(b"big", bytearray(100))
+        assert await c.get_into(b"small", bytearray(64)) == len(small)  # still usable
+        with pytest.raises(ValueError, match="read-only"):
+            await c.get_into(b"small", b"read-only bytes")

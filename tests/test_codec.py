@@ -260,3 +260,29 @@ def test_uniform_and_mixed_key_lists_decode_in_chunks(n: int) -> None:
     mixed = [b"x" * (i % 7 + 1) for i in range(n)]
     encoded = wire.encode_keys(mixed)
     assert wire.decode_keys(encoded) == (mixed, len(encoded), 0 if n != 1 else 1)
+
+
+def test_a_sink_receives_data_in_place_and_detach_spares_it() -> None:
+    dest = bytearray(200_000)
+    reader = FrameReader(1 << 20, sink=lambda h: memoryview(dest) if h.request_id == 7 else None)
+    meta, parts = wire.encode_put([b"k"], [b"\x01" * 150_000])  # any meta + 150 kB of data
+    raw = frame_bytes(Op.GET, 7, meta, bytes(parts[0]))
+    frames: list[wire.Frame] = []
+
+    def feed(data: bytes) -> None:
+        while data:
+            buf = reader.get_buffer()
+            n = min(len(buf), len(data), 4096)
+            buf[:n] = data[:n]
+            data = data[n:]
+            frames.extend(reader.buffer_updated(n))
+
+    feed(raw[:100_000])
+    reader.detach(7)  # the caller gave up: the rest must not touch its buffer
+    feed(raw[100_000:])
+    (frame,) = frames
+    assert frame.header.request_id == 7 and bytes(frame.meta) == meta
+    written = 100_000 - wire.HEADER_SIZE - len(meta)
+    assert dest[:written] == b"\x01" * written  # before the detach: in place
+    assert dest[written:] == bytes(len(dest) - written)  # after it: untouched
+    assert reader.idle

@@ -26,6 +26,7 @@ from kvtier.errors import (
     DaemonUnavailableError,
     ProtocolError,
     RequestTimeoutError,
+    ValueTooLargeError,
     error_from_code,
 )
 from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Reserve, ReserveStatus
@@ -41,9 +42,11 @@ _SOLO_VALUE_BYTES = 64 * 1024
 
 class _ClientProtocol(asyncio.BufferedProtocol):
     def __init__(self, max_frame: int) -> None:
-        self.reader = wire.FrameReader(max_frame)
+        self.reader = wire.FrameReader(max_frame, sink=self._sink)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future[Frame]] = {}
+        #: caller buffers that GET replies land in, by request id (get_into)
+        self.sinks: dict[int, memoryview] = {}
         self.closed_exc: Exception | None = None
         self.flow: FlowControl | None = None
         self.closed_event = asyncio.Event()
@@ -58,6 +61,17 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
+
+    def _sink(self, header: wire.Header) -> memoryview | None:
+        if header.status:
+            return None  # an error reply carries a message, not a block
+        return self.sinks.pop(header.request_id, None)
+
+    def forget(self, rid: int) -> None:
+        """Request ``rid`` is over: its reply may no longer touch the caller's buffer."""
+        self.pending.pop(rid, None)
+        if self.sinks.pop(rid, None) is None:
+            self.reader.detach(rid)
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
@@ -179,7 +193,12 @@ class Client:
     # -- plumbing
 
     def _send(
-        self, op: int, meta: Buffer, data: Sequence[Buffer] = (), flags: int = 0
+        self,
+        op: int,
+        meta: Buffer,
+        data: Sequence[Buffer] = (),
+        flags: int = 0,
+        into: memoryview | None = None,
     ) -> asyncio.Future[Frame]:
         proto = self._protocol
         if proto.transport is None or proto.transport.is_closing():
@@ -187,8 +206,12 @@ class Client:
         rid = next(self._ids)
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         proto.pending[rid] = fut
+        if into is not None:
+            proto.sinks[rid] = into
+            fut.add_done_callback(lambda _f: proto.forget(rid))
+        else:
+            fut.add_done_callback(lambda _f: proto.pending.pop(rid, None))
         proto.transport.writelines(wire.frame_parts(op, rid, meta, data, flags=flags))
-        fut.add_done_callback(lambda _f: proto.pending.pop(rid, None))
         return fut
 
     async def _await(
@@ -300,6 +323,44 @@ class Client:
         out: list[memoryview | None] = []
         for frame in frames:
             out.extend(wire.decode_get_reply(frame.meta, frame.data))
+        return out
+
+    async def get_into(self, key: bytes, dest: Buffer, *, timeout: Timeout = ...) -> int | None:
+        """Receive the block under ``key`` straight into ``dest`` (no intermediate copy).
+
+        Returns the block's length (the bytes of ``dest`` written from the
+        start), or None if there is no such block. A block larger than
+        ``dest`` raises :class:`~kvtier.errors.ValueTooLargeError`; after any
+        error the contents of ``dest`` are undefined.
+        """
+        return (await self.get_many_into([key], [dest], timeout=timeout))[0]
+
+    async def get_many_into(
+        self, keys: Sequence[bytes], dests: Sequence[Buffer], *, timeout: Timeout = ...
+    ) -> list[int | None]:
+        """:meth:`get_into` for many keys, pipelined: block ``i`` lands in ``dests[i]``."""
+        if len(keys) != len(dests):
+            raise ValueError("get_many_into needs one destination per key")
+        views = [memoryview(d).cast("B") for d in dests]
+        for view in views:
+            if view.readonly:
+                raise ValueError("a destination buffer is read-only")
+        futs = [
+            self._send(Op.GET, wire.encode_keys([key]), into=view)
+            for key, view in zip(keys, views, strict=True)
+        ]
+        frames = await self._await(futs, self._timeout(timeout))
+        out: list[int | None] = []
+        for key, view, frame in zip(keys, views, frames, strict=True):
+            (value,) = wire.decode_get_reply(frame.meta, frame.data)
+            if value is None:
+                out.append(None)
+            elif value.obj is not view.obj:
+                raise ValueTooLargeError(
+                    f"block {key.hex()} is {len(value)} bytes; its destination holds {len(view)}"
+                )
+            else:
+                out.append(len(value))
         return out
 
     async def put(

@@ -115,6 +115,14 @@ class BlockingClient:
     def get_many(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> list[memoryview | None]:
         return self._run(self._client.get_many(keys, timeout=timeout))
 
+    def get_into(self, key: bytes, dest: Buffer, *, timeout: Timeout = ...) -> int | None:
+        return self._run(self._client.get_into(key, dest, timeout=timeout))
+
+    def get_many_into(
+        self, keys: Sequence[bytes], dests: Sequence[Buffer], *, timeout: Timeout = ...
+    ) -> list[int | None]:
+        return self._run(self._client.get_many_into(keys, dests, timeout=timeout))
+
     def put(
         self, key: bytes, value: Buffer, *, durable: bool = False, timeout: Timeout = ...
     ) -> PutStatus:

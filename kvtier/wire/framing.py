@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.model import Buffer
@@ -121,14 +121,53 @@ def frame_parts(
 _MIN_TAIL = 16 * 1024
 
 
+class _Direct:
+    """A frame received straight into its destination: meta, then data."""
+
+    __slots__ = ("data", "filled", "header", "meta")
+
+    def __init__(self, header: Header, meta: memoryview, data: memoryview) -> None:
+        self.header = header
+        self.meta = meta
+        self.data = data
+        self.filled = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.meta) + len(self.data)
+
+    def buffer(self) -> memoryview:
+        if self.filled < len(self.meta):
+            return self.meta[self.filled :]
+        return self.data[self.filled - len(self.meta) :]
+
+    def put(self, chunk: memoryview) -> None:
+        """Copy bytes that arrived in the ring buffer (the frame's first part)."""
+        cut = max(0, min(len(chunk), len(self.meta) - self.filled))
+        if cut:
+            self.meta[self.filled : self.filled + cut] = chunk[:cut]
+        rest = chunk[cut:]
+        if rest:
+            at = self.filled + cut - len(self.meta)
+            self.data[at : at + len(rest)] = rest
+        self.filled += len(chunk)
+
+
+#: where a frame's data part should land (a caller's buffer), or None
+Sink = Callable[[Header], "memoryview | None"]
+
+
 class FrameReader:
     """Incremental frame assembler for ``asyncio.BufferedProtocol``.
 
     Small frames are received into one reusable buffer and many are parsed per
     ``recv``; a frame whose body exceeds ``direct_threshold`` is received
     straight into a buffer of its own (no copy), which becomes the frame's
-    ``meta``/``data`` views. Bodies above ``max_frame`` raise
-    :class:`OversizedFrame` and leave the reader unusable (the caller closes).
+    ``meta``/``data`` views. With a ``sink``, a frame whose data part has a
+    destination (a caller's buffer of at least ``data_len`` bytes) is
+    received straight into it, and its ``data`` is a view of that buffer.
+    Bodies above ``max_frame`` raise :class:`OversizedFrame` and leave the
+    reader unusable (the caller closes).
     """
 
     def __init__(
@@ -136,40 +175,49 @@ class FrameReader:
         max_frame: int,
         buffer_size: int = 256 * 1024,
         direct_threshold: int = 64 * 1024,
+        sink: Sink | None = None,
     ) -> None:
         if buffer_size < direct_threshold + HEADER_SIZE:
             raise ValueError("buffer_size must hold a header plus a direct_threshold body")
         self.max_frame = max_frame
         self.direct_threshold = direct_threshold
+        self._sink = sink
         self._buf = bytearray(buffer_size)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
-        self._body: bytearray | None = None
-        self._body_filled = 0
-        self._body_header: Header | None = None
+        #: the frame being received outside the ring buffer, if any
+        self._direct: _Direct | None = None
 
     def __repr__(self) -> str:
-        mode = f"direct {self._body_filled}/{len(self._body)}" if self._body is not None else "ring"
+        d = self._direct
+        mode = f"direct {d.filled}/{d.size}" if d is not None else "ring"
         return f"<FrameReader {mode} buffered={self._end - self._start}>"
 
     @property
     def idle(self) -> bool:
         """True when no partial frame is buffered."""
-        return self._body is None and self._start == self._end
+        return self._direct is None and self._start == self._end
 
     def discard(self) -> int:
         """Drop a partial frame (its sender went away); returns the bytes dropped."""
         dropped = self._end - self._start
-        if self._body is not None:
-            dropped = HEADER_SIZE + self._body_filled
-        self._body, self._body_header, self._body_filled = None, None, 0
+        if self._direct is not None:
+            dropped = HEADER_SIZE + self._direct.filled
+        self._direct = None
         self._start = self._end = 0
         return dropped
 
+    def detach(self, request_id: int) -> None:
+        """The caller of ``request_id`` gave up: the rest of its frame, if being
+        received into the caller's buffer, goes to a scratch buffer instead."""
+        direct = self._direct
+        if direct is not None and direct.header.request_id == request_id:
+            direct.data = memoryview(bytearray(len(direct.data)))
+
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        if self._body is not None:
-            return memoryview(self._body)[self._body_filled :]
+        if self._direct is not None:
+            return self._direct.buffer()
         # Compact before the tail gets small, so that a recv never reads a
         # few bytes at a time; a partial frame here is at most
         # HEADER_SIZE + direct_threshold bytes, which always fits.
@@ -184,21 +232,25 @@ class FrameReader:
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         frames: list[Frame] = []
-        if self._body is not None:
-            self._body_filled += nbytes
-            if self._body_filled < len(self._body):
+        direct = self._direct
+        if direct is not None:
+            direct.filled += nbytes
+            if direct.filled < direct.size:
                 return frames
-            frames.append(self._finish_direct())
+            self._direct = None
+            frames.append(Frame(direct.header, direct.meta, direct.data))
             return frames
         self._end += nbytes
         self._parse(frames)
         return frames
 
-    def _finish_direct(self) -> Frame:
-        assert self._body is not None and self._body_header is not None
-        body, header = memoryview(self._body), self._body_header
-        self._body, self._body_header, self._body_filled = None, None, 0
-        return Frame(header, body[: header.meta_len], body[header.meta_len :])
+    def _destination(self, header: Header) -> memoryview | None:
+        if self._sink is None or not header.data_len:
+            return None
+        dest = self._sink(header)
+        if dest is None or len(dest) < header.data_len:
+            return None
+        return dest[: header.data_len]
 
     def _parse(self, frames: list[Frame]) -> None:
         view = self._view
@@ -209,19 +261,28 @@ class FrameReader:
                 raise OversizedFrame(header, self.max_frame)
             body_start = self._start + HEADER_SIZE
             available = self._end - body_start
+            dest = self._destination(header)
             if available >= body_len:
                 meta_end = body_start + header.meta_len
                 frame_end = meta_end + header.data_len
-                frames.append(
-                    Frame(header, bytes(view[body_start:meta_end]), bytes(view[meta_end:frame_end]))
-                )
+                meta = bytes(view[body_start:meta_end])
+                if dest is not None:
+                    dest[:] = view[meta_end:frame_end]
+                    frames.append(Frame(header, meta, dest))
+                else:
+                    frames.append(Frame(header, meta, bytes(view[meta_end:frame_end])))
                 self._start = frame_end
                 continue
-            if body_len > self.direct_threshold:
-                body = bytearray(body_len)
-                body[:available] = view[body_start : self._end]
-                self._body, self._body_header, self._body_filled = body, header, available
-                self._start = self._end = 0
+            if dest is not None:
+                direct = _Direct(header, memoryview(bytearray(header.meta_len)), dest)
+            elif body_len > self.direct_threshold:
+                body = memoryview(bytearray(body_len))
+                direct = _Direct(header, body[: header.meta_len], body[header.meta_len :])
+            else:
+                break
+            direct.put(view[body_start : self._end])
+            self._direct = direct
+            self._start = self._end = 0
             break
         if self._start == self._end:
             self._start = self._end = 0
