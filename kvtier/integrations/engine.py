@@ -1,0 +1,354 @@
+"""An engine's view of kvtier that never blocks its scheduler.
+
+An engine's scheduler asks, every step, "is this block in the tier?" and
+cannot wait for a socket round trip. :class:`EngineTier` answers from what
+it already knows and asks the daemon in the background:
+
+* ``lookup(request_id, key)`` answers HIT or MISS once the daemon has
+  answered for that request, RETRY until then (the key is queued);
+  ``flush()`` - once per scheduler step - sends each request's queued keys
+  as one LOOKUP tagged with the request, so the daemon shares one probe per
+  key across requests and steps and bounds how long the request accepts
+  PENDING (``max_pending_wait``): past it, the key answers MISS.
+* ``load`` receives blocks straight into the engine's rows
+  (:meth:`Client.get_many_into`); ``store`` sends from the rows without a
+  copy, reserving the keys first so another engine waits for them instead of
+  recomputing. Results come back through ``finished()``; a key whose load
+  failed answers MISS for ``failed_ttl`` (no lookup-says-HIT, load-fails
+  livelock). Rows are referenced only while their job runs.
+* With the daemon down, lookups answer MISS and jobs fail at once;
+  connecting again is retried with exponential backoff.
+
+All I/O runs on a private event loop in a daemon thread; the engine-facing
+methods only enqueue work and read results, and are meant to be called from
+one thread (the scheduler's). Imports the client, the shared records and the
+loop choice only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvtier import loops
+from kvtier.client import Client
+from kvtier.errors import KvtierError
+from kvtier.model import HIT, MISS, Buffer, LookupMode
+
+log = logging.getLogger("kvtier.engine")
+
+T = TypeVar("T")
+
+
+class Answer(enum.Enum):
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"  # not known yet, or a write is in flight: ask again next step
+
+
+@dataclass(slots=True)
+class JobDone:
+    """A finished load or store job."""
+
+    job_id: int
+    ok: bool
+    #: for loads: the keys that landed whole (all of them when ``ok``)
+    loaded: list[bytes] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Request:
+    tag: bytes
+    #: the daemon's last answer per key for this request
+    answers: dict[bytes, Answer] = field(default_factory=dict)
+    #: keys asked for and not answered yet
+    asked: set[bytes] = field(default_factory=set)
+    #: keys to send at the next flush
+    queued: list[bytes] = field(default_factory=list)
+
+
+class EngineTier:
+    def __init__(
+        self,
+        socket_path: str | Path | None = None,
+        *,
+        namespace: bytes = b"",
+        max_pending_wait: float = 2.0,
+        timeout: float = 10.0,
+        reserve_stores: bool = True,
+        store_deadline: float = 30.0,
+        failed_ttl: float = 30.0,
+        backoff: tuple[float, float] = (0.05, 5.0),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.socket_path = socket_path
+        self.namespace = namespace
+        self.max_pending_wait = max_pending_wait
+        self.timeout = timeout
+        self.reserve_stores = reserve_stores
+        self.store_deadline = store_deadline
+        self.failed_ttl = failed_ttl
+        self._backoff_min, self._backoff_max = backoff
+        self._clock = clock
+        # -- scheduler-thread state
+        self._requests: dict[str, _Request] = {}
+        #: keys whose load failed, and until when they answer MISS
+        self._failed: dict[bytes, float] = {}
+        self._jobs: set[concurrent.futures.Future[Any]] = set()
+        #: lookups and releases sent and not answered yet
+        self._calls: set[concurrent.futures.Future[Any]] = set()
+        self.counts: dict[str, int] = {}
+        # -- crossing threads: results land here, the scheduler drains them
+        self._answers: queue.SimpleQueue[tuple[str, list[bytes], bytes | None]] = (
+            queue.SimpleQueue()
+        )
+        self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
+        # -- loop-thread state
+        self._client: Client | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._next_attempt = 0.0
+        self._delay = self._backoff_min
+        self._loop = loops.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvtier-engine", daemon=True
+        )
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return (
+            f"<EngineTier requests={len(self._requests)} jobs={len(self._jobs)} "
+            f"failed_keys={len(self._failed)} connected={self._client is not None}>"
+        )
+
+    # ------------------------------------------------------------ scheduler side
+
+    def key(self, engine_key: bytes) -> bytes:
+        return self.namespace + engine_key
+
+    def lookup(self, request_id: str, key: bytes) -> Answer:
+        """What is known of ``key`` for ``request_id`` now; never waits."""
+        self._drain_answers()
+        failed_until = self._failed.get(key)
+        if failed_until is not None:
+            if failed_until > self._clock():
+                return self._count_answer(Answer.MISS)
+            del self._failed[key]
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._requests[request_id] = _Request(request_id.encode()[:255])
+        answer = req.answers.get(key)
+        if answer is Answer.HIT or answer is Answer.MISS:
+            return self._count_answer(answer)
+        if answer is Answer.RETRY:
+            del req.answers[key]  # ask again: the write may have landed
+        if key not in req.asked:
+            req.asked.add(key)
+            req.queued.append(key)
+        return self._count_answer(Answer.RETRY)
+
+    def flush(self) -> None:
+        """Send each request's queued keys as one LOOKUP (call once per step)."""
+        self._drain_answers()
+        for request_id, req in self._requests.items():
+            if req.queued:
+                keys, req.queued = req.queued, []
+                self._calls.add(self._submit(self._lookup(request_id, req.tag, keys)))
+
+    def request_finished(self, request_id: str) -> None:
+        """Forget the request here and its reader-side state in the daemon."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._calls.add(self._submit(self._release(req.tag)))
+
+    def load(self, job_id: int, keys: Sequence[bytes], rows: Sequence[Buffer]) -> None:
+        """Start receiving ``keys`` into ``rows``; the result comes from :meth:`finished`."""
+        self._jobs.add(self._submit(self._load(job_id, list(keys), list(rows))))
+
+    def store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[Buffer]) -> None:
+        """Start sending ``rows`` under ``keys``; the result comes from :meth:`finished`."""
+        self._jobs.add(self._submit(self._store(job_id, list(keys), list(rows))))
+
+    def finished(self) -> list[JobDone]:
+        """Jobs that finished since the last call; failed loads' keys now answer MISS."""
+        out: list[JobDone] = []
+        while True:
+            try:
+                done = self._done.get_nowait()
+            except queue.Empty:
+                break
+            out.append(done)
+        self._jobs = {f for f in self._jobs if not f.done()}
+        return out
+
+    def mark_failed(self, keys: Sequence[bytes]) -> None:
+        """``keys`` could not be delivered: answer MISS for them for ``failed_ttl``."""
+        until = self._clock() + self.failed_ttl
+        for key in keys:
+            self._failed[key] = until
+            for req in self._requests.values():
+                req.answers.pop(key, None)
+
+    @property
+    def busy(self) -> bool:
+        """Whether jobs are still running or results wait to be collected."""
+        return any(not f.done() for f in self._jobs) or not self._done.empty()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until every job, lookup and release sent so far has finished
+        (its result queued). For shutdown and tests, never for a scheduler step."""
+        concurrent.futures.wait([*self._jobs, *self._calls], timeout=timeout)
+        self._calls = {f for f in self._calls if not f.done()}
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self.drain(self.timeout)
+        if self._client is not None:
+            self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._submit(coro).result()
+
+    def _count_answer(self, answer: Answer) -> Answer:
+        name = f"lookup_{answer.value}"
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return answer
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def _drain_answers(self) -> None:
+        while True:
+            try:
+                request_id, keys, states = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            req = self._requests.get(request_id)
+            if req is None:
+                continue  # finished meanwhile
+            for i, key in enumerate(keys):
+                req.asked.discard(key)
+                if states is None:
+                    req.answers[key] = Answer.MISS  # the daemon could not be asked
+                elif states[i] == HIT:
+                    req.answers[key] = Answer.HIT
+                elif states[i] == MISS:
+                    req.answers[key] = Answer.MISS
+                else:
+                    req.answers[key] = Answer.RETRY  # PENDING or RETRY: ask next step
+
+    # ------------------------------------------------------------ loop side
+
+    async def _connected(self) -> Client:
+        """The client, connecting (with backoff after a failure) if needed."""
+        client = self._client
+        if client is not None and not client.closed:
+            return client
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            client = self._client
+            if client is not None and not client.closed:
+                return client
+            now = time.monotonic()
+            if now < self._next_attempt:
+                raise KvtierError("kvtier daemon unavailable; retrying later")
+            try:
+                self._client = await Client.connect(self.socket_path, timeout=self.timeout)
+            except (KvtierError, OSError) as exc:
+                self._next_attempt = now + self._delay
+                self._delay = min(self._delay * 2, self._backoff_max)
+                log.warning(
+                    "kvtier daemon unavailable (%s); next attempt in %.2fs", exc, self._delay
+                )
+                raise
+            self._delay = self._backoff_min
+            return self._client
+
+    async def _lookup(self, request_id: str, tag: bytes, keys: list[bytes]) -> None:
+        states: bytes | None = None
+        try:
+            client = await self._connected()
+            reply = await client.lookup(
+                [self.key(k) for k in keys],
+                mode=LookupMode.KEYS,
+                max_pending_wait=self.max_pending_wait,
+                request_tag=tag,
+            )
+            states = reply.raw_states
+        except (KvtierError, OSError) as exc:
+            log.debug("lookup for %s failed: %s", request_id, exc)
+        finally:
+            self._answers.put((request_id, keys, states))
+
+    async def _release(self, tag: bytes) -> None:
+        try:
+            client = await self._connected()
+            await client.release(tag)
+        except (KvtierError, OSError):
+            pass  # the daemon drops idle request state by itself
+
+    async def _load(self, job_id: int, keys: list[bytes], rows: list[Buffer]) -> None:
+        started = time.perf_counter()
+        loaded: list[bytes] = []
+        nbytes = 0
+        try:
+            client = await self._connected()
+            sizes = await client.get_many_into([self.key(k) for k in keys], rows)
+            for key, row, size in zip(keys, rows, sizes, strict=True):
+                if size is not None and size == memoryview(row).nbytes:
+                    loaded.append(key)
+                    nbytes += size
+        except (KvtierError, OSError) as exc:
+            log.warning("load job %d failed: %s", job_id, exc)
+        finally:
+            rows.clear()  # hold no view of the engine's rows beyond the job
+            ok = len(loaded) == len(keys)
+            self._done.put(JobDone(job_id, ok, loaded, nbytes, time.perf_counter() - started))
+
+    async def _store(self, job_id: int, keys: list[bytes], rows: list[Buffer]) -> None:
+        started = time.perf_counter()
+        ok = False
+        nbytes = sum(memoryview(r).nbytes for r in rows)
+        try:
+            client = await self._connected()
+            names = [self.key(k) for k in keys]
+            sizes = [memoryview(r).nbytes for r in rows]
+            # Tasks start in creation order: the RESERVE leaves ahead of the
+            # PUT on the same connection, so other engines read PENDING while
+            # the blocks travel instead of recomputing them.
+            reserve = (
+                asyncio.create_task(client.reserve(names, sizes, deadline=self.store_deadline))
+                if self.reserve_stores
+                else None
+            )
+            put = asyncio.create_task(client.put_many(names, rows))
+            await asyncio.gather(
+                *(t for t in (reserve, put) if t is not None), return_exceptions=True
+            )
+            put.result()  # the job stands or falls with the PUT
+            ok = True
+        except (KvtierError, OSError) as exc:
+            log.warning("store job %d failed: %s", job_id, exc)
+        finally:
+            rows.clear()
+            self._done.put(
+                JobDone(job_id, ok, [], nbytes if ok else 0, time.perf_counter() - started)
+            )

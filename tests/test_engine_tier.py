@@ -1,0 +1,145 @@
+"""The engine-facing tier against a real daemon process: lookups that never wait,
+loads straight into the engine's rows, stores from them, failures as MISS."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import BlockingClient
+from kvtier.integrations.engine import Answer, EngineTier
+from tests.helpers import DaemonProcess
+
+BLOCK = 64 * 1024
+
+
+def block(i: int) -> bytes:
+    return bytes([i % 251]) * BLOCK
+
+
+@pytest.fixture
+def proc(sock_dir: Path) -> Iterator[DaemonProcess]:
+    p = DaemonProcess(sock_dir, "--ram-capacity", "64MiB", "--no-disk").start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def tier(proc: DaemonProcess) -> Iterator[EngineTier]:
+    t = EngineTier(proc.socket_path, namespace=b"model-a/")
+    yield t
+    t.close()
+
+
+def step(tier: EngineTier, request: str, keys: list[bytes]) -> list[Answer]:
+    """One scheduler step: look up, flush, and (tests only) wait for the answers."""
+    answers = [tier.lookup(request, k) for k in keys]
+    tier.flush()
+    tier.drain()
+    return answers
+
+
+def region(n: int) -> tuple[bytearray, list[memoryview]]:
+    buf = bytearray(n * BLOCK)
+    return buf, [memoryview(buf)[i * BLOCK : (i + 1) * BLOCK] for i in range(n)]
+
+
+def test_store_then_load_into_rows_byte_for_byte(tier: EngineTier) -> None:
+    keys = [b"k%d" % i for i in range(4)]
+    src, rows = region(4)
+    for i, row in enumerate(rows):
+        row[:] = block(i)
+    tier.store(1, keys, rows)
+    tier.drain()
+    assert [(d.job_id, d.ok, d.bytes) for d in tier.finished()] == [(1, True, 4 * BLOCK)]
+
+    # The scheduler's first ask answers RETRY and never waits; the next step knows.
+    assert step(tier, "req-1", [*keys, b"absent"]) == [Answer.RETRY] * 5
+    assert step(tier, "req-1", [*keys, b"absent"]) == [Answer.HIT] * 4 + [Answer.MISS]
+
+    dst, rows = region(4)
+    tier.load(2, keys, rows)
+    tier.drain()
+    (done,) = tier.finished()
+    assert done.ok and done.loaded == keys and done.bytes == 4 * BLOCK
+    assert dst == src
+    assert tier.counts["lookup_hit"] == 4 and tier.counts["lookup_miss"] == 1
+
+
+def test_a_failed_load_answers_miss_from_then_on(tier: EngineTier) -> None:
+    keys = [b"here", b"gone"]
+    _, rows = region(1)
+    rows[0][:] = block(1)
+    tier.store(1, keys[:1], rows)
+    tier.drain()
+    tier.finished()
+    _, rows = region(2)
+    tier.load(2, keys, rows)
+    tier.drain()
+    (done,) = tier.finished()
+    assert (done.ok, done.loaded) == (False, [b"here"])
+    tier.mark_failed([b"gone"])
+    assert tier.lookup("req", b"gone") is Answer.MISS  # no lookup-HIT / load-fails loop
+
+
+def test_a_block_being_written_reads_retry_until_it_lands(
+    proc: DaemonProcess, tier: EngineTier
+) -> None:
+    with BlockingClient(proc.socket_path) as other_engine:
+        other_engine.reserve([b"model-a/soon"])
+        assert step(tier, "req", [b"soon"]) == [Answer.RETRY]
+        assert step(tier, "req", [b"soon"]) == [Answer.RETRY]  # PENDING: ask again
+        other_engine.put(b"model-a/soon", block(7))
+        step(tier, "req", [b"soon"])
+        assert step(tier, "req", [b"soon"]) == [Answer.HIT]
+
+
+def test_namespaces_keep_models_apart(proc: DaemonProcess, tier: EngineTier) -> None:
+    _, rows = region(1)
+    tier.store(1, [b"shared-hash"], rows)
+    tier.drain()
+    other = EngineTier(proc.socket_path, namespace=b"model-b/")
+    try:
+        step(other, "req", [b"shared-hash"])
+        assert step(other, "req", [b"shared-hash"]) == [Answer.MISS]
+    finally:
+        other.close()
+
+
+def test_finished_requests_leave_no_state_in_the_daemon(
+    proc: DaemonProcess, tier: EngineTier
+) -> None:
+    for r in range(5):
+        step(tier, f"req-{r}", [b"a", b"b"])
+        tier.request_finished(f"req-{r}")
+    tier.drain()
+    with BlockingClient(proc.socket_path) as c:
+        maps = c.stats()["maps"]
+    assert maps["request_states"] == 0 and maps["reservations"] == 0
+    assert repr(tier) == "<EngineTier requests=0 jobs=0 failed_keys=0 connected=True>"
+
+
+def test_daemon_down_means_miss_and_failed_jobs_then_reconnects(sock_dir: Path) -> None:
+    path = sock_dir / "later.sock"
+    tier = EngineTier(path, backoff=(0.0, 0.0))
+    try:
+        assert step(tier, "req", [b"k"]) == [Answer.RETRY]
+        assert tier.lookup("req", b"k") is Answer.MISS  # could not ask: MISS, not a hang
+        _, rows = region(1)
+        tier.load(1, [b"k"], rows)
+        tier.store(2, [b"k"], rows)
+        tier.drain()
+        assert sorted((d.job_id, d.ok) for d in tier.finished()) == [(1, False), (2, False)]
+        proc = DaemonProcess(sock_dir, "--no-disk", "--ram-capacity", "64MiB")
+        proc.socket_path = path
+        proc.start()
+        try:
+            tier.store(3, [b"k"], rows)
+            tier.drain()
+            assert [(d.job_id, d.ok) for d in tier.finished()] == [(3, True)]
+        finally:
+            proc.stop()
+    finally:
+        tier.close()
