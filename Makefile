@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck imports unit bench bench-deps soak clean
+.PHONY: run test test-vllm lint typecheck imports unit bench bench-deps soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,26 @@ unit: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck imports unit
+
+# vLLM's tiering machinery on CPU, in a venv of its own (.venv-vllm, ~3 GB):
+# kvtier's tier inside vLLM's real SecondaryTierFactory and job types, against
+# a daemon run from the main venv.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): tests/vllm/requirements.txt pyproject.toml | $(STAMP)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/pip install --quiet --no-deps vllm==0.33.0
+	$(VLLM_VENV)/bin/pip install --quiet -r tests/vllm/requirements.txt
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier \
+	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
+	  --rootdir . --confcutdir tests/vllm --timeout 300 tests/vllm
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

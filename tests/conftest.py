@@ -21,3 +21,7 @@ def sock_dir() -> Iterator[Path]:
 async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
     async with running_daemon(sock_dir) as d:
         yield d
+
+
+#: tests/vllm run in their own venv (make test-vllm), where vLLM is installed
+collect_ignore = ["vllm"]

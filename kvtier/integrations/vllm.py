@@ -1,0 +1,140 @@
+"""kvtier as a secondary offload tier of vLLM (``vllm.v1.kv_offload.tiering``).
+
+Turn it on in vLLM's offloading config (``kv_connector_extra_config``)::
+
+    {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
+     "socket_path": "/run/kvtier/kvtier.sock", "namespace": "<model+config hash>"}
+
+Everything here runs in vLLM's scheduler process and never blocks it: the
+answers, jobs and reconnects are :class:`~kvtier.integrations.engine.EngineTier`'s.
+kvtier HIT is vLLM HIT, MISS is MISS, PENDING and RETRY are RETRY (ask again
+next step); a key whose ``max_pending_wait`` ran out answers MISS. Loads land
+in the primary tier's rows, stores are sent from them; a failed load's keys
+answer MISS from then on, so vLLM never loops on a promotion that cannot be
+delivered. Imports vLLM (only here) and kvtier's client side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.integrations.engine import Answer, EngineTier
+
+_ANSWERS = {
+    Answer.HIT: LookupResult.HIT,
+    Answer.MISS: LookupResult.MISS,
+    Answer.RETRY: LookupResult.RETRY,
+}
+
+
+class KvtierTier(SecondaryTierManager):
+    """A vLLM secondary tier backed by the local kvtier daemon."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        socket_path: str | None = None,
+        namespace: str = "",
+        max_pending_wait: float = 2.0,
+        timeout: float = 10.0,
+        reserve_stores: bool = True,
+        failed_ttl: float = 30.0,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ValueError(f"unknown kvtier tier setting(s): {sorted(unknown)}")
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        #: the primary region as bytes: row ``i`` is [i * block, (i + 1) * block)
+        self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
+        self._engine = EngineTier(
+            socket_path,
+            namespace=namespace.encode(),
+            max_pending_wait=max_pending_wait,
+            timeout=timeout,
+            reserve_stores=reserve_stores,
+            failed_ttl=failed_ttl,
+        )
+        #: jobs submitted and not reported yet
+        self._jobs: dict[int, TransferJob] = {}
+
+    def __repr__(self) -> str:
+        return f"<KvtierTier jobs={len(self._jobs)} {self._engine!r}>"
+
+    def _rows(self, job: TransferJob) -> list[memoryview]:
+        size = self.block_size_bytes
+        return [self._flat[int(c) * size : (int(c) + 1) * size] for c in job.chunk_ids]
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _ANSWERS[self._engine.lookup(req_context.req_id, bytes(key))]
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._jobs[job_metadata.job_id] = job_metadata
+        keys = [bytes(k) for k in job_metadata.keys]
+        self._engine.store(job_metadata.job_id, keys, self._rows(job_metadata))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._jobs[job_metadata.job_id] = job_metadata
+        keys = [bytes(k) for k in job_metadata.keys]
+        self._engine.load(job_metadata.job_id, keys, self._rows(job_metadata))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for done in self._engine.finished():
+            job = self._jobs.pop(done.job_id, None)
+            if job is None:
+                continue
+            successful = None
+            if job.is_promotion and not done.ok:
+                loaded = set(done.loaded)
+                successful = [k for k in job.keys if bytes(k) in loaded]
+                self._engine.mark_failed([bytes(k) for k in job.keys if bytes(k) not in loaded])
+            results.append(
+                JobResult(
+                    job_id=done.job_id,
+                    success=done.ok,
+                    successful_keys=successful,
+                    transfer_time=done.seconds,
+                    transfer_bytes=done.bytes,
+                )
+            )
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        self._engine.drain()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._engine.request_finished(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._engine.flush()
+
+    def shutdown(self) -> None:
+        self._engine.close()

@@ -1,0 +1,124 @@
+"""The kvtier tier inside vLLM's own tiering machinery (vLLM 0.33.0, CPU).
+
+The tier is built by vLLM's SecondaryTierFactory from an out-of-tree config
+and driven through vLLM's job and lookup types against a real daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from tests.vllm.conftest import Daemon
+
+BLOCK = 64 * 1024
+CHUNKS = 16
+STEP = ScheduleEndContext((), ())
+
+
+@pytest.fixture
+def region() -> np.ndarray:
+    return np.zeros((CHUNKS, BLOCK), dtype=np.uint8)  # the primary tier's rows
+
+
+@pytest.fixture
+def tier(daemon: Daemon, region: np.ndarray) -> Iterator[object]:
+    t = SecondaryTierFactory.create_secondary_tier(
+        {
+            "type": "KvtierTier",
+            "module_path": "kvtier.integrations.vllm",
+            "socket_path": str(daemon.socket_path),
+            "namespace": "tiny-llama/abc123/",
+        },
+        primary_kv_view=memoryview(region),  # type: ignore[arg-type]
+        offloading_spec=None,
+    )
+    yield t
+    t.shutdown()
+
+
+def job(
+    job_id: int, keys: list[bytes], chunks: list[int], *, load: bool, req: str = "r"
+) -> TransferJob:
+    return TransferJob(job_id, keys, np.array(chunks), load, ReqContext(req))
+
+
+def step(tier: object, req: ReqContext, keys: list[bytes]) -> list[LookupResult]:
+    answers = [tier.lookup(k, req) for k in keys]  # type: ignore[attr-defined]
+    tier.on_schedule_end(STEP)  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]  # tests only: wait for the answers
+    return answers
+
+
+def test_store_lookup_load_round_trip_through_vllm_types(tier: object, region: np.ndarray) -> None:
+    keys = [make_offload_key(bytes([i]) * 16, 0) for i in range(4)]
+    for i in range(4):
+        region[i] = i + 1
+    expected = region[:4].copy()
+    tier.submit_store(job(1, keys, [0, 1, 2, 3], load=False))  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    (stored,) = tier.get_finished_jobs()  # type: ignore[attr-defined]
+    assert stored.success and stored.transfer_bytes == 4 * BLOCK
+
+    req = ReqContext("r2")
+    tier.on_new_request(req)  # type: ignore[attr-defined]
+    assert step(tier, req, keys) == [LookupResult.RETRY] * 4  # never waits
+    assert step(tier, req, keys) == [LookupResult.HIT] * 4
+
+    tier.submit_load(job(2, keys, [8, 9, 10, 11], load=True, req="r2"))  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    (loaded,) = tier.get_finished_jobs()  # type: ignore[attr-defined]
+    assert loaded.success and loaded.successful_keys is None
+    assert np.array_equal(region[8:12], expected)  # byte-identical in the primary rows
+    tier.on_request_finished(req)  # type: ignore[attr-defined]
+
+
+def test_a_failed_load_reports_its_keys_and_answers_miss(tier: object, region: np.ndarray) -> None:
+    here, gone = make_offload_key(b"h" * 16, 0), make_offload_key(b"g" * 16, 0)
+    tier.submit_store(job(1, [here], [0], load=False))  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    tier.get_finished_jobs()  # type: ignore[attr-defined]
+    tier.submit_load(job(2, [here, gone], [4, 5], load=True))  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    (result,) = tier.get_finished_jobs()  # type: ignore[attr-defined]
+    assert not result.success and list(result.successful_keys) == [here]
+    # The promotion cannot be delivered: from now on the tier says MISS, so
+    # vLLM does not come back to it in a loop.
+    assert tier.lookup(gone, ReqContext("r3")) is LookupResult.MISS  # type: ignore[attr-defined]
+
+
+def test_64_lookups_of_one_key_across_requests_make_one_probe(tier: object, daemon: Daemon) -> None:
+    key = make_offload_key(b"cold" * 4, 0)
+    reqs = [ReqContext(f"req-{i}") for i in range(64)]
+    for req in reqs:
+        assert tier.lookup(key, req) is LookupResult.RETRY  # type: ignore[attr-defined]
+    for _ in range(2):  # the first answer is RETRY: the remote tier's probe is in flight
+        tier.on_schedule_end(STEP)  # type: ignore[attr-defined]
+        tier.drain_jobs()  # type: ignore[attr-defined]
+        answers = {tier.lookup(key, r) for r in reqs}  # type: ignore[attr-defined]
+    assert answers == {LookupResult.MISS}
+    assert daemon.metric("kvtier_probes_total", 'outcome="started",tier="mem"') == 1
+    for req in reqs:
+        tier.on_request_finished(req)  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    assert daemon.metric("kvtier_request_states") == 0
+    assert daemon.metric("kvtier_pending_writes") == 0
+
+
+def test_unknown_settings_are_refused(region: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="unknown kvtier tier setting"):
+        SecondaryTierFactory.create_secondary_tier(
+            {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm", "sokcet": "x"},
+            primary_kv_view=memoryview(region),  # type: ignore[arg-type]
+            offloading_spec=None,
+        )
