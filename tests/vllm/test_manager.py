@@ -34,7 +34,7 @@ BLOCK = 4 * mmap.PAGESIZE
 STEP = ScheduleEndContext((), ())
 
 
-def engine(daemon: Daemon) -> tuple[TieringOffloadingManager, np.ndarray]:
+def engine(daemon: Daemon, **settings: object) -> tuple[TieringOffloadingManager, np.ndarray]:
     """One vLLM engine's offloading stack: a CPU primary over a shared region,
     and the kvtier tier as its secondary."""
     region = SharedOffloadRegion(f"kvtier-test-{uuid.uuid4().hex}", CHUNKS, None, BLOCK, BLOCK)
@@ -44,6 +44,7 @@ def engine(daemon: Daemon) -> tuple[TieringOffloadingManager, np.ndarray]:
             "type": "KvtierTier",
             "module_path": "kvtier.integrations.vllm",
             "socket_path": str(daemon.socket_path),
+            **settings,
         },
         primary_kv_view=primary.get_kv_memoryview(),
         offloading_spec=None,
@@ -158,3 +159,34 @@ def test_two_engines_share_blocks_through_one_daemon(daemon: Daemon) -> None:
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_block_whose_writer_never_finishes_reads_miss_after_the_readers_bound(
+    daemon: Daemon,
+) -> None:
+    """The wait vLLM lacks upstream: past max_pending_wait the block is MISS
+    for this request (recompute it), not RETRY forever."""
+    import time
+
+    from kvtier import BlockingClient
+
+    manager, _ = engine(daemon, max_pending_wait=0.2)
+    try:
+        reader = ReqContext("patient")
+        manager.on_new_request(reader)
+        stuck = make_offload_key(b"stuck" * 4, 0)
+        with BlockingClient(daemon.socket_path) as writer:
+            writer.reserve([bytes(stuck)], [BLOCK], deadline=600.0)  # and never PUTs
+            seen = []
+            for _ in range(100):
+                answer = manager.lookup(stuck, reader)
+                seen.append(answer)
+                if answer is not LookupResult.RETRY:
+                    break
+                settle(manager)
+                time.sleep(0.01)  # allow-sleep: the reader's max_pending_wait has to pass
+            assert seen[0] is LookupResult.RETRY and seen[-1] is LookupResult.MISS, seen
+        manager.on_request_finished(reader)
+        settle(manager)
+    finally:
+        manager.shutdown()
