@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import BlockingClient, Client, LookupMode, PutStatus, State, wire
+from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadKeyError,
@@ -223,3 +223,27 @@ async def test_get_into_receives_blocks_straight_into_the_callers_buffer(daemon:
         assert await c.get_into(b"small", bytearray(64)) == len(small)  # still usable
         with pytest.raises(ValueError, match="read-only"):
             await c.get_into(b"small", b"read-only bytes")
+
+
+async def test_an_engine_tier_never_strands_a_key_on_a_short_answer(sock_dir: Path) -> None:
+    """A server that answers one state fewer than the keys asked: every key
+    still gets an answer (MISS), none is left waiting."""
+    from kvtier.integrations.engine import Answer, EngineTier
+
+    def on_frame(frame: wire.Frame, writer: asyncio.StreamWriter) -> None:
+        req = wire.decode_lookup(frame.meta)
+        states = bytes([1] * (len(req.keys) - 1))  # HIT for all but the last: one short
+        reply = wire.encode_lookup_reply(LookupReply(states, len(states), False))
+        writer.writelines(wire.frame_parts(wire.Op.LOOKUP, frame.header.request_id, reply, flags=1))
+
+    server = await scripted_server(sock_dir / "s.sock", on_frame)
+    async with server:
+        tier = EngineTier(sock_dir / "s.sock")
+        try:
+            keys = [b"a", b"b", b"c"]
+            assert [tier.lookup("r", k) for k in keys] == [Answer.RETRY] * 3
+            tier.flush()
+            await asyncio.to_thread(tier.drain)
+            assert [tier.lookup("r", k) for k in keys] == [Answer.MISS] * 3
+        finally:
+            await asyncio.to_thread(tier.close)

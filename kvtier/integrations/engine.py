@@ -292,7 +292,15 @@ class EngineTier:
                 max_pending_wait=self.max_pending_wait,
                 request_tag=tag,
             )
-            states = reply.raw_states
+            if len(reply.raw_states) == len(keys):
+                states = reply.raw_states
+            else:  # a reply that does not answer every key answers none: all MISS
+                log.warning(
+                    "lookup for %s: %d answer(s) for %d key(s); read as MISS",
+                    request_id,
+                    len(reply.raw_states),
+                    len(keys),
+                )
         except (KvtierError, OSError) as exc:
             log.debug("lookup for %s failed: %s", request_id, exc)
         finally:
