@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint typecheck imports unit bench bench-deps soak clean
+.PHONY: run test test-vllm bench-vllm lint typecheck imports unit bench bench-deps soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ test-vllm: $(VLLM_STAMP)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier \
 	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
 	  --rootdir . --confcutdir tests/vllm --timeout 300 tests/vllm
+
+# Loads through the vLLM tier into primary rows vs page-cache file reads vs memcpy.
+bench-vllm: $(VLLM_STAMP)
+	VLLM_TARGET_DEVICE=cpu KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(VLLM_VENV)/bin/python -m benchmarks.vllm
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

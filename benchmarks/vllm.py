@@ -1,0 +1,147 @@
+"""make bench-vllm: loads through the kvtier vLLM tier into the primary rows.
+
+Runs in .venv-vllm. For 256 KiB to 2 MiB blocks (64 MiB per run, median of
+5 runs after a warm-up), in one run: GB/s of KvtierTier loads (vLLM's
+TransferJob into the rows of a primary region, through a daemon on a Unix
+socket); of reading the same bytes from files in the page cache into the
+rows (the stand-in for vLLM's own fs tier, which needs a full OffloadingSpec
+and reads with O_DIRECT); and of a plain memcpy of the same bytes (the
+ceiling). Prints the figures and the ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+ROOT = Path(__file__).resolve().parent.parent
+TOTAL = 64 * 1024 * 1024
+RUNS = 5
+KiB, MiB = 1024, 1024 * 1024
+
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    serve = os.environ.get("KVTIER_SERVE", str(ROOT / ".venv" / "bin" / "kvtier"))
+    sock = tmp / "d.sock"
+    proc = subprocess.Popen(
+        [
+            serve,
+            "serve",
+            "--socket",
+            str(sock),
+            "--metrics-port",
+            "0",
+            "--no-disk",
+            "--ram-capacity",
+            "512MiB",
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    while not sock.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode())
+        time.sleep(0.05)  # waiting for the daemon's socket to appear
+    return proc, sock
+
+
+def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
+    n = TOTAL // block
+    src = np.random.default_rng(block).integers(0, 255, (n, block), dtype=np.uint8)
+    region = np.zeros((2 * n, block), dtype=np.uint8)
+    region[:n] = src
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {
+            "type": "KvtierTier",
+            "module_path": "kvtier.integrations.vllm",
+            "socket_path": str(sock),
+            "namespace": f"bench-{block}/",
+        },
+        primary_kv_view=memoryview(region),
+        offloading_spec=None,
+    )
+    keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(n)]
+    tier.submit_store(TransferJob(0, keys, np.arange(n), False, ReqContext("s")))
+    tier.drain_jobs()
+    assert all(r.success for r in tier.get_finished_jobs())
+
+    kvtier: list[float] = []
+    for run in range(RUNS + 1):
+        region[n:] = 0
+        t = time.perf_counter()
+        tier.submit_load(TransferJob(run + 1, keys, np.arange(n, 2 * n), True, ReqContext("l")))
+        tier.drain_jobs()
+        elapsed = time.perf_counter() - t
+        (result,) = tier.get_finished_jobs()
+        assert result.success and np.array_equal(region[n:], src)
+        if run:
+            kvtier.append(elapsed)
+    tier.shutdown()
+
+    files = tmp / f"files-{block}"
+    files.mkdir()
+    for i in range(n):
+        (files / str(i)).write_bytes(src[i].tobytes())
+    rows = memoryview(region[n:]).cast("B")
+    page_cache: list[float] = []
+    for run in range(RUNS + 1):
+        t = time.perf_counter()
+        for i in range(n):
+            with open(files / str(i), "rb", buffering=0) as fh:
+                fh.readinto(rows[i * block : (i + 1) * block])
+        if run:
+            page_cache.append(time.perf_counter() - t)
+    copy: list[float] = []
+    for run in range(RUNS + 1):
+        t = time.perf_counter()
+        np.copyto(region[n:], src)
+        if run:
+            copy.append(time.perf_counter() - t)
+    return {
+        "kvtier": gbps(TOTAL, kvtier),
+        "page_cache_files": gbps(TOTAL, page_cache),
+        "memcpy": gbps(TOTAL, copy),
+    }
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="kvt-bench-vllm-", dir="/tmp") as d:
+        tmp = Path(d)
+        proc, sock = start_daemon(tmp)
+        try:
+            print(
+                f"{'block':>8}  {'kvtier tier':>12}  {'page-cache files':>16}  {'memcpy':>8}"
+                f"  {'kvtier/files':>12}  {'kvtier/memcpy':>13}"
+            )
+            for block in (256 * KiB, 1 * MiB, 2 * MiB):
+                r = bench(block, sock, tmp)
+                label = f"{block // KiB}KiB" if block < MiB else f"{block // MiB}MiB"
+                print(
+                    f"{label:>8}  {r['kvtier']:>9.2f} GB/s  {r['page_cache_files']:>11.2f} GB/s"
+                    f"  {r['memcpy']:>5.2f} GB/s  {r['kvtier'] / r['page_cache_files']:>12.2f}"
+                    f"  {r['kvtier'] / r['memcpy']:>13.2f}"
+                )
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
