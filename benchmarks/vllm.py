@@ -73,7 +73,7 @@ def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
             "socket_path": str(sock),
             "namespace": f"bench-{block}/",
         },
-        primary_kv_view=memoryview(region),
+        primary_kv_view=memoryview(region),  # type: ignore[arg-type]
         offloading_spec=None,
     )
     keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(n)]
@@ -98,7 +98,7 @@ def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
     files.mkdir()
     for i in range(n):
         (files / str(i)).write_bytes(src[i].tobytes())
-    rows = memoryview(region[n:]).cast("B")
+    rows = memoryview(region[n:]).cast("B")  # type: ignore[arg-type]
     page_cache: list[float] = []
     for run in range(RUNS + 1):
         t = time.perf_counter()
