@@ -55,11 +55,17 @@ class Answer(enum.Enum):
     RETRY = "retry"  # not known yet, or a write is in flight: ask again next step
 
 
+class JobKind(enum.Enum):
+    LOAD = "load"
+    STORE = "store"
+
+
 @dataclass(slots=True)
 class JobDone:
     """A finished load or store job."""
 
     job_id: int
+    kind: JobKind
     ok: bool
     #: for loads: the keys that landed whole (all of them when ``ok``)
     loaded: list[bytes] = field(default_factory=list)
@@ -187,6 +193,10 @@ class EngineTier:
                 done = self._done.get_nowait()
             except queue.Empty:
                 break
+            kind = done.kind.value
+            self._count(f"{kind}_bytes", done.bytes)
+            if not done.ok:
+                self._count(f"{kind}_failures")
             out.append(done)
         self._jobs = {f for f in self._jobs if not f.done()}
         return out
@@ -329,7 +339,9 @@ class EngineTier:
         finally:
             rows.clear()  # hold no view of the engine's rows beyond the job
             ok = len(loaded) == len(keys)
-            self._done.put(JobDone(job_id, ok, loaded, nbytes, time.perf_counter() - started))
+            self._done.put(
+                JobDone(job_id, JobKind.LOAD, ok, loaded, nbytes, time.perf_counter() - started)
+            )
 
     async def _store(self, job_id: int, keys: list[bytes], rows: list[Buffer]) -> None:
         started = time.perf_counter()
@@ -358,5 +370,12 @@ class EngineTier:
         finally:
             rows.clear()
             self._done.put(
-                JobDone(job_id, ok, [], nbytes if ok else 0, time.perf_counter() - started)
+                JobDone(
+                    job_id,
+                    JobKind.STORE,
+                    ok,
+                    [],
+                    nbytes if ok else 0,
+                    time.perf_counter() - started,
+                )
             )

@@ -19,9 +19,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -30,6 +35,27 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.integrations.engine import Answer, EngineTier
+
+#: vLLM metric name -> (our count's name, or a prefix of names by label), doc, labels
+_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "vllm:kv_offload_kvtier_lookups": (
+        "lookup_",
+        "Lookups answered by the kvtier tier, by answer (hit, miss, retry)",
+        ("answer",),
+    ),
+    "vllm:kv_offload_kvtier_load_bytes": ("load_bytes", "Bytes loaded from kvtier", ()),
+    "vllm:kv_offload_kvtier_store_bytes": ("store_bytes", "Bytes stored to kvtier", ()),
+    "vllm:kv_offload_kvtier_load_failures": (
+        "load_failures",
+        "Load jobs from kvtier that did not deliver every block",
+        (),
+    ),
+    "vllm:kv_offload_kvtier_store_failures": (
+        "store_failures",
+        "Store jobs to kvtier that failed",
+        (),
+    ),
+}
 
 _ANSWERS = {
     Answer.HIT: LookupResult.HIT,
@@ -78,6 +104,8 @@ class KvtierTier(SecondaryTierManager):
         )
         #: jobs submitted and not reported yet
         self._jobs: dict[int, TransferJob] = {}
+        #: the engine tier's counts when get_stats last reported them
+        self._reported: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"<KvtierTier jobs={len(self._jobs)} {self._engine!r}>"
@@ -138,3 +166,30 @@ class KvtierTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._engine.close()
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            name: OffloadingCounterMetadata(doc, labels)
+            for name, (_, doc, labels) in _METRICS.items()
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """What the tier counted since the last call, as vLLM's counters."""
+        counts = dict(self._engine.counts)
+        stats = OffloadingConnectorStats()
+        for name, (ours, _, labels) in _METRICS.items():
+            for key, value in counts.items():
+                if labels and key.startswith(ours):
+                    label: tuple[str, ...] = (key[len(ours) :],)
+                elif key == ours:
+                    label = ()
+                else:
+                    continue
+                delta = value - self._reported.get(key, 0)
+                if delta:
+                    stats.increase_counter(name, delta, label)
+        self._reported = counts
+        return None if stats.is_empty() else stats

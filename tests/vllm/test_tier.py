@@ -122,3 +122,27 @@ def test_unknown_settings_are_refused(region: np.ndarray) -> None:
             primary_kv_view=memoryview(region),  # type: ignore[arg-type]
             offloading_spec=None,
         )
+
+
+def test_counts_reach_vllm_through_its_metric_hooks(tier: object, region: np.ndarray) -> None:
+    definitions = type(tier).build_metric_definitions({})  # type: ignore[attr-defined]
+    keys = [make_offload_key(b"m" * 16, 0)]
+    tier.submit_store(job(1, keys, [0], load=False))  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    tier.get_finished_jobs()  # type: ignore[attr-defined]
+    req = ReqContext("metrics")
+    step(tier, req, [*keys, make_offload_key(b"n" * 16, 0)])
+    step(tier, req, [*keys, make_offload_key(b"n" * 16, 0)])
+    tier.submit_load(job(2, keys, [1], load=True))  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    tier.get_finished_jobs()  # type: ignore[attr-defined]
+    stats = tier.get_stats()  # type: ignore[attr-defined]
+    _, values = stats.metric_sections()
+    assert set(values) <= set(definitions)
+    lookups = values["vllm:kv_offload_kvtier_lookups"]
+    # The stored key: RETRY then HIT; the cold one: RETRY twice (the daemon's
+    # remote tier is probing it).
+    assert lookups == {("retry",): 3, ("hit",): 1}
+    assert values["vllm:kv_offload_kvtier_store_bytes"] == {(): BLOCK}
+    assert values["vllm:kv_offload_kvtier_load_bytes"] == {(): BLOCK}
+    assert tier.get_stats() is None  # type: ignore[attr-defined]  # deltas: reported once
