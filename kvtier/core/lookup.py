@@ -182,7 +182,9 @@ class LookupEvaluator:
 
     def _count_cached(self, loc: Location) -> None:
         """Count the remote tiers whose kept verdict answered for this key."""
-        if not self.remotes:
+        if not loc.unprobed and not loc.inflight:  # every tier answered (ABSENT, SCANNING)
+            for slot in self.remotes:
+                slot.cached.value += 1
             return
         busy = set(loc.unprobed).union(i for i, _ in loc.inflight)
         for slot in self.remotes:
