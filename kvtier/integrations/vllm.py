@@ -166,6 +166,9 @@ class KvtierTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._engine.close()
+        # vLLM unmaps its shared region at shutdown only if no view of it is
+        # left; the jobs' row views went with the jobs, this is the last one.
+        self._flat.release()
 
     @classmethod
     def build_metric_definitions(
