@@ -264,6 +264,112 @@ class S3TierConfig(_Section):
 RemoteTierConfig = Annotated[MemoryTierConfig | S3TierConfig, Field(discriminator="kind")]
 
 
+def _address(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return value
+
+
+#: ``host:port`` (an IPv6 host in brackets: ``[::1]:7070``)
+Address = Annotated[str, BeforeValidator(_address)]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` as (host, port); brackets around an IPv6 host dropped."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class PeerConfig(_Section):
+    """Daemons on other nodes sharing blocks over TCP (off unless configured).
+
+    ``listen`` serves peers; ``members`` or ``dns`` name the peers this
+    daemon asks. Both need the shared ``token``.
+    """
+
+    #: host:port to serve peers on, e.g. "0.0.0.0:7070"; unset: no listener
+    listen: Address | None = None
+    #: the address peers dial for this daemon (its name in the hash ring);
+    #: default: ``listen`` when it names a host
+    advertise: Address | None = None
+    #: static peer addresses (this daemon's own address may be listed: it is
+    #: recognised and skipped)
+    members: list[Address] = Field(default_factory=list)
+    #: "name:port": every address the name resolves to is a peer (a
+    #: Kubernetes headless service), re-resolved every ``dns_interval``
+    dns: Address | None = None
+    dns_interval: float = Field(default=10.0, gt=0)
+    #: the shared secret, from ``KVTIER_PEER__TOKEN`` or here; never logged
+    token: SecretStr | None = None
+    #: or a file holding it (read at start; surrounding whitespace ignored)
+    token_file: Path | None = None
+    #: TLS between hosts: this daemon's certificate and key, and the CA that
+    #: signed every peer's certificate (peers must present one: mutual TLS)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+    #: "owner": a block stored here is also pushed to its owner in the
+    #: background; "none": blocks stay where they were stored
+    push: Literal["owner", "none"] = "owner"
+    #: pushes beyond this many bytes in flight are dropped and counted
+    max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)
+    connect_timeout: float = Field(default=1.0, gt=0)
+    #: bound of one request to a peer (a GET of one block included)
+    request_timeout: float = Field(default=5.0, gt=0)
+    #: consecutive failures that mark a peer down (its keys go to the next peer)
+    breaker_failures: int = Field(default=3, ge=1)
+    #: seconds a down peer is left alone before one trial request
+    breaker_reset: float = Field(default=2.0, gt=0)
+    #: whether peers may DELETE blocks here
+    allow_delete: bool = False
+
+    @model_validator(mode="after")
+    def _complete(self) -> PeerConfig:
+        if (self.listen or self.members or self.dns) and not (self.token or self.token_file):
+            raise ValueError(
+                "peering needs a shared secret: set peer.token (or KVTIER_PEER__TOKEN) "
+                "or peer.token_file"
+            )
+        if self.token and self.token_file:
+            raise ValueError("set peer.token or peer.token_file, not both")
+        tls = [self.tls_cert, self.tls_key, self.tls_ca]
+        if any(tls) and not all(tls):
+            raise ValueError("TLS needs all of peer.tls_cert, peer.tls_key and peer.tls_ca")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this daemon asks peers (a peer tier exists)."""
+        return bool(self.members or self.dns)
+
+    def self_address(self) -> str | None:
+        """This daemon's name among peers, when the config says it."""
+        if self.advertise:
+            return self.advertise
+        if self.listen:
+            host, _ = split_address(self.listen)
+            if host not in ("0.0.0.0", "::", ""):
+                return self.listen
+        return None
+
+    def secret(self) -> bytes:
+        """The shared token's bytes (read from ``token_file`` if that is how it is given)."""
+        if self.token is not None:
+            return self.token.get_secret_value().encode()
+        if self.token_file is None:
+            return b""
+        try:
+            raw = self.token_file.read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read peer.token_file {self.token_file}: {exc}") from exc
+        if not raw:
+            raise ConfigError(f"peer.token_file {self.token_file} is empty")
+        return raw
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -315,11 +421,12 @@ class Config(BaseSettings):
     disk: DiskConfig = Field(default_factory=DiskConfig)
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)
+    peer: PeerConfig = Field(default_factory=PeerConfig)
 
     @model_validator(mode="after")
     def _unique_tier_names(self) -> Config:
         names = [t.name for t in self.remote_tiers]
-        taken = {"ram", "disk"}
+        taken = {"ram", "disk", "peers"}
         for name in names:
             if name in taken:
                 raise ValueError(f"remote tier name {name!r} is used twice or is reserved")

@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
+import ssl
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,21 @@ from aiohttp import web
 
 from kvtier import loops
 from kvtier._version import __version__
-from kvtier.config import Config, LookupConfig, RemoteTierConfig, S3TierConfig
+from kvtier.config import (
+    Config,
+    LookupConfig,
+    PeerConfig,
+    RemoteTierConfig,
+    S3TierConfig,
+    split_address,
+)
+from kvtier.core.local import LocalView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.scheduler import Scheduler
 from kvtier.core.service import Service
 from kvtier.metrics import Metrics, start_metrics_server
-from kvtier.model import Limits
+from kvtier.model import Limits, Spawn
+from kvtier.server.gate import PeerGate
 from kvtier.server.server import Server
 from kvtier.server.sockets import PeerPolicy, bind_unix_socket
 from kvtier.tiers.base import Tier
@@ -41,6 +52,33 @@ from kvtier.tiers.s3 import S3Tier
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
+
+
+#: the peer tier's name: labels its metrics and marks blocks peers pushed here
+PEER_TIER = "peers"
+
+
+def server_tls(pc: PeerConfig) -> ssl.SSLContext | None:
+    """The peer listener's TLS: this daemon's certificate; peers must present
+    one signed by ``tls_ca`` (mutual TLS)."""
+    if pc.tls_cert is None or pc.tls_key is None or pc.tls_ca is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pc.tls_ca))
+    ctx.load_cert_chain(str(pc.tls_cert), str(pc.tls_key))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_tls(pc: PeerConfig) -> ssl.SSLContext | None:
+    """TLS for dialling peers: verify their certificate against ``tls_ca`` and
+    present ours. Peers are dialled by address, so any certificate the
+    fleet's CA signed is a peer (the name in it is not checked)."""
+    if pc.tls_cert is None or pc.tls_key is None or pc.tls_ca is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(pc.tls_ca))
+    ctx.load_cert_chain(str(pc.tls_cert), str(pc.tls_key))
+    ctx.check_hostname = False
+    return ctx
 
 
 def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig) -> Tier:
@@ -59,6 +97,9 @@ class Daemon:
         inject doubles, or real tiers built with a test clock); a bare tier gets
         write policy none."""
         self.config = config
+        #: this run's identity, in every HELLO reply: a daemon that dials its
+        #: own address among the peers recognises itself by it
+        self.node_id = secrets.token_hex(8)
         self.metrics = Metrics()
         self.ram = RamTier(config.ram.capacity_bytes(), make_policy(config.ram.policy))
         self.disk: DiskTier | None = None
@@ -108,6 +149,9 @@ class Daemon:
         #: every background task, all children of run()'s task group
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Server | None = None
+        self.peer_server: Server | None = None
+        #: the peer port bound (``peer.listen`` may ask for port 0)
+        self.peer_port: int | None = None
         self.socket_path: Path = config.server.socket_path
         self.metrics_port: int | None = None
         self.ready = asyncio.Event()
@@ -168,16 +212,38 @@ class Daemon:
                 max_frame=int(self.config.server.max_frame_bytes),
                 max_inflight=self.config.server.max_inflight_per_connection,
                 peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
+                node_id=self.node_id,
             )
             self.metrics.watch_server(server.counters, lambda: len(server.connections))
             try:
                 await server.start(sock)
+                await self._start_peer_listener(spawn)
                 self._announce()
                 await self._stop.wait()
             finally:
                 await self._shutdown(server, runner)
                 self.scheduler.stop()
                 await scheduler_task
+
+    async def _start_peer_listener(self, spawn: Spawn) -> None:
+        pc = self.config.peer
+        if pc.listen is None:
+            return
+        host, port = split_address(pc.listen)
+        sc = self.config.server
+        self.peer_server = peers = Server(
+            LocalView(self.service, source=PEER_TIER),
+            spawn,
+            max_frame=int(sc.max_frame_bytes),
+            max_inflight=sc.max_inflight_per_connection,
+            gate=PeerGate(pc.secret(), allow_delete=pc.allow_delete),
+            node_id=self.node_id,
+        )
+        self.metrics.watch_peer_listener(peers.counters, lambda: len(peers.connections))
+        try:
+            self.peer_port = await peers.start_tcp(host, port, server_tls(pc))
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen for peers on {pc.listen}: {exc}") from exc
 
     async def _start_metrics(self) -> web.AppRunner | None:
         mc = self.config.metrics
@@ -195,11 +261,14 @@ class Daemon:
         mc = self.config.metrics
         metrics_url = f"http://{mc.host}:{self.metrics_port}/metrics" if mc.enabled else "disabled"
         log.info(
-            "%s: kvtier %s socket=%s metrics=%s ram=%d bytes disk=%s",
+            "%s: kvtier %s socket=%s metrics=%s peer=%s ram=%d bytes disk=%s",
             READY_MESSAGE,
             __version__,
             self.socket_path,
             metrics_url,
+            f"{split_address(self.config.peer.listen or ':0')[0]}:{self.peer_port}"
+            if self.peer_port is not None
+            else "disabled",
             self.ram.capacity,
             f"{self.disk.root} ({self.disk.capacity} bytes)"
             if self.disk is not None
@@ -213,7 +282,11 @@ class Daemon:
             self.config.server.shutdown_grace,
         )
         self.service.begin_shutdown()  # waiting lookups and GETs answer now
-        await server.shutdown(self.config.server.shutdown_grace)
+        grace = self.config.server.shutdown_grace
+        if self.peer_server is not None:
+            await asyncio.gather(server.shutdown(grace), self.peer_server.shutdown(grace))
+        else:
+            await server.shutdown(grace)
         self._remove_socket()
         # Probes and promotions still running are cut short; each resolves
         # its waiters in its own finally.

@@ -90,6 +90,8 @@ class _Sources:
     tiers: Callable[[], Iterable[TierStats]] = lambda: ()
     disk: Callable[[], TierStats] | None = None
     s3: list[S3Tier] = field(default_factory=list)
+    peer_listener: ServerCounters | None = None
+    peer_connections_open: Callable[[], int] = lambda: 0
 
 
 class _Collector(Collector):
@@ -108,6 +110,8 @@ class _Collector(Collector):
         if s.disk is not None:
             yield from self._disk(s.disk())
         yield from self._s3(s.s3)
+        if s.peer_listener is not None:
+            yield from self._peer_listener(s.peer_listener)
 
     def _server(self, c: ServerCounters) -> Iterator[Metric]:
         yield _counter("kvtier_requests", "Requests handled, by operation and outcome", c.requests)
@@ -142,6 +146,34 @@ class _Collector(Collector):
         )
         yield CounterMetricFamily(
             "kvtier_sent_bytes", "Bytes of frames sent to clients", value=c.sent_bytes.value
+        )
+
+    def _peer_listener(self, c: ServerCounters) -> Iterator[Metric]:
+        yield _counter(
+            "kvtier_peer_listener_requests",
+            "Requests from peer daemons on the peer port, by operation and outcome",
+            c.requests,
+        )
+        yield _counter(
+            "kvtier_peer_listener_refused",
+            "Peer-port connections refused before anything was served, by reason: "
+            "not_hello (not a kvtier peer), malformed_hello, no_token, bad_token",
+            c.connections_refused,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_peer_listener_connections_open",
+            "Peer connections currently open",
+            value=self._s.peer_connections_open(),
+        )
+        yield CounterMetricFamily(
+            "kvtier_peer_listener_received_bytes",
+            "Bytes received on the peer port",
+            value=c.received_bytes.value,
+        )
+        yield CounterMetricFamily(
+            "kvtier_peer_listener_sent_bytes",
+            "Bytes sent on the peer port",
+            value=c.sent_bytes.value,
         )
 
     def _core(self, c: CoreCounters) -> Iterator[Metric]:
@@ -325,6 +357,12 @@ class Metrics:
     def watch_server(self, counters: ServerCounters, connections_open: Callable[[], int]) -> None:
         self._sources.server = counters
         self._sources.connections_open = connections_open
+
+    def watch_peer_listener(
+        self, counters: ServerCounters, connections_open: Callable[[], int]
+    ) -> None:
+        self._sources.peer_listener = counters
+        self._sources.peer_connections_open = connections_open
 
     def watch_core(self, counters: CoreCounters, maps: Callable[[], MapSizes]) -> None:
         self._sources.core = counters

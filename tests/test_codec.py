@@ -140,6 +140,17 @@ def test_hello_and_negotiation() -> None:
     assert wire.decode_hello_reply(wire.encode_hello_reply(reply)) == reply
 
 
+def test_hello_carries_a_peer_token_and_the_reply_a_node_id() -> None:
+    hello = wire.Hello(1, 1, "peer", token=b"s3cret")
+    assert wire.decode_hello(wire.encode_hello(hello)) == hello
+    assert "s3cret" not in repr(hello)
+    reply = wire.HelloReply(1, 256, 65536, 1 << 26, 1 << 24, "kvtier/x", node_id="ab12")
+    assert wire.decode_hello_reply(wire.encode_hello_reply(reply)) == reply
+    cut = wire.encode_hello(hello)[:-3]
+    with pytest.raises(wire.CodecError, match="truncated HELLO token"):
+        wire.decode_hello(cut)
+
+
 def test_small_status_replies_round_trip() -> None:
     statuses = [PutStatus.STORED, PutStatus.EXISTS]
     assert wire.decode_put_reply(wire.encode_put_reply(statuses)) == statuses

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvtier import wire
 from kvtier._version import __version__
@@ -32,6 +32,9 @@ from kvtier.errors import (
 from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Reserve, ReserveStatus
 from kvtier.wire import FLAG_DURABLE, Frame, HelloReply, Op
 from kvtier.wire.flow_control import FlowControl
+
+if TYPE_CHECKING:
+    import ssl
 
 #: seconds, None for no limit, or ``...`` for the client's default
 Timeout = float | None | EllipsisType
@@ -131,12 +134,19 @@ class Client:
     """Async client. Create with :meth:`connect`; use as an async context manager."""
 
     def __init__(
-        self, protocol: _ClientProtocol, path: Path, timeout: float | None, name: str
+        self,
+        protocol: _ClientProtocol,
+        path: Path | str,
+        timeout: float | None,
+        name: str,
+        token: bytes = b"",
     ) -> None:
         self._protocol = protocol
+        #: the socket path, or host:port for a peer connection
         self.path = path
         self.timeout = timeout
         self.name = name
+        self._token = token
         self._ids = itertools.count(1)
         self.server: HelloReply | None = None
 
@@ -169,6 +179,52 @@ class Client:
         client = cls(protocol, path, timeout, name)
         try:
             client.server = await client.hello()
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    @classmethod
+    async def connect_tcp(
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: bytes,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout: float = 1.0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        name: str = f"kvtier-peer/{__version__}",
+    ) -> Client:
+        """Connect to a daemon's peer port and authenticate with ``token`` (HELLO)."""
+        address = f"{host}:{port}"
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, protocol = await loop.create_connection(
+                    lambda: _ClientProtocol(wire.MAX_FRAME_BYTES_V1),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=host if tls is not None else None,
+                )
+        except TimeoutError as exc:
+            raise DaemonUnavailableError(
+                f"no answer from peer {address} within {connect_timeout}s"
+            ) from exc
+        except OSError as exc:  # ssl.SSLError included: a failed handshake
+            raise DaemonUnavailableError(f"cannot connect to peer {address}: {exc}") from exc
+        client = cls(protocol, address, timeout, name, token)
+        try:
+            async with asyncio.timeout(connect_timeout + (timeout or 0)):
+                client.server = await client.hello()
+        except ConnectionClosedError as exc:
+            await client.close()
+            # With TLS 1.3 a refused client certificate shows only now.
+            raise DaemonUnavailableError(
+                f"peer {address} closed the connection at HELLO ({exc}); "
+                "if TLS is on, check that both sides use the same CA"
+            ) from exc
         except BaseException:
             await client.close()
             raise
@@ -271,7 +327,7 @@ class Client:
 
     async def hello(self) -> HelloReply:
         frame = await self._call(
-            Op.HELLO, wire.encode_hello(wire.Hello(1, wire.VERSION, self.name))
+            Op.HELLO, wire.encode_hello(wire.Hello(1, wire.VERSION, self.name, self._token))
         )
         return wire.decode_hello_reply(frame.meta)
 

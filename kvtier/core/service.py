@@ -105,20 +105,12 @@ class Service:
         self.locator = Locator(
             ram.resident(), disk, self.pending.table, [s.probes for s in self.remotes]
         )
-        self.evaluator = LookupEvaluator(
-            ram=ram,
-            disk=disk,
-            pending=self.pending.table,
-            locator=self.locator,
-            probing=self.probing,
-            deferrals=self.deferrals,
-            counters=self.counters,
-            remote_hit_reads_hit=self.cfg.remote_hit == "hit",
-            promote_on_lookup=self.disk_cfg.promote_on_lookup,
-            promote_remote=self._promote,
-            promote_from_disk=self._promote_from_disk,
-            closing=self._closing_now,
-        )
+        self.evaluator = self._evaluator(self.locator)
+        # Requests from peer daemons see the local tiers only: with no remote
+        # tier to consult, no key is ever REMOTE or PROBING, so nothing is
+        # forwarded and two daemons can never bounce a probe.
+        self.local_locator = Locator(ram.resident(), disk, self.pending.table, [])
+        self.local_evaluator = self._evaluator(self.local_locator)
         writers = [spec.writer(self._invalidate) for spec in remotes]
         if disk is not None:
             policy = WritePolicy(self.disk_cfg.write_policy)
@@ -129,6 +121,22 @@ class Service:
             self.counters,
             self._task,
             self._closing_now,
+        )
+
+    def _evaluator(self, locator: Locator) -> LookupEvaluator:
+        return LookupEvaluator(
+            ram=self.ram,
+            disk=self.disk,
+            pending=self.pending.table,
+            locator=locator,
+            probing=self.probing,
+            deferrals=self.deferrals,
+            counters=self.counters,
+            remote_hit_reads_hit=self.cfg.remote_hit == "hit",
+            promote_on_lookup=self.disk_cfg.promote_on_lookup,
+            promote_remote=self._promote,
+            promote_from_disk=self._promote_from_disk,
+            closing=self._closing_now,
         )
 
     def __repr__(self) -> str:
@@ -184,19 +192,25 @@ class Service:
 
     # ------------------------------------------------------------ LOOKUP
 
-    def try_lookup(self, req: Lookup) -> LookupReply | None:
-        """The answer now; None when the request asks to wait (``wait > 0``)."""
+    def try_lookup(self, req: Lookup, *, local: bool = False) -> LookupReply | None:
+        """The answer now; None when the request asks to wait (``wait > 0``).
+
+        ``local``: answer from the local tiers only (a peer's request)."""
         check.check_lookup(self.limits, req)
         if req.wait > 0:
             return None
-        reply, _, _ = self.evaluator.evaluate(req, self._now(), None)
-        self.evaluator.count(reply.raw_states)
+        evaluator = self.local_evaluator if local else self.evaluator
+        reply, _, _ = evaluator.evaluate(req, self._now(), None)
+        evaluator.count(reply.raw_states)
         return reply
 
-    async def lookup(self, req: Lookup, cutoff: asyncio.Future[None] | None = None) -> LookupReply:
+    async def lookup(
+        self, req: Lookup, cutoff: asyncio.Future[None] | None = None, *, local: bool = False
+    ) -> LookupReply:
         """Re-evaluate whenever a key settles, until all settled, ``wait`` passes,
         ``cutoff`` resolves (the caller stopped listening) or shutdown begins."""
         check.check_lookup(self.limits, req)
+        evaluator = self.local_evaluator if local else self.evaluator
         deadline = self._now() + req.wait
         # Probes this lookup has already seen end: a key whose probe failed is
         # answered MISS rather than probed again in a loop (errors are not kept
@@ -204,10 +218,10 @@ class Service:
         seen: SeenProbes = {}
         while True:
             now = self._now()
-            reply, waits, bound_at = self.evaluator.evaluate(req, now, seen)
+            reply, waits, bound_at = evaluator.evaluate(req, now, seen)
             until = deadline if bound_at is None else min(deadline, bound_at)
             if not waits or now >= until or self._closing_now() or (cutoff and cutoff.done()):
-                self.evaluator.count(reply.raw_states)
+                evaluator.count(reply.raw_states)
                 return reply
             if self._closing is not None:
                 waits.append(self._closing)
@@ -313,23 +327,25 @@ class Service:
 
     # ------------------------------------------------------------ GET
 
-    def try_get(self, keys: Sequence[bytes]) -> list[Buffer | None] | None:
+    def try_get(self, keys: Sequence[bytes], *, local: bool = False) -> list[Buffer | None] | None:
         """Values of ``keys`` now, each present one pinned until :meth:`unpin`;
-        None (nothing pinned) when some key must be waited for or loaded."""
+        None (nothing pinned) when some key must be waited for or loaded.
+
+        ``local``: from the local tiers only (a peer's request)."""
         check.check_keys(self.limits, keys)
         pin = self.ram.pin
         values = [pin(k) for k in keys]
         if None not in values:
             return values
         now = self._now()
-        locate = self.locator.locate
+        locate = (self.local_locator if local else self.locator).locate
         for key, value in zip(keys, values, strict=True):
             if value is None and locate(key, now).where is not Where.ABSENT:
                 self.unpin(keys, values)
                 return None
         return values
 
-    async def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+    async def get(self, keys: Sequence[bytes], *, local: bool = False) -> list[Buffer | None]:
         """Values of ``keys``, each present one pinned until :meth:`unpin`.
 
         A key on disk or in a remote tier is promoted into RAM first;
@@ -342,7 +358,8 @@ class Service:
         if not missing:
             return values
         try:
-            found = await asyncio.gather(*(self._read_through(keys[i]) for i in missing))
+            locator = self.local_locator if local else self.locator
+            found = await asyncio.gather(*(self._read_through(keys[i], locator) for i in missing))
         except BaseException:
             self.unpin(keys, values)
             raise
@@ -350,7 +367,7 @@ class Service:
             values[i] = value
         return values
 
-    async def _read_through(self, key: bytes) -> Buffer | None:
+    async def _read_through(self, key: bytes, locator: Locator) -> Buffer | None:
         for _ in range(_MAX_READ_ROUNDS):
             value = self.ram.pin(key)
             if value is not None:
@@ -358,7 +375,7 @@ class Service:
             if self._closing_now():
                 return None
             now = self._now()
-            loc = self.locator.locate(key, now)
+            loc = locator.locate(key, now)
             where = loc.where
             res: Reservation | None
             if where is Where.PENDING or (where is Where.DISK and loc.reservation is not None):
@@ -396,11 +413,16 @@ class Service:
 
     # ------------------------------------------------------------ PUT / DELETE
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[PutStatus]:
-        """Store into RAM; lower tiers follow their write policy."""
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], *, source: str | None = None
+    ) -> list[PutStatus]:
+        """Store into RAM; lower tiers follow their write policy.
+
+        ``source``: the tier the blocks came from (a peer's push): they are
+        kept locally and never written back out to a remote tier."""
         check.check_keys(self.limits, keys)
         check.check_values(self.limits, values, self.ram.capacity)
-        return [self._store_local(k, v) for k, v in zip(keys, values, strict=True)]
+        return [self._store_local(k, v, source) for k, v in zip(keys, values, strict=True)]
 
     async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
         """Return once the blocks are on disk (per the disk's fsync policy).
@@ -440,11 +462,11 @@ class Service:
         check.check_keys(self.limits, keys)
         if self.remotes:
             return None
-        return self._delete_local(keys)
+        return self.delete_local(keys)
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         check.check_keys(self.limits, keys)
-        out = self._delete_local(keys)
+        out = self.delete_local(keys)
         if not self.remotes:
             return out
         results = await asyncio.gather(
@@ -460,7 +482,8 @@ class Service:
             self._invalidate(key)
         return out
 
-    def _delete_local(self, keys: Sequence[bytes]) -> list[bool]:
+    def delete_local(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete from RAM and disk only."""
         disk = self.disk
         out = [self.ram.remove(k) | (disk is not None and disk.discard(k)) for k in keys]
         for key in keys:

@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING, cast
 from kvtier import wire
 from kvtier.errors import (
     ErrorCode,
+    ForbiddenError,
     KvtierError,
     ShuttingDownError,
     UnknownOpcodeError,
     UnsupportedVersionError,
 )
 from kvtier.model import Buffer, ConnId
+from kvtier.server.gate import Refusal
 from kvtier.server.sockets import Peer, peer_of
 from kvtier.wire import FLAG_REPLY, Frame, Op
 from kvtier.wire.flow_control import FlowControl
@@ -45,6 +47,8 @@ OP_NAMES = {int(op): op.name.lower() for op in Op}
 ERROR_NAMES = {int(c): c.name.lower() for c in ErrorCode}
 #: the protocol-error label of a frame cut short by the client closing
 TRUNCATED = "truncated_frame"
+#: the largest first frame the peer gate reads: a HELLO fits many times over
+_GATE_FRAME = 4096
 _CLOSES_FRAMING = (ErrorCode.MALFORMED, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OPCODE)
 
 
@@ -72,12 +76,15 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, server: Server, conn_id: int) -> None:
         self.server = server
         self.conn_id = ConnId(conn_id)
-        self.reader = wire.FrameReader(server.max_frame)
+        #: before the peer gate admits it, a connection may send one small frame
+        self.reader = wire.FrameReader(server.max_frame if server.gate is None else _GATE_FRAME)
         self.transport: asyncio.Transport | None = None
         self.flow: FlowControl | None = None
         #: requests running as tasks; bounded by the server's max_inflight
         self.inflight = 0
         self.closed = False
+        #: whether the peer gate (if any) has admitted this connection
+        self.admitted = server.gate is None
         self._eof = False
         #: waiting lookups, cancelled when the connection goes
         self._waiting: set[asyncio.Task[None]] = set()
@@ -118,6 +125,36 @@ class Connection(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.transport.close()
 
+    def _admit(self, frame: Frame) -> bool:
+        """The peer gate's verdict on a connection's first frame."""
+        gate = self.server.gate
+        assert gate is not None
+        refusal = gate.admit(frame)
+        if refusal is None:
+            self.admitted = True
+            self.reader.max_frame = self.server.max_frame
+            return True
+        self._refuse_peer(refusal, frame.header.opcode, frame.header.request_id)
+        return False
+
+    def _refuse_peer(self, refusal: Refusal, opcode: int = 0, request_id: int = 0) -> None:
+        """Count it, say why in one error frame, close before reading more."""
+        log.warning("peer connection #%d refused: %s", self.conn_id.value, refusal.value)
+        self.server.counters.connections_refused.inc(refusal.value)
+        message = "peer authentication failed: send HELLO with the shared peer token first"
+        self._write(
+            wire.frame_parts(
+                opcode,
+                request_id,
+                wire.encode_error(message),
+                flags=FLAG_REPLY,
+                status=ErrorCode.FORBIDDEN,
+            )
+        )
+        self.reader.discard()
+        if self.transport is not None:
+            self.transport.close()  # after the error reply is flushed
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
@@ -139,14 +176,22 @@ class Connection(asyncio.BufferedProtocol):
         try:
             frames = self.reader.buffer_updated(nbytes)
         except wire.OversizedFrame as exc:
+            if not self.admitted:  # too big to be a HELLO: not a peer
+                self._refuse_peer(Refusal.NOT_HELLO, exc.header.opcode, exc.header.request_id)
+                return
             self._fatal(
                 exc.header.opcode, exc.header.request_id, ErrorCode.FRAME_TOO_LARGE, str(exc)
             )
             return
         except wire.BadMagic as exc:
+            if not self.admitted:  # not speaking kvtier at all
+                self._refuse_peer(Refusal.NOT_HELLO)
+                return
             self._fatal(0, 0, ErrorCode.MALFORMED, f"{exc}; closing the connection")
             return
         for frame in frames:
+            if not self.admitted and not self._admit(frame):
+                return  # refused and closing: nothing more of it is read
             self._dispatch(frame)
         self._maybe_finish()
 
@@ -213,6 +258,9 @@ class Connection(asyncio.BufferedProtocol):
             handler = self.server.ops.handlers.get(header.opcode)
             if handler is None:
                 raise UnknownOpcodeError(f"unknown opcode 0x{header.opcode:02x}")
+            gate = self.server.gate
+            if gate is not None and not gate.allows(header.opcode):
+                raise ForbiddenError(f"{op_name.upper()} is not allowed on the peer port")
             answer = handler(self, frame)
         except Exception as exc:  # converted to an error reply at this edge
             self._reply_error(header.opcode, header.request_id, exc, op_name, started)

@@ -33,12 +33,14 @@ class Ops:
         max_frame: int,
         server_name: str,
         server_stats: Callable[[], dict[str, Any]],
+        node_id: str = "",
     ) -> None:
         self.service = service
         #: keys one request may carry, checked before a key list is decoded
         self.max_batch = service.limits.max_batch
         self.max_frame = max_frame
         self.server_name = server_name
+        self.node_id = node_id
         self._server_stats = server_stats
         self.handlers: dict[int, Handler] = {
             Op.HELLO: self.hello,
@@ -74,6 +76,7 @@ class Ops:
                     max_frame_bytes=self.max_frame,
                     max_block_bytes=limits.max_block_bytes,
                     server_name=self.server_name,
+                    node_id=self.node_id,
                 )
             )
         )

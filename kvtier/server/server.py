@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from typing import Any
 
 from kvtier._version import __version__
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.model import CacheService, Spawn
 from kvtier.server.connection import Connection
+from kvtier.server.gate import PeerGate
 from kvtier.server.ops import Ops
 from kvtier.server.sockets import PeerPolicy
 
@@ -55,7 +57,9 @@ class Server:
         max_frame: int,
         max_inflight: int,
         peers: PeerPolicy | None = None,
+        gate: PeerGate | None = None,
         server_name: str = f"kvtier/{__version__}",
+        node_id: str = "",
     ) -> None:
         self.spawn = spawn
         self.max_frame = max_frame
@@ -64,9 +68,15 @@ class Server:
         self.server_name = server_name
         #: who may connect (checked at accept)
         self.peers = peers if peers is not None else PeerPolicy(None)
+        #: the peer listener's token check and op list; None on the local socket
+        self.gate = gate
         self.counters = ServerCounters()
         self.ops = Ops(
-            service, max_frame=max_frame, server_name=server_name, server_stats=self.stats
+            service,
+            max_frame=max_frame,
+            server_name=server_name,
+            node_id=node_id,
+            server_stats=self.stats,
         )
         self.connections: set[Connection] = set()
         self.shutting_down = False
@@ -79,7 +89,10 @@ class Server:
         self._observed: dict[tuple[str, str], Any] = {}
 
     def __repr__(self) -> str:
-        return f"<Server connections={len(self.connections)} shutting_down={self.shutting_down}>"
+        gate = f" {self.gate!r}" if self.gate is not None else ""
+        return (
+            f"<Server connections={len(self.connections)} shutting_down={self.shutting_down}{gate}>"
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -103,6 +116,15 @@ class Server:
     async def start(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         self._aserver = await loop.create_unix_server(self._new_connection, sock=sock)
+
+    async def start_tcp(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen on TCP (the peer port); returns the port bound (``port`` 0 picks one)."""
+        loop = asyncio.get_running_loop()
+        self._aserver = await loop.create_server(
+            self._new_connection, host, port, ssl=tls, reuse_address=True
+        )
+        bound: int = self._aserver.sockets[0].getsockname()[1]
+        return bound
 
     def _new_connection(self) -> Connection:
         self._next_id += 1

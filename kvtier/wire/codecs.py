@@ -14,7 +14,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import BatchTooLargeError
@@ -198,6 +198,9 @@ class Hello:
     min_version: int
     max_version: int
     client_name: str
+    #: the shared secret of a peer listener; empty on the local socket. Its
+    #: repr never shows it.
+    token: bytes = field(default=b"", repr=False)
 
 
 @dataclass(slots=True, frozen=True)
@@ -208,10 +211,16 @@ class HelloReply:
     max_frame_bytes: int
     max_block_bytes: int
     server_name: str
+    #: the daemon's random identity for this run: a daemon that dials a
+    #: peer address and meets its own node id knows the address is itself
+    node_id: str = ""
 
 
 def encode_hello(hello: Hello) -> bytes:
-    return _HELLO_REQ.pack(hello.min_version, hello.max_version) + _encode_str(hello.client_name)
+    out = _HELLO_REQ.pack(hello.min_version, hello.max_version) + _encode_str(hello.client_name)
+    if hello.token:
+        out += _U16.pack(len(hello.token)) + hello.token
+    return out
 
 
 def decode_hello(buf: Buffer) -> Hello:
@@ -219,18 +228,32 @@ def decode_hello(buf: Buffer) -> Hello:
         raise CodecError("truncated HELLO")
     lo, hi = _HELLO_REQ.unpack_from(buf, 0)
     name, end = _decode_str(buf, _HELLO_REQ.size)
+    token = b""
+    if end < len(buf):  # optional: the peer token
+        if end + 2 > len(buf):
+            raise CodecError("truncated HELLO token")
+        (n,) = _U16.unpack_from(buf, end)
+        end += 2
+        if end + n > len(buf):
+            raise CodecError("truncated HELLO token")
+        token = bytes(buf[end : end + n])
+        end += n
     _expect_end(buf, end)
-    return Hello(lo, hi, name)
+    return Hello(lo, hi, name, token)
 
 
 def encode_hello_reply(reply: HelloReply) -> bytes:
-    return _HELLO_REPLY.pack(
-        reply.version,
-        reply.max_key_bytes,
-        reply.max_batch,
-        reply.max_frame_bytes,
-        reply.max_block_bytes,
-    ) + _encode_str(reply.server_name)
+    return (
+        _HELLO_REPLY.pack(
+            reply.version,
+            reply.max_key_bytes,
+            reply.max_batch,
+            reply.max_frame_bytes,
+            reply.max_block_bytes,
+        )
+        + _encode_str(reply.server_name)
+        + (_encode_str(reply.node_id) if reply.node_id else b"")
+    )
 
 
 def decode_hello_reply(buf: Buffer) -> HelloReply:
@@ -238,8 +261,11 @@ def decode_hello_reply(buf: Buffer) -> HelloReply:
         raise CodecError("truncated HELLO reply")
     version, max_key, max_batch, max_frame, max_block = _HELLO_REPLY.unpack_from(buf, 0)
     name, end = _decode_str(buf, _HELLO_REPLY.size)
+    node_id = ""
+    if end < len(buf):  # optional: the daemon's node id
+        node_id, end = _decode_str(buf, end)
     _expect_end(buf, end)
-    return HelloReply(version, max_key, max_batch, max_frame, max_block, name)
+    return HelloReply(version, max_key, max_batch, max_frame, max_block, name, node_id)
 
 
 def negotiate_version(hello: Hello) -> int | None:

@@ -1,0 +1,89 @@
+"""The service as a peer daemon sees it: the local tiers only.
+
+A request from a peer (over the peer listener) is answered from this
+node's RAM, disk and pending writes, never from its remote tiers: nothing
+a peer asks is forwarded, so two daemons can never bounce a probe between
+them. A block a peer pushes is kept locally (RAM, and the disk by its
+policy) and never written back out to a remote tier. Reservations, request
+tags and STATS belong to this node's own engines; the peer gate refuses
+them before they get here, and this view refuses them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core import limits as check
+from kvtier.errors import ForbiddenError
+from kvtier.model import (
+    Buffer,
+    ConnId,
+    Limits,
+    Lookup,
+    LookupReply,
+    PutStatus,
+    Reserve,
+    ReserveStatus,
+)
+
+if TYPE_CHECKING:
+    from kvtier.core.service import Service
+
+
+class LocalView:
+    """A :class:`~kvtier.model.CacheService` over ``service``'s local tiers."""
+
+    def __init__(self, service: Service, *, source: str) -> None:
+        self._service = service
+        #: the name a pushed block is stored under as its source (the peer tier's)
+        self._source = source
+        self.limits: Limits = service.limits
+
+    def __repr__(self) -> str:
+        return f"<LocalView source={self._source}>"
+
+    def try_lookup(self, req: Lookup) -> LookupReply | None:
+        return self._service.try_lookup(req, local=True)
+
+    async def lookup(self, req: Lookup, cutoff: asyncio.Future[None] | None = None) -> LookupReply:
+        return await self._service.lookup(req, cutoff, local=True)
+
+    def try_get(self, keys: Sequence[bytes]) -> list[Buffer | None] | None:
+        return self._service.try_get(keys, local=True)
+
+    async def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        return await self._service.get(keys, local=True)
+
+    def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
+        self._service.unpin(keys, values)
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[PutStatus]:
+        return self._service.put(keys, values, source=self._source)
+
+    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
+        await self._service.make_durable(keys, values)
+
+    def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None:
+        check.check_keys(self.limits, keys)
+        return self._service.delete_local(keys)
+
+    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        check.check_keys(self.limits, keys)
+        return self._service.delete_local(keys)
+
+    def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
+        raise ForbiddenError("peers may not reserve blocks")
+
+    def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
+        raise ForbiddenError("peers may not reserve blocks")
+
+    def release(self, tag: bytes) -> bool:
+        raise ForbiddenError("peers have no request tags here")
+
+    def connection_closed(self, owner: ConnId) -> None:
+        pass  # a peer owns no reservations
+
+    def stats(self) -> dict[str, Any]:
+        raise ForbiddenError("peers may not read STATS")
