@@ -27,6 +27,7 @@ from kvtier.core.counts import CoreCounters, MapSizes
 from kvtier.counters import Counts, HistogramCell, Histograms
 from kvtier.server.server import ServerCounters
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.peer import PeerTier
 from kvtier.tiers.s3 import S3Tier
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -90,6 +91,7 @@ class _Sources:
     tiers: Callable[[], Iterable[TierStats]] = lambda: ()
     disk: Callable[[], TierStats] | None = None
     s3: list[S3Tier] = field(default_factory=list)
+    peers: PeerTier | None = None
     peer_listener: ServerCounters | None = None
     peer_connections_open: Callable[[], int] = lambda: 0
 
@@ -110,6 +112,8 @@ class _Collector(Collector):
         if s.disk is not None:
             yield from self._disk(s.disk())
         yield from self._s3(s.s3)
+        if s.peers is not None:
+            yield from self._peers(s.peers)
         if s.peer_listener is not None:
             yield from self._peer_listener(s.peer_listener)
 
@@ -147,6 +151,34 @@ class _Collector(Collector):
         yield CounterMetricFamily(
             "kvtier_sent_bytes", "Bytes of frames sent to clients", value=c.sent_bytes.value
         )
+
+    def _peers(self, tier: PeerTier) -> Iterator[Metric]:
+        c = tier.counters
+        yield _counter(
+            "kvtier_peer_requests",
+            "Requests to peer daemons by peer, operation (lookup, get, put) and outcome "
+            "(ok, error, timeout, rejected: the peer is down, cancelled)",
+            c.requests,
+        )
+        yield _counter(
+            "kvtier_peer_bytes",
+            "Block bytes moved to and from peers, by direction (in: loaded, out: pushed)",
+            c.bytes,
+        )
+        yield _histogram(
+            "kvtier_peer_probe_duration_seconds",
+            "Time of one LOOKUP at a peer (a batch of probed keys)",
+            c.probe_seconds,
+        )
+        yield _counter(
+            "kvtier_peer_connects", "Connection attempts to peers, by outcome", c.connects
+        )
+        up = GaugeMetricFamily(
+            "kvtier_peer_up", "1 while a peer is in use, 0 while it is down", labels=["peer"]
+        )
+        for peer in tier.picker.peers():
+            up.add_metric([peer.address], int(peer.up))
+        yield up
 
     def _peer_listener(self, c: ServerCounters) -> Iterator[Metric]:
         yield _counter(
@@ -357,6 +389,9 @@ class Metrics:
     def watch_server(self, counters: ServerCounters, connections_open: Callable[[], int]) -> None:
         self._sources.server = counters
         self._sources.connections_open = connections_open
+
+    def watch_peers(self, tier: PeerTier) -> None:
+        self._sources.peers = tier
 
     def watch_peer_listener(
         self, counters: ServerCounters, connections_open: Callable[[], int]

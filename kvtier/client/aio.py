@@ -246,6 +246,12 @@ class Client:
             transport.close()
             await self._protocol.closed_event.wait()
 
+    def drop(self) -> None:
+        """Drop the connection now, without waiting; calls in flight fail."""
+        transport = self._protocol.transport
+        if transport is not None:
+            transport.abort()
+
     # -- plumbing
 
     def _send(

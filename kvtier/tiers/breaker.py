@@ -34,6 +34,10 @@ class CircuitBreaker:
             f"failures={self.consecutive_failures}/{self.threshold}>"
         )
 
+    def is_open(self, now: float) -> bool:
+        """Whether calls are refused now (a pure query: starts no trial)."""
+        return self.state is BreakerState.OPEN and now - self.opened_at < self.reset_after
+
     def allow(self, now: float) -> bool:
         """Whether a call may go to the backend now."""
         if self.state is BreakerState.CLOSED:

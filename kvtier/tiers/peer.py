@@ -1,0 +1,291 @@
+"""The peer tier: kvtier daemons on other nodes, reached over their peer port.
+
+A key's owner among the peers is named by the picker
+(:mod:`kvtier.tiers.peers`); the tier asks only that peer:
+
+* ``batch_lookup`` - the core batches probes per tick into one call; here
+  they split by owner into one LOOKUP per peer, run concurrently. HIT and
+  PENDING at the owner read present. Keys this daemon owns, or whose owner
+  is down with no live fallback, read absent without a request.
+* ``batch_load`` - one GET to each owner.
+* ``batch_store`` - the push of a block stored here to its owner (the core
+  runs it in the background, bounded, as for any write-through tier).
+
+Each :class:`Peer` keeps one connection, opened on first use and reopened
+after a failure with exponential backoff (50 ms doubling to 5 s); a circuit
+breaker marks it down after ``breaker_failures`` consecutive failures, so
+its keys go to the next peer by the hash until a trial request succeeds.
+Every request is bounded by ``request_timeout``. A peer that dies or hangs
+mid-transfer fails the request; the core then answers the key MISS, so it
+never stays PENDING. Imports the client (a peer is a kvtier server) and the
+tiers' own pure modules; never the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.client.aio import Client
+from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
+from kvtier.errors import KvtierError, TierError
+from kvtier.model import Buffer, LookupMode, State
+from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.peers import PeerPicker
+
+log = logging.getLogger("kvtier.peers")
+
+BACKOFF_MIN = 0.05
+BACKOFF_MAX = 5.0
+_PRESENT = (int(State.HIT), int(State.PENDING))
+
+
+class PeerCounters:
+    """What the peer tier counts, by peer address; metrics reads it at scrape time."""
+
+    def __init__(self) -> None:
+        self.requests = Counts("peer", "op", "outcome")
+        self.bytes = Counts("peer", "direction")
+        self.probe_seconds = Histograms(LATENCY_BUCKETS, "peer")
+        self.connects = Counts("peer", "outcome")
+
+    def __repr__(self) -> str:
+        return f"<PeerCounters requests={self.requests.total():g}>"
+
+
+class Peer:
+    """One peer daemon: its connection, its breaker and its backoff."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: bytes,
+        tls: ssl.SSLContext | None,
+        connect_timeout: float,
+        request_timeout: float,
+        breaker: CircuitBreaker,
+        counters: PeerCounters,
+        node_id: str,
+        on_self: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        host, _, port = address.rpartition(":")
+        self._host, self._port = host.strip("[]"), int(port)
+        self._token = token
+        self._tls = tls
+        self._connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        #: consecutive failures mark the peer down; guards every request
+        self.breaker = breaker
+        self._counters = counters
+        self._node_id = node_id
+        self._on_self = on_self
+        self._clock = clock
+        self._client: Client | None = None
+        #: held while connecting: concurrent callers share one attempt
+        self._connecting = asyncio.Lock()
+        #: no connection attempt before this time (backoff after a failure)
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_MIN
+
+    def __repr__(self) -> str:
+        state = "connected" if self._client is not None and not self._client.closed else "idle"
+        return f"<Peer {self.address} {state} {self.breaker!r}>"
+
+    def is_down(self) -> bool:
+        return self.breaker.is_open(self._clock())
+
+    @property
+    def up(self) -> bool:
+        return not self.is_down()
+
+    async def _connected(self) -> Client:
+        client = self._client
+        if client is not None and not client.closed:
+            return client
+        async with self._connecting:
+            client = self._client
+            if client is not None and not client.closed:
+                return client
+            now = self._clock()
+            if now < self._retry_at:
+                raise TierError(f"peer {self.address}: reconnecting in {self._retry_at - now:.2f}s")
+            try:
+                client = await Client.connect_tcp(
+                    self._host,
+                    self._port,
+                    token=self._token,
+                    tls=self._tls,
+                    connect_timeout=self._connect_timeout,
+                    timeout=self.request_timeout,
+                )
+            except KvtierError as exc:
+                self._counters.connects.inc(self.address, "failed")
+                self._retry_at = self._clock() + self._backoff
+                self._backoff = min(BACKOFF_MAX, self._backoff * 2)
+                raise TierError(f"peer {self.address}: {exc}") from exc
+            self._counters.connects.inc(self.address, "ok")
+            self._backoff = BACKOFF_MIN
+            if client.server is not None and client.server.node_id == self._node_id:
+                await client.close()
+                self._on_self(self.address)
+                raise TierError(f"peer {self.address} is this daemon")
+            self._client = client
+            return client
+
+    async def call(self, op: str, fn: Callable[[Client], Any]) -> Any:
+        """Run one request against the peer, guarded by its breaker and counted."""
+        now = self._clock()
+        if not self.breaker.allow(now):
+            self._counters.requests.inc(self.address, op, "rejected")
+            raise TierError(f"peer {self.address} is down (breaker open)")
+        outcome = "error"
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                result = await fn(await self._connected())
+            outcome = "ok"
+            self.breaker.success()
+            return result
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            self.breaker.abandon()
+            raise
+        except TimeoutError as exc:
+            outcome = "timeout"
+            self._failed()
+            raise TierError(
+                f"peer {self.address}: no answer within {self.request_timeout}s"
+            ) from exc
+        except KvtierError as exc:
+            self._failed()
+            raise TierError(f"peer {self.address}: {exc}") from exc
+        finally:
+            self._counters.requests.inc(self.address, op, outcome)
+
+    def _failed(self) -> None:
+        self.breaker.failure(self._clock())
+        client, self._client = self._client, None
+        if client is not None:
+            # A hung or broken connection is not reused; reconnecting starts fresh.
+            client.drop()
+
+    async def lookup(self, keys: list[bytes]) -> list[bool]:
+        started = time.perf_counter()
+
+        async def ask(c: Client) -> list[bool]:
+            reply = await c.lookup(keys, mode=LookupMode.KEYS)
+            if len(reply.raw_states) != len(keys):
+                raise TierError(f"{len(reply.raw_states)} answers for {len(keys)} keys")
+            return [s in _PRESENT for s in reply.raw_states]
+
+        found: list[bool] = await self.call("lookup", ask)
+        self._counters.probe_seconds.bind(self.address).observe(time.perf_counter() - started)
+        return found
+
+    async def load(self, keys: list[bytes]) -> list[Buffer | None]:
+        async def get(c: Client) -> list[Buffer | None]:
+            return list(await c.get_many(keys))
+
+        values: list[Buffer | None] = await self.call("get", get)
+        self._counters.bytes.inc(self.address, "in", n=sum(len(v) for v in values if v))
+        return values
+
+    async def store(self, keys: list[bytes], values: list[Buffer]) -> None:
+        async def put(c: Client) -> None:
+            await c.put_many(keys, values)
+
+        await self.call("put", put)
+        self._counters.bytes.inc(self.address, "out", n=sum(len(v) for v in values))
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+
+class PeerTier(Tier):
+    def __init__(self, name: str, picker: PeerPicker[Peer], counters: PeerCounters) -> None:
+        self.name = name
+        self.picker = picker
+        self.counters = counters
+
+    def __repr__(self) -> str:
+        return f"<PeerTier {self.name} {self.picker!r}>"
+
+    def _by_owner(self, keys: Sequence[bytes]) -> dict[Peer, list[int]]:
+        groups: dict[Peer, list[int]] = {}
+        for i, key in enumerate(keys):
+            peer = self.picker.pick(key)
+            if peer is not None:
+                groups.setdefault(peer, []).append(i)
+        return groups
+
+    async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        found = [False] * len(keys)
+        groups = self._by_owner(keys)
+        answers = await asyncio.gather(
+            *(peer.lookup([keys[i] for i in idx]) for peer, idx in groups.items()),
+            return_exceptions=True,
+        )
+        for (peer, idx), answer in zip(groups.items(), answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, Exception):
+                    raise answer  # cancellation and the like are never swallowed
+                log.debug("%s: lookup at %s failed: %s", self.name, peer.address, answer)
+                continue  # those keys read absent; the breaker counts the failure
+            for i, present in zip(idx, answer, strict=True):
+                found[i] = present
+        return found
+
+    async def batch_load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        values: list[Buffer | None] = [None] * len(keys)
+        groups = self._by_owner(keys)
+        loaded = await asyncio.gather(
+            *(peer.load([keys[i] for i in idx]) for peer, idx in groups.items())
+        )
+        for idx, got in zip(groups.values(), loaded, strict=True):
+            for i, value in zip(idx, got, strict=True):
+                values[i] = value
+        return values
+
+    async def batch_store(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
+        groups = self._by_owner(keys)
+        await asyncio.gather(
+            *(
+                peer.store([keys[i] for i in idx], [values[i] for i in idx])
+                for peer, idx in groups.items()
+            )
+        )
+
+    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        return [False] * len(keys)  # blocks on peers are theirs to evict
+
+    def stats(self) -> TierStats:
+        peers = self.picker.peers()
+        up = sum(p.up for p in peers)
+        return TierStats(self.name, 0, 0, 0, extra={"peers": len(peers), "peers_up": up})
+
+    async def open(self) -> None:
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        """Re-resolve the members' DNS name (if any); close peers no longer listed."""
+        try:
+            dropped = await self.picker.resolve()
+        except OSError as exc:
+            log.warning("%s: cannot resolve peers (keeping the current list): %s", self.name, exc)
+            return
+        for peer in dropped:
+            log.info("%s: %s left the member list", self.name, peer.address)
+            await peer.close()
+
+    async def close(self) -> None:
+        for peer in self.picker.peers():
+            await peer.close()
