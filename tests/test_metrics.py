@@ -5,11 +5,21 @@ from pathlib import Path
 
 from kvtier import Client
 from kvtier.daemon import Daemon
+from tests.helpers import running_daemon
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 
-async def test_every_series_is_documented(daemon: Daemon) -> None:
+async def test_every_series_is_documented(sock_dir: Path) -> None:
+    # With peers configured (the listed one never answers) and a peer port.
+    async with running_daemon(
+        sock_dir,
+        peer={"listen": "127.0.0.1:0", "members": ["127.0.0.1:9"], "token": "t"},
+    ) as daemon:
+        await _served_and_documented(daemon)
+
+
+async def _served_and_documented(daemon: Daemon) -> None:
     async with await Client.connect(daemon.socket_path) as client:
         await client.put(b"k", b"v")
         await client.lookup([b"k", b"x"])
@@ -56,6 +66,8 @@ def test_every_label_value_is_documented() -> None:
     from kvtier.core.probes import Verdict
     from kvtier.model import State
     from kvtier.server.connection import TRUNCATED
+    from kvtier.server.gate import Refusal
+    from kvtier.tiers.peer import PeerOutcome
     from kvtier.tiers.s3 import S3Outcome
     from kvtier.wire import Op
 
@@ -78,6 +90,8 @@ def test_every_label_value_is_documented() -> None:
         "kvtier_tier_writes_dropped_total": [d.value for d in Dropped],
         "kvtier_s3_requests_total": [o.value for o in S3Outcome],
         "kvtier_connections_refused_total": ["not_allowed", "no_credentials"],
+        "kvtier_peer_requests_total": [o.value for o in PeerOutcome],
+        "kvtier_peer_listener_refused_total": [r.value for r in Refusal],
     }
     missing = {
         family: [v for v in vals if f"`{v}`" not in _row(family)] for family, vals in values.items()

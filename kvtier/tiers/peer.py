@@ -24,6 +24,7 @@ tiers' own pure modules; never the core.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import ssl
 import time
@@ -43,6 +44,16 @@ log = logging.getLogger("kvtier.peers")
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 5.0
 _PRESENT = (int(State.HIT), int(State.PENDING))
+
+
+class PeerOutcome(enum.Enum):
+    """How one request to a peer ended (the metrics label)."""
+
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"  # past request_timeout
+    REJECTED = "rejected"  # not sent: the peer is down (breaker open)
+    CANCELLED = "cancelled"
 
 
 class PeerCounters:
@@ -144,21 +155,21 @@ class Peer:
         """Run one request against the peer, guarded by its breaker and counted."""
         now = self._clock()
         if not self.breaker.allow(now):
-            self._counters.requests.inc(self.address, op, "rejected")
+            self._counters.requests.inc(self.address, op, PeerOutcome.REJECTED.value)
             raise TierError(f"peer {self.address} is down (breaker open)")
-        outcome = "error"
+        outcome = PeerOutcome.ERROR
         try:
             async with asyncio.timeout(self.request_timeout):
                 result = await fn(await self._connected())
-            outcome = "ok"
+            outcome = PeerOutcome.OK
             self.breaker.success()
             return result
         except asyncio.CancelledError:
-            outcome = "cancelled"
+            outcome = PeerOutcome.CANCELLED
             self.breaker.abandon()
             raise
         except TimeoutError as exc:
-            outcome = "timeout"
+            outcome = PeerOutcome.TIMEOUT
             self._failed()
             raise TierError(
                 f"peer {self.address}: no answer within {self.request_timeout}s"
@@ -167,7 +178,7 @@ class Peer:
             self._failed()
             raise TierError(f"peer {self.address}: {exc}") from exc
         finally:
-            self._counters.requests.inc(self.address, op, outcome)
+            self._counters.requests.inc(self.address, op, outcome.value)
 
     def _failed(self) -> None:
         self.breaker.failure(self._clock())
