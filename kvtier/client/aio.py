@@ -216,8 +216,13 @@ class Client:
             raise DaemonUnavailableError(f"cannot connect to peer {address}: {exc}") from exc
         client = cls(protocol, address, timeout, name, token)
         try:
-            async with asyncio.timeout(connect_timeout + (timeout or 0)):
+            async with asyncio.timeout(connect_timeout):  # authenticating is connecting
                 client.server = await client.hello()
+        except TimeoutError as exc:
+            await client.close()
+            raise DaemonUnavailableError(
+                f"peer {address} did not answer HELLO within {connect_timeout}s"
+            ) from exc
         except ConnectionClosedError as exc:
             await client.close()
             # With TLS 1.3 a refused client certificate shows only now.
