@@ -73,6 +73,10 @@ bench-deps: $(BENCH_STAMP)
 bench: bench-deps
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)
+	$(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 2%,5%,10%,20%,40% \
+	  --policy lru --policy arc --policy s3fifo --policy harc --plot docs/eviction.png
+	$(BIN)/python -m benchmarks.workloads
+	$(BIN)/python -m benchmarks.policies
 
 # A long mixed workload with misbehaving clients and S3 outages that verifies
 # every byte, then checks the daemon drained and shuts down promptly.

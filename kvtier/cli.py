@@ -22,6 +22,7 @@ from kvtier.config import Config, load_config, render_toml
 from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.model import LookupMode, State
+from kvtier.tiers.policy import POLICIES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISS = 0, 1, 2, 3
 
@@ -199,6 +200,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvtier import replay as rp
+
+    chains = rp.load_trace(Path(args.trace))
+    unique = rp.unique_blocks(chains)
+    show = sys.stderr.isatty() and not args.json
+    results: list[rp.Result] = []
+    if args.socket:
+        bar = rp.progress_bar("daemon") if show else None
+        daemon = loops.run(
+            rp.replay_daemon(chains, Path(args.socket), block_size=args.block_size, progress=bar)
+        )
+        results.append(daemon)
+        capacities = [(f"{daemon.blocks} blocks", daemon.blocks)]
+    else:
+        capacities = rp.parse_capacities(args.capacity, unique)
+    for policy in args.policy or ["lru", "harc"]:
+        for capacity in capacities:
+            bar = rp.progress_bar(f"{policy} {capacity[0]}") if show else None
+            results.append(
+                rp.replay(chains, policy, capacity, block_size=args.block_size, progress=bar)
+            )
+    if show:
+        sys.stderr.write("\r" + " " * 70 + "\r")
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "trace": args.trace,
+                    "unique_blocks": unique,
+                    "results": [r.as_dict() for r in results],
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(f"{args.trace}: {len(chains)} requests, {unique} unique blocks; prefix-hit ratio")
+        print(rp.table(results))
+    if args.plot:
+        rp.plot(results, Path(args.plot), Path(args.trace).name)
+    return EXIT_OK
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     config = load_config(args.path or getattr(args, "config", None))
     sys.stdout.write(render_toml(config))
@@ -268,6 +312,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer, shorter runs")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "replay", help="replay a request trace through the eviction policies (hit ratio)"
+    )
+    p.add_argument("trace", metavar="TRACE", help="JSON lines with hash_ids (Mooncake format)")
+    p.add_argument(
+        "--capacity",
+        default="5%,10%,20%",
+        help="comma-separated capacities: percent of the unique blocks, or block counts",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=POLICIES,
+        help="policy to replay (repeatable; default: lru and harc)",
+    )
+    p.add_argument("--block-size", type=int, default=4096, help="bytes per block")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", metavar="PNG", help="draw hit ratio against capacity")
+    p.add_argument(
+        "--socket",
+        help="replay against the daemon on this socket too (LOOKUP PREFIX + PUT), and "
+        "offline at the daemon's RAM capacity",
+    )
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")

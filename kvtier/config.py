@@ -157,7 +157,9 @@ class ServerConfig(_Section):
 class RamConfig(_Section):
     #: bytes, or "auto": a quarter of available memory, capped at 16 GiB
     capacity: Capacity = "auto"
-    policy: Literal["lru"] = "lru"
+    #: eviction policy: "harc" (ARC with a long frequency history, see
+    #: docs/eviction.md), "lru", "arc", "s3fifo"
+    policy: Literal["harc", "lru", "arc", "s3fifo"] = "harc"
 
     def capacity_bytes(self) -> int:
         if self.capacity == "auto":
@@ -182,7 +184,9 @@ class DiskConfig(_Section):
     #: background writes (write-through, demotions) beyond this many bytes in
     #: flight are dropped and counted rather than queued without bound
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
-    policy: Literal["lru"] = "lru"
+    #: eviction policy: "harc" (ARC with a long frequency history, see
+    #: docs/eviction.md), "lru", "arc", "s3fifo"
+    policy: Literal["harc", "lru", "arc", "s3fifo"] = "harc"
 
     def capacity_bytes(self) -> int:
         if self.capacity == "auto":

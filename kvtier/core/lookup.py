@@ -115,6 +115,9 @@ class LookupEvaluator:
             bound_at = result.expires_at
         window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
         hits, defer = prefix_answer(states, window)
+        # A HIT is a read to come: the eviction policy hears of it (later,
+        # before the next write, so the reply does not wait for it).
+        self.ram.touch_later(keys, len(keys) if req.mode == LookupMode.KEYS else hits)
         if disk_only and self._promote_on_lookup:
             # Start loading the usable disk hits into RAM: the GET comes next.
             limit = hits if req.mode != LookupMode.KEYS else len(keys)

@@ -109,7 +109,8 @@ class Budget:
             pinned=pins.__contains__,
         )
         for key in victims:
-            self.remove(key)
+            self.used -= self._sizes.pop(key)
+            self._policy.evict(key)
         self.evictions += len(victims)
         return victims
 

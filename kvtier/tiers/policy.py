@@ -10,6 +10,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
+from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy
+from kvtier.tiers.s3fifo import S3FIFOPolicy
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -21,10 +24,14 @@ class EvictionPolicy(Protocol[K]):
         """``key`` was read or written again."""
 
     def remove(self, key: K) -> None:
-        """``key`` is no longer resident (evicted or deleted)."""
+        """``key`` was deleted."""
+
+    def evict(self, key: K) -> None:
+        """``key`` was evicted to make room (a policy with ghosts remembers it)."""
 
     def candidates(self) -> Iterator[K]:
-        """Resident keys, the one to evict first coming first."""
+        """Resident keys, the one to evict first coming first (possibly not all:
+        the tier stops asking once it has made room)."""
 
     def __len__(self) -> int: ...
 
@@ -51,6 +58,8 @@ class LRUPolicy(Generic[K]):
 
     def remove(self, key: K) -> None:
         self._order.pop(key, None)
+
+    evict = remove
 
     def candidates(self) -> Iterator[K]:
         return iter(self._order)
@@ -85,7 +94,20 @@ def plan_eviction(
     raise NoRoom(f"cannot make room for {need} bytes: {free} bytes free after evicting all")
 
 
+#: the policies a tier may be configured with; "harc" is the default
+POLICIES = ("harc", "lru", "arc", "s3fifo")
+
+
 def make_policy(name: str) -> EvictionPolicy[bytes]:
-    if name == "lru":
-        return LRUPolicy()
-    raise ValueError(f"unknown eviction policy {name!r}")
+    makers: dict[str, Callable[[], EvictionPolicy[bytes]]] = {
+        "harc": HistoryARCPolicy,
+        "lru": LRUPolicy,
+        "arc": ARCPolicy,
+        "s3fifo": S3FIFOPolicy,
+    }
+    try:
+        return makers[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}"
+        ) from None

@@ -17,6 +17,9 @@ from kvtier.tiers.base import LocalTier, TierStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
 
+#: lookups whose hits may wait to be shown to the policy (then they are applied)
+_MAX_DEFERRED_TOUCHES = 256
+
 
 class RamTier(LocalTier):
     name = "ram"
@@ -24,6 +27,8 @@ class RamTier(LocalTier):
     def __init__(self, capacity: int, policy: EvictionPolicy[bytes] | None = None) -> None:
         self.budget = Budget(capacity, policy)
         self._values: dict[bytes, Buffer] = {}
+        #: lookups' hits not yet shown to the eviction policy (see touch_later)
+        self._touches: list[tuple[Sequence[bytes], int]] = []
 
     def __repr__(self) -> str:
         b = self.budget
@@ -50,6 +55,21 @@ class RamTier(LocalTier):
 
     # -- reads
 
+    def touch_later(self, keys: Sequence[bytes], count: int) -> None:
+        """A lookup answered HIT for ``keys[:count]``: refresh the resident ones in
+        the eviction order before the next write, off the lookup's reply path."""
+        self._touches.append((keys, count))
+        if len(self._touches) >= _MAX_DEFERRED_TOUCHES:
+            self._apply_touches()
+
+    def _apply_touches(self) -> None:
+        touches, self._touches = self._touches, []
+        values, touch = self._values, self.budget.touch
+        for keys, count in touches:
+            for key in keys[:count]:
+                if key in values:
+                    touch(key)
+
     def get(self, key: bytes) -> Buffer | None:
         value = self._values.get(key)
         if value is not None:
@@ -72,6 +92,8 @@ class RamTier(LocalTier):
 
     def put(self, key: bytes, value: Buffer) -> tuple[bool, list[tuple[bytes, Buffer]]]:
         """Store ``key``. Returns (stored, evicted pairs); stored is False if resident."""
+        if self._touches:
+            self._apply_touches()
         if key in self._values:
             self.budget.touch(key)
             return False, []
@@ -98,6 +120,8 @@ class RamTier(LocalTier):
             raise ValueTooLargeError(
                 f"cannot reserve {size} bytes in a RAM tier of {self.capacity} bytes"
             )
+        if self._touches:
+            self._apply_touches()
         evicted = self._make_room(size)
         self.budget.hold(size)
         return evicted

@@ -1,0 +1,237 @@
+"""Replay a request trace through the RAM tier's real eviction policies.
+
+A trace is JSON lines with ``hash_ids``: one id per block, a request's ids
+forming a chain (block i is usable only if blocks 0..i-1 are), as in
+Mooncake's FAST'25 traces. The metric is the *prefix-hit ratio*: the blocks
+each request finds as a leading run in the cache, over all blocks
+requested, replaying requests in order and then inserting or touching
+every block of the request.
+
+Offline, each request runs through a :class:`~kvtier.tiers.ram.RamTier`
+built with the named policy (the daemon's own classes, not a model of
+them): ``contains`` for the leading run, then ``get`` (a touch) or ``put``
+for each block. Against a running daemon, each request is one LOOKUP in
+prefix mode (its hits are touched, as for any engine) and one PUT of the
+blocks after the leading run; the daemon's RAM capacity sets the offline
+replay it is compared with.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.policy import POLICIES, make_policy
+from kvtier.tiers.ram import RamTier
+
+Chain = list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class Result:
+    policy: str
+    #: capacity as asked ("5%") and in blocks
+    capacity: str
+    blocks: int
+    hits: int
+    requested: int
+
+    @property
+    def ratio(self) -> float:
+        return self.hits / self.requested if self.requested else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "capacity": self.capacity,
+            "capacity_blocks": self.blocks,
+            "prefix_hits": self.hits,
+            "blocks_requested": self.requested,
+            "prefix_hit_ratio": round(self.ratio, 6),
+        }
+
+
+def load_trace(path: Path) -> list[Chain]:
+    """The chains of a JSON-lines trace, gzipped if named ``.gz`` (each line
+    needs ``hash_ids``)."""
+    chains: list[Chain] = []
+    try:
+        with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    ids = json.loads(line)["hash_ids"]
+                except (ValueError, KeyError, TypeError):
+                    raise ConfigError(f"{path}:{n}: not a JSON object with hash_ids") from None
+                if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                    raise ConfigError(f"{path}:{n}: hash_ids must be a list of integers")
+                chains.append(ids)
+    except OSError as exc:
+        raise ConfigError(f"cannot read trace {path}: {exc}") from exc
+    return chains
+
+
+def unique_blocks(chains: Iterable[Chain]) -> int:
+    return len({i for chain in chains for i in chain})
+
+
+def parse_capacities(text: str, unique: int) -> list[tuple[str, int]]:
+    """``"5%,10%,2000"`` as (label, blocks): percentages of the unique blocks, or counts."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            blocks = round(unique * float(part[:-1]) / 100) if part.endswith("%") else int(part)
+        except ValueError:
+            raise ConfigError(
+                f"capacity {part!r}: expected a percentage or a block count"
+            ) from None
+        if blocks < 1:
+            raise ConfigError(f"capacity {part!r} is less than one block")
+        out.append((part, blocks))
+    if not out:
+        raise ConfigError("no capacity given")
+    return out
+
+
+def key_of(block_id: int) -> bytes:
+    return block_id.to_bytes(8, "little", signed=True)
+
+
+Progress = Callable[[int, int], None]
+
+
+def replay(
+    chains: Sequence[Chain],
+    policy: str,
+    capacity: tuple[str, int],
+    *,
+    block_size: int = 4096,
+    progress: Progress | None = None,
+) -> Result:
+    """Replay ``chains`` through a RAM tier of ``capacity`` blocks under ``policy``."""
+    label, blocks = capacity
+    ram = RamTier(blocks * block_size, make_policy(policy))
+    value = memoryview(bytes(block_size))  # every block shares one buffer
+    contains, get, put = ram.contains, ram.get, ram.put
+    hits = requested = 0
+    step = max(1, len(chains) // 100)
+    for n, chain in enumerate(chains):
+        keys = [key_of(i) for i in chain]
+        run = 0
+        for key in keys:
+            if not contains(key):
+                break
+            run += 1
+        hits += run
+        requested += len(keys)
+        for key in keys:
+            if contains(key):
+                get(key)
+            else:
+                put(key, value)
+        if progress is not None and n % step == 0:
+            progress(n, len(chains))
+    return Result(policy, label, blocks, hits, requested)
+
+
+async def replay_daemon(
+    chains: Sequence[Chain],
+    socket: Path,
+    *,
+    block_size: int = 4096,
+    progress: Progress | None = None,
+) -> Result:
+    """Replay ``chains`` against the daemon on ``socket`` (LOOKUP PREFIX, then PUT)."""
+    from kvtier.client.aio import Client
+
+    value = bytes(block_size)
+    hits = requested = 0
+    step = max(1, len(chains) // 100)
+    async with await Client.connect(socket, timeout=60.0) as client:
+        stats = await client.stats()
+        ram = stats["tiers"]["ram"]
+        blocks = int(ram["capacity_bytes"]) // block_size
+        for n, chain in enumerate(chains):
+            keys = [key_of(i) for i in chain]
+            if not keys:
+                continue
+            reply = await client.lookup_prefix(keys)
+            hits += reply.prefix_hits
+            requested += len(keys)
+            rest = keys[reply.prefix_hits :]
+            if rest:
+                await client.put_many(rest, [value] * len(rest))
+            if progress is not None and n % step == 0:
+                progress(n, len(chains))
+    return Result("daemon", f"{blocks} blocks", blocks, hits, requested)
+
+
+def progress_bar(label: str) -> Progress:
+    """A one-line progress bar on stderr."""
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(1, total)
+        sys.stderr.write(f"\r{label:24} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        sys.stderr.flush()
+
+    return show
+
+
+def table(results: Sequence[Result]) -> str:
+    """Policies as rows, capacities as columns."""
+    capacities = list(dict.fromkeys(r.capacity for r in results))
+    policies = list(dict.fromkeys(r.policy for r in results))
+    by = {(r.policy, r.capacity): r for r in results}
+    head = f"{'policy':10}" + "".join(f"{c:>10}" for c in capacities)
+    lines = [head]
+    for p in policies:
+        cells = "".join(
+            f"{by[(p, c)].ratio:>10.3f}" if (p, c) in by else f"{'':>10}" for c in capacities
+        )
+        lines.append(f"{p:10}{cells}")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Result], out: Path, title: str) -> None:
+    """Prefix-hit ratio against capacity, one line per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: run `make bench-deps`") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r.policy for r in results):
+        rows = sorted((r.blocks, r.ratio) for r in results if r.policy == policy)
+        ax.plot([b for b, _ in rows], [h for _, h in rows], marker="o", label=policy)
+    ax.set_xlabel("capacity (blocks)")
+    ax.set_ylabel("prefix-hit ratio")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+__all__ = [
+    "POLICIES",
+    "Result",
+    "load_trace",
+    "parse_capacities",
+    "plot",
+    "progress_bar",
+    "replay",
+    "replay_daemon",
+    "table",
+    "unique_blocks",
+]

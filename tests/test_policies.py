@@ -1,0 +1,133 @@
+"""Eviction policies alone and under a Budget: ARC, history ARC, S3-FIFO, the seen filter."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy
+from kvtier.tiers.budget import Budget
+from kvtier.tiers.policy import POLICIES, LRUPolicy, make_policy
+from kvtier.tiers.ram import RamTier
+from kvtier.tiers.s3fifo import S3FIFOPolicy
+from kvtier.tiers.seen import SeenFilter
+
+
+def k(i: int) -> bytes:
+    return f"key-{i}".encode()
+
+
+def fill(budget: Budget, keys: list[bytes]) -> list[bytes]:
+    """Admit each key (size 1), evicting as needed; returns the keys evicted."""
+    evicted: list[bytes] = []
+    for key in keys:
+        if key in budget:
+            budget.touch(key)
+            continue
+        evicted += budget.evict_for(1)
+        budget.admit(key, 1)
+    return evicted
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_keeps_the_budget_and_skips_pinned_keys(name: str) -> None:
+    budget = Budget(10, make_policy(name))
+    fill(budget, [k(i) for i in range(10)])
+    for i in range(10):
+        budget.pin(k(i)) if i % 2 == 0 else None
+    evicted = fill(budget, [k(i) for i in range(100, 105)])
+    assert len(evicted) == 5 and all(int(e.split(b"-")[1]) % 2 == 1 for e in evicted)
+    assert budget.used == 10 and len(budget) == 10
+    for i in range(0, 10, 2):
+        budget.unpin(k(i))
+    # Deleting is not evicting: the policy forgets the key.
+    budget.remove(k(0))
+    assert budget.used == 9
+    fill(budget, [k(i) for i in range(200, 230)])
+    assert budget.used == 10
+    assert budget.evictions == 5 + 29
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="harc, lru, arc, s3fifo"):
+        make_policy("lfu")
+
+
+def test_arc_ghost_hits_move_its_target() -> None:
+    arc = ARCPolicy()
+    budget = Budget(4, arc)
+    fill(budget, [k(i) for i in range(4)])  # all in T1
+    fill(budget, [k(i) for i in range(4, 8)])  # 0..3 evicted to B1
+    assert arc.p == 0
+    fill(budget, [k(0)])  # a B1 ghost comes back: T1 deserved more room
+    assert arc.p >= 1
+    assert "t2=1" in repr(arc)  # and the key returns as frequent
+    assert len(arc) == 4
+
+
+def test_history_arc_admits_a_key_seen_long_ago_as_frequent() -> None:
+    harc = HistoryARCPolicy()
+    budget = Budget(4, harc)
+    fill(budget, [k(0)])
+    fill(budget, [k(i) for i in range(1, 40)])  # k(0) is evicted, its ghost aged out
+    assert k(0) not in budget
+    plain = ARCPolicy()
+    plain_budget = Budget(4, plain)
+    fill(plain_budget, [k(i) for i in range(40)])
+    fill(budget, [k(0)])
+    fill(plain_budget, [k(0)])
+    assert "t2=1" in repr(harc)  # remembered by the seen filter: straight to T2
+    assert "t2=0" in repr(plain)  # ARC's ghosts reach back only c keys
+
+
+def test_s3fifo_one_read_in_the_small_queue_earns_the_main_queue() -> None:
+    s3 = S3FIFOPolicy()
+    budget = Budget(10, s3)
+    fill(budget, [k(i) for i in range(10)])
+    budget.touch(k(0))
+    evicted = fill(budget, [k(i) for i in range(10, 15)])
+    assert k(0) not in evicted and k(0) in budget
+    # A key evicted from the small queue unread is a ghost: back, it goes to main.
+    assert k(1) in evicted
+    fill(budget, [k(1)])
+    assert "main=2" in repr(s3)
+
+
+def test_s3fifo_offers_a_pinned_key_again_later() -> None:
+    s3 = S3FIFOPolicy()
+    budget = Budget(3, s3)
+    fill(budget, [k(0), k(1), k(2)])
+    budget.pin(k(0))
+    assert fill(budget, [k(3)]) == [k(1)]  # k(0) was offered, skipped, kept
+    assert k(0) in budget and len(s3) == 3
+    budget.unpin(k(0))
+    assert fill(budget, [k(4)]) == [k(0)]
+
+
+def test_seen_filter_remembers_for_one_to_two_periods() -> None:
+    seen = SeenFilter(lambda: 1000)
+    assert seen.add(b"a") is False
+    assert seen.add(b"a") is True
+    for i in range(999):
+        seen.add(k(i))
+    assert b"a" in seen  # rotated once: still in the previous generation
+    for i in range(1000, 2100):  # a few read as seen already (false positives)
+        seen.add(k(i))
+    assert b"a" not in seen  # two rotations: forgotten
+    false_positives = sum(k(i) in seen for i in range(10_000, 20_000))
+    assert false_positives < 200  # ~1% when full
+    assert seen.nbytes <= 2 * 2048
+
+
+def test_lru_is_unchanged() -> None:
+    lru: LRUPolicy[bytes] = LRUPolicy()
+    budget = Budget(3, lru)
+    assert fill(budget, [k(0), k(1), k(2), k(0), k(3)]) == [k(1)]
+
+
+def test_lookup_hits_reach_the_policy_before_the_next_write() -> None:
+    ram = RamTier(3, LRUPolicy())
+    for i in range(3):
+        ram.put(k(i), b"x")
+    ram.touch_later([k(0), k(9)], 2)  # a lookup hit k(0); k(9) is not resident
+    stored, evicted = ram.put(k(3), b"x")
+    assert stored and [key for key, _ in evicted] == [k(1)]  # k(0) was refreshed first

@@ -1,0 +1,81 @@
+"""Trace replay: the reference LRU figures, the default beating LRU, and a daemon
+reaching the offline figure at the same byte capacity."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier import replay as rp
+from kvtier.cli import main
+from kvtier.errors import ConfigError
+from tests.helpers import running_daemon
+
+TRACE = Path(__file__).resolve().parent.parent / "traces" / "mooncake_synthetic.jsonl.gz"
+#: published LRU prefix-hit ratios of this trace at 5%, 10%, 20% of its blocks
+REFERENCE_LRU = {"5%": 0.155, "10%": 0.260, "20%": 0.391}
+
+
+@pytest.fixture(scope="module")
+def chains() -> list[rp.Chain]:
+    return rp.load_trace(TRACE)
+
+
+def test_the_trace_is_the_published_one(chains: list[rp.Chain]) -> None:
+    assert len(chains) == 3993
+    assert rp.unique_blocks(chains) == 43924
+
+
+def test_lru_reproduces_the_reference_and_harc_beats_it(chains: list[rp.Chain]) -> None:
+    for capacity in rp.parse_capacities("5%,10%,20%", rp.unique_blocks(chains)):
+        lru = rp.replay(chains, "lru", capacity)
+        harc = rp.replay(chains, "harc", capacity)
+        assert abs(lru.ratio - REFERENCE_LRU[capacity[0]]) < 0.005, (capacity, lru.ratio)
+        assert harc.ratio > lru.ratio, (capacity, harc.ratio, lru.ratio)
+
+
+async def test_a_daemon_reaches_the_offline_figure(chains: list[rp.Chain], sock_dir: Path) -> None:
+    part = chains[:1200]
+    blocks = rp.unique_blocks(part) // 10
+    async with running_daemon(
+        sock_dir, ram={"capacity": blocks * 1024, "policy": "harc"}, disk={"enabled": False}
+    ) as d:
+        online = await rp.replay_daemon(part, d.socket_path, block_size=1024)
+    offline = rp.replay(part, "harc", ("10%", blocks), block_size=1024)
+    assert online.blocks == offline.blocks == blocks
+    assert (online.hits, online.requested) == (offline.hits, offline.requested)
+    assert online.hits > 0
+
+
+def test_capacities_parse_as_percentages_or_counts() -> None:
+    assert rp.parse_capacities("5%, 2000", 10_000) == [("5%", 500), ("2000", 2000)]
+    with pytest.raises(ConfigError, match="percentage or a block count"):
+        rp.parse_capacities("lots", 100)
+    with pytest.raises(ConfigError, match="less than one block"):
+        rp.parse_capacities("0.001%", 100)
+
+
+def test_the_command_prints_a_table_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = tmp_path / "small.jsonl"
+    with gzip.open(TRACE, "rt") as fh:
+        small.write_text("".join(next(fh) for _ in range(300)))
+    assert main(["replay", str(small), "--capacity", "10%", "--policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert "lru" in out and "10%" in out
+    assert main(["replay", str(small), "--capacity", "10%,20%", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {r["policy"] for r in doc["results"]} == {"lru", "harc"}
+    assert all(0 <= r["prefix_hit_ratio"] <= 1 for r in doc["results"])
+
+
+def test_a_bad_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"hash_ids": [1, 2]}\n{"nope": 1}\n')
+    assert main(["replay", str(bad)]) == 2
+    assert "bad.jsonl:2: not a JSON object with hash_ids" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
