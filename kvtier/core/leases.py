@@ -1,0 +1,115 @@
+"""Leases: a client reading a block in place holds it until it says it is done. Pure.
+
+A lease names one block a connection may read from the shared arena. While
+any lease on a key is held the block is pinned (eviction skips it, and a
+writer storing the key again gets a new allocation instead of overwriting
+it). A lease ends when its holder releases it, when its holder's
+connection closes (every lease of that connection at once), or at its
+deadline, when it is *revoked* and counted: a client that forgets to
+release cannot pin memory for ever.
+
+Invariants: every lease ends exactly once, by exactly one of release,
+close or revoke, and ``on_end(key)`` runs once per lease then; ``held(key)``
+is the number of live leases on ``key``; nothing is left after every
+holder has closed.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.model import ConnId
+
+
+class LeaseEnd(enum.Enum):
+    RELEASED = "released"
+    CLOSED = "closed"  # the holder's connection went away
+    REVOKED = "revoked"  # past its deadline
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    owner: ConnId
+    key: bytes
+    deadline: float
+
+
+@dataclass
+class LeaseTable:
+    #: runs once for each lease that ends: the block's pin is dropped
+    on_end: Callable[[Lease, LeaseEnd], None] = lambda lease, end: None
+    _leases: dict[int, Lease] = field(default_factory=dict)
+    _by_owner: dict[ConnId, set[int]] = field(default_factory=dict)
+    _by_key: dict[bytes, int] = field(default_factory=dict)
+    #: (deadline, lease id); entries of leases already ended are skipped
+    _deadlines: list[tuple[float, int]] = field(default_factory=list)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    ended: dict[LeaseEnd, int] = field(default_factory=lambda: dict.fromkeys(LeaseEnd, 0))
+
+    def __repr__(self) -> str:
+        return (
+            f"<LeaseTable live={len(self._leases)} owners={len(self._by_owner)} "
+            f"keys={len(self._by_key)} revoked={self.ended[LeaseEnd.REVOKED]}>"
+        )
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def held(self, key: bytes) -> int:
+        return self._by_key.get(key, 0)
+
+    def grant(self, owner: ConnId, key: bytes, deadline: float) -> Lease:
+        lease = Lease(next(self._ids), owner, key, deadline)
+        self._leases[lease.lease_id] = lease
+        self._by_owner.setdefault(owner, set()).add(lease.lease_id)
+        self._by_key[key] = self._by_key.get(key, 0) + 1
+        heapq.heappush(self._deadlines, (deadline, lease.lease_id))
+        return lease
+
+    def release(self, owner: ConnId, lease_id: int) -> bool:
+        """End one of ``owner``'s leases; False if it is not (or no longer) theirs."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return False
+        self._end(lease, LeaseEnd.RELEASED)
+        return True
+
+    def close(self, owner: ConnId) -> int:
+        """``owner``'s connection closed: all its leases end. Returns how many."""
+        ids = list(self._by_owner.get(owner, ()))
+        for lease_id in ids:
+            self._end(self._leases[lease_id], LeaseEnd.CLOSED)
+        return len(ids)
+
+    def expire(self, now: float) -> int:
+        """Revoke every lease whose deadline has passed. Returns how many."""
+        revoked = 0
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._end(lease, LeaseEnd.REVOKED)
+                revoked += 1
+        if not self._leases:
+            heap.clear()  # only stale entries were left
+        return revoked
+
+    def _end(self, lease: Lease, end: LeaseEnd) -> None:
+        del self._leases[lease.lease_id]
+        owned = self._by_owner[lease.owner]
+        owned.discard(lease.lease_id)
+        if not owned:
+            del self._by_owner[lease.owner]
+        left = self._by_key[lease.key] - 1
+        if left:
+            self._by_key[lease.key] = left
+        else:
+            del self._by_key[lease.key]
+        self.ended[end] += 1
+        self.on_end(lease, end)
