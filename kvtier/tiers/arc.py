@@ -7,14 +7,19 @@ most keys ever resident). A miss that hits B1 says T1 was too small: its
 target size ``p`` grows; a hit in B2 shrinks it. The victim comes from T1
 while T1 is larger than ``p``, else from T2.
 
-:class:`HistoryARCPolicy` (``harc``, the default) adds one thing: a key
-admitted that the :class:`~kvtier.tiers.seen.SeenFilter` has seen within
-the last ``HISTORY`` x ``c`` admissions and touches goes straight to T2.
-On KV-cache traffic reuse comes after gaps far longer than ARC's ghost
-lists reach (the median gap of the Mooncake trace is ~7,000 blocks): the
-filter remembers, in ~12 bits a key, that a block is worth keeping when it
-comes back, while ARC's adaptation still protects recency-heavy traffic
-(docs/eviction.md has the measurements).
+:class:`HistoryARCPolicy` (``harc``, the default) adds a long memory. A
+key admitted that the :class:`~kvtier.tiers.seen.SeenFilter` has seen
+within the last ``HISTORY`` x ``c`` admissions may go straight to T2. On
+KV-cache traffic reuse comes after gaps far longer than ARC's ghost lists
+reach (the median gap of the Mooncake trace is ~7,000 blocks): the filter
+remembers, in ~10 bits a key, that a returning block was worth keeping.
+
+Whether that helps depends on the traffic (when most returning blocks are
+not worth it, it costs), so the policy decides online by set dueling: two
+shadow caches, ``c / SAMPLE`` keys each, replay the accesses of one key in
+``SAMPLE`` (chosen by hash), one with the history and one without; the
+history is used while its shadow hits at least as often. Old wins count
+for less (halved every 4 shadow capacities of sampled accesses).
 
 Invariants: T1 and T2 hold exactly the resident keys, disjointly; B1 and B2
 hold only non-resident keys, at most ``c`` each after every admission;
@@ -26,7 +31,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
+import xxhash
+
 from kvtier.tiers.seen import SeenFilter
+
+_hash = xxhash.xxh3_64_intdigest  # deterministic: replays give the same figures
 
 #: the history reaches back this many times the cache's key count
 HISTORY = 10
@@ -104,13 +113,72 @@ class ARCPolicy:
         yield from second
 
 
+class _Shadow:
+    """A small cache over a sample of the keys, to score a policy online."""
+
+    def __init__(self, policy: ARCPolicy) -> None:
+        self.policy = policy
+        self.hits = 0.0
+
+    def access(self, key: bytes, capacity: int) -> None:
+        policy = self.policy
+        if key in policy._t1 or key in policy._t2:
+            self.hits += 1
+            policy.touch(key)
+            return
+        while len(policy) >= capacity:
+            policy.evict(next(policy.candidates()))
+        policy.admit(key)
+
+
 class HistoryARCPolicy(ARCPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.seen = SeenFilter(lambda: HISTORY * self.c)
+        # Two shadow caches over 1 key in SAMPLE replay the traffic with and
+        # without the history; the one that hits more decides (set dueling).
+        self._with = _Shadow(_HistoryShadow())
+        self._without = _Shadow(ARCPolicy())
+        self._sampled = 0
 
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]} {self.seen!r}>"
+        return f"{super().__repr__()[:-1]} history={self.uses_history} {self.seen!r}>"
+
+    @property
+    def uses_history(self) -> bool:
+        return self._with.hits >= self._without.hits
+
+    def _frequent(self, key: bytes) -> bool:
+        return self._seen_before and self.uses_history
+
+    def _sample(self, key: bytes) -> None:
+        if _hash(key) % SAMPLE:
+            return
+        capacity = max(4, self.c // SAMPLE)
+        self._with.access(key, capacity)
+        self._without.access(key, capacity)
+        self._sampled += 1
+        if self._sampled >= capacity * 4:  # old wins count less
+            self._sampled = 0
+            self._with.hits /= 2
+            self._without.hits /= 2
+
+    def admit(self, key: bytes) -> None:
+        self._seen_before = self.seen.add(key)
+        self._sample(key)
+        super().admit(key)
+
+    def touch(self, key: bytes) -> None:
+        self._sample(key)
+        super().touch(key)
+
+    _seen_before = False
+
+
+class _HistoryShadow(ARCPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = SeenFilter(lambda: HISTORY * self.c)
 
     def _frequent(self, key: bytes) -> bool:
         return self._seen_before
@@ -119,7 +187,8 @@ class HistoryARCPolicy(ARCPolicy):
         self._seen_before = self.seen.add(key)
         super().admit(key)
 
-    # A touch needs no history: the key is resident, and was recorded when
-    # it was admitted.
-
     _seen_before = False
+
+
+#: one key in SAMPLE feeds the shadow caches
+SAMPLE = 8

@@ -10,9 +10,8 @@ positives when full. Keys go into the current generation; once it holds
 ``period`` keys it becomes the previous one and a new, empty current one
 starts, sized for the period then asked for. A key is *seen* if either
 generation has it, so the history reaches back between one and two
-periods. Probes come from the key's built-in hash (cached by ``bytes``),
-split by double hashing: the filter lives in memory only, so a per-process
-hash seed does no harm.
+periods. Probes come from the key's XXH3-64 hash, split by double hashing
+(deterministic: a replay gives the same figures every run).
 
 Invariants: a key added is seen until two rotations have passed; a key
 never added is seen only at the filter's false-positive rate.
@@ -22,7 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import xxhash
+
 _BITS_PER_KEY = 10
+_hash = xxhash.xxh3_64_intdigest
 #: probe arithmetic in 30-bit halves stays in CPython's one-digit ints (fast)
 _LOW = (1 << 30) - 1
 
@@ -64,7 +66,7 @@ class SeenFilter:
 
     def add(self, key: bytes) -> bool:
         """Record ``key``; returns whether it had been seen before."""
-        h = hash(key)
+        h = _hash(key)
         a, b = h & _LOW, ((h >> 30) & _LOW) | 1
         cur = self._current
         m, bits = cur.mask, cur.bits
@@ -92,7 +94,7 @@ class SeenFilter:
         return seen
 
     def __contains__(self, key: bytes) -> bool:
-        h = hash(key)
+        h = _hash(key)
         a, b = h & _LOW, ((h >> 30) & _LOW) | 1
         prev = self._previous
         return self._current.has(a, b) or (prev is not None and prev.has(a, b))
