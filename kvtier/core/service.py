@@ -29,7 +29,7 @@ from kvtier.core.deferral import DeferralTracker
 from kvtier.core.locate import Locator, Where
 from kvtier.core.lookup import LookupEvaluator, SeenProbes
 from kvtier.core.pending import End, Reservation
-from kvtier.core.probes import Verdict
+from kvtier.core.promotions import Promoter
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
 from kvtier.core.remotes import RemoteProbes, RemoteSlot
 from kvtier.core.scheduler import Scheduler
@@ -51,10 +51,6 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.ram import RamTier
 
 log = logging.getLogger("kvtier.service")
-
-#: a GET gives up on a key after this many rounds of waiting on writes that
-#: ended without the block (each round is bounded by a write deadline)
-_MAX_READ_ROUNDS = 8
 
 
 class Service:
@@ -102,6 +98,9 @@ class Service:
             on_present=self._probed_present,
         )
         self.remotes = self.probing.slots
+        self.promoter = Promoter(
+            ram, disk, self.pending, self.remotes, self.cfg, self._now, lambda: self._closing
+        )
         self.locator = Locator(
             ram.resident(), disk, self.pending.table, [s.probes for s in self.remotes]
         )
@@ -247,25 +246,10 @@ class Service:
         self.probing.invalidate(key)
 
     def _promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
-        async def load() -> Buffer | None:
-            values = await slot.tier.batch_load([key])
-            if len(values) != 1:
-                raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
-            return values[0]
-
-        def failed() -> None:
-            # The tier claimed the block and could not deliver: answer MISS for
-            # it until the verdict ages out (no HIT / failed-load livelock).
-            slot.probes.force(key, Verdict.ABSENT, self._now())
-
-        return self.pending.promote(slot.name, key, self.cfg.pending_deadline, now, load, failed)
+        return self.promoter.remote(slot, key, now)
 
     def _promote_from_disk(self, key: bytes, now: float) -> Reservation:
-        assert self.disk is not None
-        disk = self.disk
-        return self.pending.promote(
-            disk.name, key, self.cfg.pending_deadline, now, lambda: disk.read(key), lambda: None
-        )
+        return self.promoter.from_disk(key, now)
 
     # ------------------------------------------------------------ RESERVE / ABORT / RELEASE
 
@@ -359,51 +343,14 @@ class Service:
             return values
         try:
             locator = self.local_locator if local else self.locator
-            found = await asyncio.gather(*(self._read_through(keys[i], locator) for i in missing))
+            read = self.promoter.read_through
+            found = await asyncio.gather(*(read(keys[i], locator) for i in missing))
         except BaseException:
             self.unpin(keys, values)
             raise
         for i, value in zip(missing, found, strict=True):
             values[i] = value
         return values
-
-    async def _read_through(self, key: bytes, locator: Locator) -> Buffer | None:
-        for _ in range(_MAX_READ_ROUNDS):
-            value = self.ram.pin(key)
-            if value is not None:
-                return value
-            if self._closing_now():
-                return None
-            now = self._now()
-            loc = locator.locate(key, now)
-            where = loc.where
-            res: Reservation | None
-            if where is Where.PENDING or (where is Where.DISK and loc.reservation is not None):
-                res = loc.reservation
-            elif where is Where.DISK:
-                res = self._promote_from_disk(key, now)
-            elif where is Where.REMOTE:
-                res = self._promote(self.remotes[loc.remote], key, now)
-            elif where is Where.PROBING:
-                # No answer yet: load from the first tier that may hold it (a
-                # load of an absent block answers absent, which is kept).
-                first = min((*loc.unprobed, *(i for i, _ in loc.inflight)))
-                res = self._promote(self.remotes[first], key, now)
-            elif where is Where.SCANNING:
-                assert loc.settles is not None
-                await self._wait_or_closing(loc.settles)
-                continue
-            else:
-                return None
-            assert res is not None
-            await self._wait_or_closing(res.done)
-        return None
-
-    async def _wait_or_closing(self, fut: asyncio.Future[Any]) -> None:
-        waits: list[asyncio.Future[Any]] = [fut]
-        if self._closing is not None:
-            waits.append(self._closing)
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         unpin = self.ram.unpin
