@@ -16,22 +16,21 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
 from kvtier._version import __version__
+from kvtier.client.protocol import ClientProtocol, expire
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
 from kvtier.errors import (
     ConnectionClosedError,
     DaemonUnavailableError,
-    ProtocolError,
     RequestTimeoutError,
     ValueTooLargeError,
     error_from_code,
 )
 from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Reserve, ReserveStatus
 from kvtier.wire import FLAG_DURABLE, Frame, HelloReply, Op
-from kvtier.wire.flow_control import FlowControl
 
 if TYPE_CHECKING:
     import ssl
@@ -43,99 +42,12 @@ Timeout = float | None | EllipsisType
 _SOLO_VALUE_BYTES = 64 * 1024
 
 
-class _ClientProtocol(asyncio.BufferedProtocol):
-    def __init__(self, max_frame: int) -> None:
-        self.reader = wire.FrameReader(max_frame, sink=self._sink)
-        self.transport: asyncio.Transport | None = None
-        self.pending: dict[int, asyncio.Future[Frame]] = {}
-        #: caller buffers that GET replies land in, by request id (get_into)
-        self.sinks: dict[int, memoryview] = {}
-        self.closed_exc: Exception | None = None
-        self.flow: FlowControl | None = None
-        self.closed_event = asyncio.Event()
-
-    def __repr__(self) -> str:
-        return f"<_ClientProtocol pending={len(self.pending)} {self.flow!r} {self.reader!r}>"
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement the Transport API without subclassing it
-        self.transport = cast(asyncio.Transport, transport)
-        self.flow = FlowControl(self.transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
-
-    def _sink(self, header: wire.Header) -> memoryview | None:
-        if header.status:
-            return None  # an error reply carries a message, not a block
-        return self.sinks.pop(header.request_id, None)
-
-    def forget(self, rid: int) -> None:
-        """Request ``rid`` is over: its reply may no longer touch the caller's buffer."""
-        self.pending.pop(rid, None)
-        if self.sinks.pop(rid, None) is None:
-            self.reader.detach(rid)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        try:
-            frames = self.reader.buffer_updated(nbytes)
-        except wire.CodecError as exc:
-            self._fail(ProtocolError(f"bad reply stream from the server: {exc}"))
-            if self.transport is not None:
-                self.transport.abort()
-            return
-        for frame in frames:
-            if frame.header.request_id == 0 and frame.header.status:
-                # Unasked: the server refuses this connection and closes it.
-                self._fail(error_from_code(frame.header.status, wire.decode_error(frame.meta)))
-                continue
-            fut = self.pending.pop(frame.header.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(frame)
-            # else: the caller timed out or was cancelled; the late reply is dropped
-
-    def eof_received(self) -> bool | None:
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self._fail(ConnectionClosedError(f"connection to the daemon closed: {exc or 'EOF'}"))
-        if self.flow is not None:
-            self.flow.closed()
-        self.closed_event.set()
-
-    def _fail(self, exc: Exception) -> None:
-        if self.closed_exc is None:
-            self.closed_exc = exc
-        pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
-
-    def pause_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.resume_writing()
-
-    async def drain(self) -> None:
-        if self.flow is not None:
-            await self.flow.drain()
-
-
-def _expire(fut: asyncio.Future[Frame], seconds: float) -> None:
-    if not fut.done():
-        fut.set_exception(RequestTimeoutError(f"no reply within {seconds}s"))
-
-
 class Client:
     """Async client. Create with :meth:`connect`; use as an async context manager."""
 
     def __init__(
         self,
-        protocol: _ClientProtocol,
+        protocol: ClientProtocol,
         path: Path | str,
         timeout: float | None,
         name: str,
@@ -170,7 +82,7 @@ class Client:
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await loop.create_unix_connection(
-                lambda: _ClientProtocol(wire.MAX_FRAME_BYTES_V1), str(path)
+                lambda: ClientProtocol(wire.MAX_FRAME_BYTES_V1), str(path)
             )
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DaemonUnavailableError(f"no kvtier daemon is listening on {path}: {exc}") from exc
@@ -202,7 +114,7 @@ class Client:
         try:
             async with asyncio.timeout(connect_timeout):
                 _, protocol = await loop.create_connection(
-                    lambda: _ClientProtocol(wire.MAX_FRAME_BYTES_V1),
+                    lambda: ClientProtocol(wire.MAX_FRAME_BYTES_V1),
                     host,
                     port,
                     ssl=tls,
@@ -315,7 +227,7 @@ class Client:
         seconds = self._timeout(timeout)
         handle = None
         if seconds is not None:
-            handle = asyncio.get_running_loop().call_later(seconds, _expire, fut, seconds)
+            handle = asyncio.get_running_loop().call_later(seconds, expire, fut, seconds)
         try:
             frame = await fut
         finally:
