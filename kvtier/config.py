@@ -39,6 +39,7 @@ from kvtier.defaults import DEFAULT_METRICS_PORT, default_data_dir, default_sock
 from kvtier.errors import ConfigError
 from kvtier.sizes import (
     GiB,
+    KiB,
     MiB,
     auto_disk_capacity,
     auto_ram_capacity,
@@ -119,6 +120,22 @@ class RamConfig(_Section):
         if self.capacity == "auto":
             return auto_ram_capacity(available_memory())
         return int(self.capacity)
+
+
+class SharedConfig(_Section):
+    """Shared memory for clients on the same host (docs/shared-memory.md)."""
+
+    #: keep RAM's blocks in a memory file that clients map and read in place
+    #: (Linux; elsewhere, and when off, every block crosses the socket)
+    enabled: bool = True
+    #: blocks smaller than this stay ordinary objects and go over the socket
+    min_block: ByteCount = Field(default=64 * KiB, ge=4096)
+    #: a lease on a block read in place is revoked (and counted) after this long
+    lease_timeout: float = Field(default=30.0, gt=0)
+    #: the writable region clients stage blocks in before committing them
+    staging_bytes: ByteCount = Field(default=256 * MiB, ge=1 * MiB)
+    #: staging room a client has not committed to for this long is reclaimed
+    staging_timeout: float = Field(default=60.0, gt=0)
 
 
 class DiskConfig(_Section):
@@ -376,6 +393,7 @@ class Config(BaseSettings):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     ram: RamConfig = Field(default_factory=RamConfig)
+    shared: SharedConfig = Field(default_factory=SharedConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     remote_tiers: list[RemoteTierConfig] = Field(default_factory=list)

@@ -37,11 +37,14 @@ from kvtier.core.local import LocalView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.scheduler import Scheduler
 from kvtier.core.service import Service
+from kvtier.core.shared import SharedBlocks
 from kvtier.metrics import Metrics, start_metrics_server
 from kvtier.model import Limits, Spawn
 from kvtier.server.gate import PeerGate
+from kvtier.server.handoff import Handoff
 from kvtier.server.server import Server
 from kvtier.server.sockets import PeerPolicy, bind_unix_socket
+from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import Tier
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.disk import DiskTier
@@ -51,6 +54,7 @@ from kvtier.tiers.peers import RendezvousPicker
 from kvtier.tiers.policy import make_policy
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.s3 import S3Tier
+from kvtier.wire import SharedOffer
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -133,7 +137,20 @@ class Daemon:
         #: own address among the peers recognises itself by it
         self.node_id = secrets.token_hex(8)
         self.metrics = Metrics()
-        self.ram = RamTier(config.ram.capacity_bytes(), make_policy(config.ram.policy))
+        ram_bytes = config.ram.capacity_bytes()
+        shc = config.shared
+        #: RAM's blocks in a memory file same-host clients map (None: off or not Linux)
+        self.arena: Arena | None = None
+        self.staging: Arena | None = None
+        if shc.enabled and hasattr(os, "memfd_create"):
+            # A quarter more than the budget: blocks deleted or evicted while
+            # still read keep their slots until let go (pages cost nothing
+            # until written).
+            self.arena = Arena(ram_bytes + ram_bytes // 4, name="kvtier-ram")
+            self.staging = Arena(shc.staging_bytes, name="kvtier-staging")
+        self.ram = RamTier(
+            ram_bytes, make_policy(config.ram.policy), arena=self.arena, min_slot=shc.min_block
+        )
         self.disk: DiskTier | None = None
         if config.disk.enabled:
             self.disk = DiskTier(
@@ -184,6 +201,20 @@ class Daemon:
             remotes=specs,
             scheduler=self.scheduler,
         )
+        self.shared: SharedBlocks | None = None
+        self.handoff: Handoff | None = None
+        if self.staging is not None:
+            service = self.service
+            self.shared = SharedBlocks(
+                self.ram,
+                self.staging,
+                put=lambda keys, values: service.put(keys, values, copy=True),
+                unpin=service.unpin,
+                now=self.scheduler.now,
+                lease_timeout=shc.lease_timeout,
+                staging_timeout=shc.staging_timeout,
+            )
+            self.metrics.watch_shared(self.shared.stats)
         self.metrics.watch_core(self.service.counters, self.service.map_sizes)
         self.metrics.watch_tiers(lambda: [t.stats() for t in self.service.tiers()])
         #: every background task, all children of run()'s task group
@@ -225,11 +256,14 @@ class Daemon:
                 opened.append(tier)
             sock = bind_unix_socket(self.socket_path, self.config.server.socket_mode)
             self._socket_ino = os.stat(self.socket_path).st_ino
+            self._bind_handoff()
             runner = await self._start_metrics()
         except BaseException:
             if sock is not None:
                 sock.close()
                 self._remove_socket()
+            if self.handoff is not None:
+                self.handoff.close()
             for tier in opened:
                 await tier.close()
             raise
@@ -250,6 +284,15 @@ class Daemon:
                 )
             if self.disk is not None:
                 spawn(self.disk.rebuild_index())  # serves meanwhile: unscanned keys read RETRY
+            shared, handoff = self.shared, self.handoff
+            handoff_task = None
+            if shared is not None and handoff is not None:
+                # Serves until shutdown; not background work that settle() waits for.
+                handoff_task = tasks.create_task(handoff.serve(), name="kvtier-handoff")
+                self.scheduler.every(
+                    min(1.0, self.config.shared.lease_timeout / 4),
+                    lambda: shared.expire(self.scheduler.now()),
+                )
             sc = self.config.server
             self.server = server = Server(
                 self.service,
@@ -258,6 +301,8 @@ class Daemon:
                 max_inflight=self.config.server.max_inflight_per_connection,
                 peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
                 node_id=self.node_id,
+                shared=self.shared,
+                shared_offer=self._shared_offer(),
             )
             self.metrics.watch_server(server.counters, lambda: len(server.connections))
             try:
@@ -266,9 +311,32 @@ class Daemon:
                 self._announce()
                 await self._stop.wait()
             finally:
+                if handoff_task is not None:
+                    handoff_task.cancel()
                 await self._shutdown(server, runner)
                 self.scheduler.stop()
                 await scheduler_task
+
+    def _bind_handoff(self) -> None:
+        """The socket that hands the arena to same-host clients, beside the main one."""
+        if self.arena is None or self.staging is None:
+            return
+        sc = self.config.server
+        self.handoff = Handoff(
+            Path(f"{self.socket_path}.shm"),
+            arena_fd=self.arena.readonly_fd(),
+            arena_bytes=self.arena.size,
+            staging_fd=os.dup(self.staging.fd),
+            staging_bytes=self.staging.size,
+            peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
+            mode=sc.socket_mode,
+        )
+        self.handoff.bind()
+
+    def _shared_offer(self) -> SharedOffer | None:
+        if self.handoff is None or self.arena is None or self.staging is None:
+            return None
+        return SharedOffer(str(self.handoff.path), self.arena.size, self.staging.size)
 
     async def _start_peer_listener(self, spawn: Spawn) -> None:
         pc = self.config.peer
@@ -333,6 +401,8 @@ class Daemon:
         else:
             await server.shutdown(grace)
         self._remove_socket()
+        if self.handoff is not None:
+            self.handoff.close()
         # Probes and promotions still running are cut short; each resolves
         # its waiters in its own finally.
         for task in list(self._tasks):
@@ -340,7 +410,12 @@ class Daemon:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
         self.service.close()
+        if self.shared is not None:
+            self.shared.close()
         await self.ram.close()
+        for arena in (self.arena, self.staging):
+            if arena is not None:
+                arena.close()
         if self.disk is not None:
             await self.disk.close()
         for tier in self.remote_tiers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -94,6 +95,7 @@ class _Sources:
     peers: PeerTier | None = None
     peer_listener: ServerCounters | None = None
     peer_connections_open: Callable[[], int] = lambda: 0
+    shared: Callable[[], dict[str, Any]] | None = None
 
 
 class _Collector(Collector):
@@ -116,6 +118,55 @@ class _Collector(Collector):
             yield from self._peers(s.peers)
         if s.peer_listener is not None:
             yield from self._peer_listener(s.peer_listener)
+        if s.shared is not None:
+            yield from self._shared(s.shared())
+
+    def _shared(self, st: dict[str, Any]) -> Iterator[Metric]:
+        leases = GaugeMetricFamily(
+            "kvtier_shared_leases", "Leases held now on blocks read in place"
+        )
+        leases.add_metric([], st["leases"])
+        yield leases
+        ended = CounterMetricFamily(
+            "kvtier_shared_leases_ended",
+            "Leases ended, by how: released, closed (the client went away), revoked (deadline)",
+            labels=["end"],
+        )
+        for end, n in st["leases_ended"].items():
+            ended.add_metric([end], n)
+        yield ended
+        for name, key, doc in (
+            ("kvtier_shared_arena_bytes", "arena_bytes", "Size of the shared RAM arena"),
+            (
+                "kvtier_shared_arena_allocated_bytes",
+                "arena_allocated_bytes",
+                "Arena bytes holding blocks (slot sizes)",
+            ),
+            ("kvtier_shared_staging_bytes", "staging_bytes", "Size of the staging region"),
+            (
+                "kvtier_shared_staging_allocated_bytes",
+                "staging_allocated_bytes",
+                "Staging bytes handed to clients now",
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], st[key])
+            yield gauge
+        for name, key, doc in (
+            (
+                "kvtier_shared_staging_expired",
+                "staging_expired",
+                "Staging rooms reclaimed after the staging timeout",
+            ),
+            (
+                "kvtier_shared_commits_refused",
+                "commits_refused",
+                "COMMITs refused: wrong checksum or length, or not the client's room",
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], st[key])
+            yield counter
 
     def _server(self, c: ServerCounters) -> Iterator[Metric]:
         yield _counter("kvtier_requests", "Requests handled, by operation and outcome", c.requests)
@@ -405,6 +456,9 @@ class Metrics:
 
     def watch_tiers(self, stats: Callable[[], Iterable[TierStats]]) -> None:
         self._sources.tiers = stats
+
+    def watch_shared(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._sources.shared = stats
 
     def watch_disk(self, stats: Callable[[], TierStats]) -> None:
         self._sources.disk = stats

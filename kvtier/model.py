@@ -106,6 +106,15 @@ class Limits:
 
 
 @dataclass(slots=True, frozen=True)
+class Leased:
+    """A block to read in place: its bytes in the shared arena, and the lease to give back."""
+
+    lease_id: int
+    offset: int
+    length: int
+
+
+@dataclass(slots=True, frozen=True)
 class ConnId:
     """The server's identity of one client connection (a reservation's owner)."""
 
@@ -137,9 +146,17 @@ class CacheService(Protocol):
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None: ...
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[PutStatus]: ...
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], *, copy: bool = False
+    ) -> list[PutStatus]: ...
 
-    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None: ...
+    def stage(self, length: int) -> memoryview | None: ...
+
+    def drop_staged(self, value: Buffer) -> None: ...
+
+    async def make_durable(
+        self, keys: Sequence[bytes], values: Sequence[Buffer | None]
+    ) -> None: ...
 
     def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None: ...
 
@@ -150,6 +167,28 @@ class CacheService(Protocol):
     def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]: ...
 
     def release(self, tag: bytes) -> bool: ...
+
+    def connection_closed(self, owner: ConnId) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class SharedService(Protocol):
+    """Leases and staging room for same-host clients; the core's ``SharedBlocks``."""
+
+    def grant(
+        self, owner: ConnId, keys: Sequence[bytes], values: Sequence[Buffer | None]
+    ) -> list[Leased | Buffer | None]: ...
+
+    def unlease(self, owner: ConnId, ids: Sequence[int]) -> int: ...
+
+    def stage(self, owner: ConnId, length: int) -> int: ...
+
+    def commit(
+        self, owner: ConnId, key: bytes, offset: int, length: int, checksum: int, keep: bool
+    ) -> PutStatus: ...
+
+    def unstage(self, owner: ConnId, offset: int) -> bool: ...
 
     def connection_closed(self, owner: ConnId) -> None: ...
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-MiB = 1024 * 1024
+KiB = 1024
+MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 RAM_AUTO_FRACTION = 0.25

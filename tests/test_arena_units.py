@@ -1,7 +1,8 @@
-"""The shared arena's pure parts alone: the buddy allocator and the lease table."""
+"""The shared arena's pure parts alone: the extent allocator, the lease table."""
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -10,47 +11,47 @@ from hypothesis import strategies as st
 
 from kvtier.core.leases import LeaseEnd, LeaseTable
 from kvtier.model import ConnId
-from kvtier.tiers.buddy import BuddyAllocator, OutOfArena
+from kvtier.tiers.extents import ExtentAllocator, OutOfArena
 
 PAGE = 4096
 
 
-def test_blocks_round_up_to_a_power_of_two_pages() -> None:
-    a = BuddyAllocator(64 * PAGE)
+def test_blocks_round_up_to_whole_pages() -> None:
+    a = ExtentAllocator(64 * PAGE)
     assert a.block_size(1) == PAGE
     assert a.block_size(PAGE + 1) == 2 * PAGE
-    assert a.block_size(5 * PAGE) == 8 * PAGE
+    assert a.block_size(300_000) == 74 * PAGE  # 1% over, not 512 KiB
     x = a.alloc(3 * PAGE)
-    assert a.allocated_bytes == 4 * PAGE and a.free_bytes == 60 * PAGE
+    assert a.allocated_bytes == 3 * PAGE and a.free_bytes == 61 * PAGE
     a.free(x)
     assert a.is_pristine()
 
 
 def test_a_full_or_fragmented_arena_says_so() -> None:
-    a = BuddyAllocator(4 * PAGE)
+    a = ExtentAllocator(4 * PAGE)
     blocks = [a.alloc(PAGE) for _ in range(4)]
     with pytest.raises(OutOfArena, match="0 bytes free"):
         a.alloc(1)
     a.free(blocks[0])
-    a.free(blocks[2])  # two free pages, not buddies: no 2-page block
+    a.free(blocks[2])  # two free pages that do not touch: no 2-page extent
     with pytest.raises(OutOfArena, match="largest 4096"):
         a.alloc(2 * PAGE)
-    a.free(blocks[1])  # 0 and 1 merge
-    assert a.alloc(2 * PAGE) == 0
-    with pytest.raises(OutOfArena, match="more than the arena"):
+    a.free(blocks[1])  # 0, 1 and 2 merge into one extent
+    assert a.alloc(3 * PAGE) == 0
+    with pytest.raises(OutOfArena, match="no free extent"):
         a.alloc(5 * PAGE)
     with pytest.raises(ValueError, match="not an allocated block"):
         a.free(12345)
 
 
-def test_a_range_that_is_not_a_power_of_two_is_used_whole() -> None:
-    a = BuddyAllocator(7 * PAGE + 100)  # 7 pages: blocks of 4, 2 and 1 pages
-    assert a.size == 7 * PAGE
-    got = sorted(a.alloc(PAGE) for _ in range(7))
-    assert got == [i * PAGE for i in range(7)]
-    for offset in got:
-        a.free(offset)
-    assert a.is_pristine()
+def test_blocks_of_one_size_reuse_freed_extents_exactly() -> None:
+    a = ExtentAllocator(10 * 74 * PAGE)
+    blocks = [a.alloc(300_000) for _ in range(10)]
+    assert a.free_bytes == 0
+    a.free(blocks[3])
+    a.free(blocks[7])
+    assert sorted(a.alloc(300_000) for _ in range(2)) == [blocks[3], blocks[7]]
+    assert "free_extents=0" in repr(a)
 
 
 @settings(max_examples=200, deadline=None)
@@ -61,16 +62,17 @@ def test_a_range_that_is_not_a_power_of_two_is_used_whole() -> None:
 def test_random_sequences_never_overlap_and_merge_back(
     pages: int, ops: list[tuple[bool, int]]
 ) -> None:
-    a = BuddyAllocator(pages * PAGE)
+    a = ExtentAllocator(pages * PAGE)
     live: dict[int, int] = {}
     for do_alloc, size in ops:
         if do_alloc or not live:
             try:
                 offset = a.alloc(size)
             except OutOfArena:
+                assert a.largest_free < a.block_size(size)
                 continue
             block = a.block_size(size)
-            assert offset % block == 0 and offset + block <= a.size
+            assert offset % PAGE == 0 and offset + block <= a.size
             for other, other_size in live.items():
                 assert offset + block <= other or other + other_size <= offset
             live[offset] = block
@@ -118,8 +120,12 @@ def test_an_arena_handed_over_a_unix_socket_is_read_in_place_read_only() -> None
         slot = arena.allocate(5000)
         view = arena.view(slot)
         view[:] = bytes(range(256)) * 19 + bytes(136)
-        socket.send_fds(daemon_side, [b"arena"], [arena.fd])
+        handed = arena.readonly_fd()
+        socket.send_fds(daemon_side, [b"arena"], [handed])
+        os.close(handed)
         _, fds, _, _ = socket.recv_fds(client_side, 16, 1)
+        with pytest.raises(PermissionError):  # the descriptor cannot be mapped writable
+            mmap.mmap(fds[0], arena.size)
         mapped = map_readonly(fds[0], arena.size)
         seen = memoryview(mapped)[slot.offset : slot.offset + slot.length]
         assert bytes(seen) == bytes(view)

@@ -275,7 +275,9 @@ def test_uniform_and_mixed_key_lists_decode_in_chunks(n: int) -> None:
 
 def test_a_sink_receives_data_in_place_and_detach_spares_it() -> None:
     dest = bytearray(200_000)
-    reader = FrameReader(1 << 20, sink=lambda h: memoryview(dest) if h.request_id == 7 else None)
+    reader = FrameReader(
+        1 << 20, sink=lambda h, _m: memoryview(dest) if h.request_id == 7 else None
+    )
     meta, parts = wire.encode_put([b"k"], [b"\x01" * 150_000])  # any meta + 150 kB of data
     raw = frame_bytes(Op.GET, 7, meta, bytes(parts[0]))
     frames: list[wire.Frame] = []

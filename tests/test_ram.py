@@ -6,6 +6,8 @@ import random
 import pytest
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
+from kvtier.model import Buffer
+from kvtier.tiers.arena import Arena
 from kvtier.tiers.policy import LRUPolicy
 from kvtier.tiers.ram import RamTier
 
@@ -45,7 +47,8 @@ def test_pinned_blocks_are_never_evicted() -> None:
     ram = RamTier(30)
     for key in (b"a", b"b", b"c"):
         ram.put(key, b"x" * 10)
-    assert ram.pin(b"a") == b"x" * 10
+    a = ram.pin(b"a")
+    assert a == b"x" * 10
     _, evicted = ram.put(b"d", b"y" * 10)
     assert [k for k, _ in evicted] == [b"b"]  # a was older but pinned
     ram.pin(b"c")
@@ -53,7 +56,8 @@ def test_pinned_blocks_are_never_evicted() -> None:
     with pytest.raises(NoCapacityError):
         ram.put(b"e", b"z" * 10)
     assert ram.used_bytes == 30
-    ram.unpin(b"a")
+    assert a is not None
+    ram.unpin(b"a", a)
     _, evicted = ram.put(b"e", b"z" * 10)
     assert [k for k, _ in evicted] == [b"a"]
 
@@ -65,30 +69,46 @@ def test_value_larger_than_tier_is_a_clear_error() -> None:
     assert ram.used_bytes == 0
 
 
-def test_capacity_is_never_exceeded_under_random_load() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["heap", "arena"])
+def test_capacity_is_never_exceeded_under_random_load(shared: bool) -> None:
+    """Random puts, pins, unpins, deletes: the budget holds, and a value a
+    reader pinned keeps its bytes even once deleted or overwritten."""
     rng = random.Random(1234)
-    ram = RamTier(10_000)
-    pinned: set[bytes] = set()
-    for _ in range(5000):
+    page = 4096
+    arena = Arena(64 * page) if shared else None
+    ram = RamTier(64 * page, arena=arena, min_slot=page)
+    readers: list[tuple[bytes, Buffer, bytes]] = []  # key, value held, its bytes then
+    for step in range(5000):
         key = rng.randrange(200).to_bytes(2, "big")
         action = rng.random()
         if action < 0.6:
+            value = bytes([step % 251]) * rng.randrange(1, 5 * page)
             with contextlib.suppress(NoCapacityError):
-                ram.put(key, b"v" * rng.randrange(1, 2000))
-        elif action < 0.7 and ram.contains(key) and key not in pinned:
-            ram.pin(key)
-            pinned.add(key)
-        elif action < 0.8 and pinned:
-            k = pinned.pop()
-            ram.unpin(k)
+                ram.put(key, value)
+        elif action < 0.7 and ram.contains(key):
+            held = ram.pin(key)
+            assert held is not None
+            readers.append((key, held, bytes(held)))
+        elif action < 0.8 and readers:
+            k, held, _ = readers.pop(rng.randrange(len(readers)))
+            ram.unpin(k, held)
         elif action < 0.9:
-            if key not in pinned:
-                ram.remove(key)
+            ram.remove(key)
         else:
             ram.get(key)
-        assert ram.used_bytes <= ram.capacity
-        assert all(ram.contains(k) for k in pinned)
-    assert ram.used_bytes == sum(len(ram.get(k) or b"") for k in list(ram.resident()))
+        b = ram.budget
+        assert b.used + b.held <= ram.capacity
+        for _, held, seen in readers:
+            assert held == seen
+    for k, held, _ in readers:
+        ram.unpin(k, held)
+    for key in list(ram.resident()):
+        ram.remove(key)
+    assert ram.budget.used == 0 and ram.budget.held == 0
+    if ram.slots is not None:
+        assert ram.slots.is_pristine(), ram.slots
+        arena_stats = ram.stats().extra
+        assert arena_stats["arena_allocated_bytes"] == 0
 
 
 def test_repr_shows_state() -> None:

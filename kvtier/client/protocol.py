@@ -17,6 +17,7 @@ from typing import cast
 
 from kvtier import wire
 from kvtier.errors import ConnectionClosedError, ProtocolError, RequestTimeoutError, error_from_code
+from kvtier.model import Buffer
 from kvtier.wire import Frame
 from kvtier.wire.flow_control import FlowControl
 
@@ -43,7 +44,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
 
-    def _sink(self, header: wire.Header) -> memoryview | None:
+    def _sink(self, header: wire.Header, meta: Buffer | None) -> memoryview | None:
         if header.status:
             return None  # an error reply carries a message, not a block
         return self.sinks.pop(header.request_id, None)

@@ -60,6 +60,9 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def live(self) -> list[Lease]:
+        return list(self._leases.values())
+
     def held(self, key: bytes) -> int:
         return self._by_key.get(key, 0)
 

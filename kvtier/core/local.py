@@ -59,10 +59,18 @@ class LocalView:
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         self._service.unpin(keys, values)
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[PutStatus]:
-        return self._service.put(keys, values, source=self._source)
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], *, copy: bool = False
+    ) -> list[PutStatus]:
+        return self._service.put(keys, values, source=self._source, copy=copy)
 
-    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
+    def stage(self, length: int) -> memoryview | None:
+        return self._service.stage(length)
+
+    def drop_staged(self, value: Buffer) -> None:
+        self._service.drop_staged(value)
+
+    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         await self._service.make_durable(keys, values)
 
     def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None:

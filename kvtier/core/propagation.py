@@ -11,7 +11,8 @@ A block promoted from a remote tier is also kept on the local disk unless
 its policy is ``none``; a block promoted from a tier is never written back
 to that tier. Background writes are bounded per tier: past
 ``max_pending`` bytes in flight a write is dropped and counted, never
-queued without bound. Imports the tiers' interface and the core's counters.
+queued without bound. A value is held (its RAM bytes unchanged) while
+its write runs. Imports the tiers' interface and the core's counters.
 """
 
 from __future__ import annotations
@@ -87,8 +88,13 @@ class Propagation:
         counters: CoreCounters,
         task: Callable[[Coroutine[Any, Any, None]], object],
         closing: Callable[[], bool],
+        hold: Callable[[bytes, Buffer], None] = lambda key, value: None,
+        let_go: Callable[[bytes, Buffer], None] = lambda key, value: None,
     ) -> None:
         self.writers = list(writers)
+        #: a background write keeps its value unchanged (RAM may evict it meanwhile)
+        self._hold = hold
+        self._let_go = let_go
         self._local = {w.name for w in self.writers if w.local}
         self._counters = counters
         self._task = task
@@ -129,7 +135,13 @@ class Propagation:
             self._counters.writes_dropped.inc(w.name, Dropped.BACKLOG.value)
             return
         w.pending += size
-        self._task(self._run(w, key, value, why, size))
+        self._hold(key, value)
+        try:
+            self._task(self._run(w, key, value, why, size))
+        except BaseException:
+            w.pending -= size
+            self._let_go(key, value)
+            raise
 
     async def _run(self, w: Writer, key: bytes, value: Buffer, why: WriteReason, size: int) -> None:
         outcome = Written.FAILED
@@ -144,5 +156,6 @@ class Propagation:
             log.warning("%s: %s of key %s failed: %s", w.name, why.value, key.hex(), exc)
         finally:
             w.pending -= size
+            self._let_go(key, value)
             if why is WriteReason.DEMOTION:
                 self._counters.demotions.inc(w.name, outcome.value)

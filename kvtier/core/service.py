@@ -120,7 +120,11 @@ class Service:
             self.counters,
             self._task,
             self._closing_now,
+            hold=lambda _key, value: ram.hold(value),
+            let_go=lambda _key, value: ram.let_go(value),
         )
+        # A demoted block must outlive its arena slot, which is reused at once.
+        ram.keep_evicted = any(w.policy is WritePolicy.WRITE_BACK for w in self.propagation.writers)
 
     def _evaluator(self, locator: Locator) -> LookupEvaluator:
         return LookupEvaluator(
@@ -356,40 +360,69 @@ class Service:
         unpin = self.ram.unpin
         for key, value in zip(keys, values, strict=True):
             if value is not None:
-                unpin(key)
+                unpin(key, value)
 
     # ------------------------------------------------------------ PUT / DELETE
 
     def put(
-        self, keys: Sequence[bytes], values: Sequence[Buffer], *, source: str | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        *,
+        source: str | None = None,
+        copy: bool = False,
     ) -> list[PutStatus]:
         """Store into RAM; lower tiers follow their write policy.
 
         ``source``: the tier the blocks came from (a peer's push): they are
-        kept locally and never written back out to a remote tier."""
+        kept locally and never written back out to a remote tier. ``copy``:
+        the values' memory is about to be reused; RAM keeps copies."""
         check.check_keys(self.limits, keys)
         check.check_values(self.limits, values, self.ram.capacity)
-        return [self._store_local(k, v, source) for k, v in zip(keys, values, strict=True)]
+        return [self._store_local(k, v, source, copy) for k, v in zip(keys, values, strict=True)]
 
-    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
+    def stage(self, length: int) -> memoryview | None:
+        """Room in RAM's shared arena to receive a PUT body of ``length`` bytes
+        in place; None when it must be received into a buffer of its own.
+        Give it back with :meth:`drop_staged` unless a PUT stores it."""
+        view, evicted = self.ram.stage(length)
+        self._evicted(evicted)
+        return view
+
+    def drop_staged(self, value: Buffer) -> None:
+        self.ram.drop_staged(value)
+
+    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         """Return once the blocks are on disk (per the disk's fsync policy).
-
         Without a disk tier there is nothing to wait for.
-        """
-        disk = self.disk
+
+        What RAM holds under each key is written, pinned meanwhile; a value
+        in the shared arena that RAM no longer holds may be reused already,
+        so only a value of the caller's own memory stands in for it."""
+        disk, ram = self.disk, self.ram
         if disk is None:
             return
-        await asyncio.gather(
-            *(disk.write(k, v, durable=True) for k, v in zip(keys, values, strict=True))
-        )
+        held: list[tuple[bytes, Buffer]] = []
+        for key, value in zip(keys, values, strict=True):
+            kept = ram.peek(key)
+            if kept is None and value is not None and not ram.in_arena_memory(value):
+                kept = value
+            if kept is not None:
+                ram.hold(kept)
+                held.append((key, kept))
+        try:
+            await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
+        finally:
+            for _, v in held:
+                ram.let_go(v)
 
     def _store_local(
-        self, key: bytes, value: Buffer, promoted_from: str | None = None
+        self, key: bytes, value: Buffer, promoted_from: str | None = None, copy: bool = False
     ) -> PutStatus:
         """Store into RAM and complete a pending write of ``key``, if any."""
         res = self.pending.claim(key)
         try:
-            stored, evicted = self.ram.put(key, value)
+            stored, evicted = self.ram.put(key, value, copy=copy)
         except KvtierError:
             if res is not None:
                 self.pending.end(res, End.ABORTED)
@@ -397,12 +430,17 @@ class Service:
         if res is not None:
             self.pending.end(res, End.COMPLETED)
         self._invalidate(key)
+        self._evicted(evicted)
+        if stored:
+            kept = self.ram.peek(key)
+            assert kept is not None
+            self.propagation.stored(key, kept, promoted_from)
+        return PutStatus.STORED if stored else PutStatus.EXISTS
+
+    def _evicted(self, evicted: list[tuple[bytes, Buffer]]) -> None:
         for victim, _ in evicted:
             self._invalidate(victim)
         self.propagation.evicted(evicted)
-        if stored:
-            self.propagation.stored(key, value, promoted_from)
-        return PutStatus.STORED if stored else PutStatus.EXISTS
 
     def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Delete from the local tiers now; None when remote tiers must be asked."""

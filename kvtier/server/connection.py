@@ -9,7 +9,10 @@ them up) and a slow request never blocks a fast one on the same connection.
 Invariants: reading pauses while replies back up or ``max_inflight``
 requests are running, so one client cannot grow the daemon's memory; a
 connection closes once nothing is in flight after EOF or during shutdown;
-``done`` is set in ``connection_lost`` whatever happened.
+a reply's blocks stay pinned until the transport has written them out (it
+holds views of them, not copies); a PUT body received into RAM's arena is
+stored or given back, whatever happens to the frame; ``done`` is set in
+``connection_lost`` whatever happened.
 
 Imports the wire, the shared records and the errors; never the core.
 """
@@ -77,7 +80,17 @@ class Connection(asyncio.BufferedProtocol):
         self.server = server
         self.conn_id = ConnId(conn_id)
         #: before the peer gate admits it, a connection may send one small frame
-        self.reader = wire.FrameReader(server.max_frame if server.gate is None else _GATE_FRAME)
+        self.reader = wire.FrameReader(
+            server.max_frame if server.gate is None else _GATE_FRAME, sink=self._receive_into
+        )
+        #: PUT bodies received straight into RAM's arena, by id, until their
+        #: frames are handled (each is stored or given back)
+        self._staged: dict[int, memoryview] = {}
+        #: whether this connection agreed to shared memory at HELLO
+        self.shared = False
+        #: what runs once replies still in the transport's buffer are written out
+        #: (a reply's block stays pinned until the kernel has its bytes)
+        self._unflushed: list[Callable[[], None]] = []
         self.transport: asyncio.Transport | None = None
         self.flow: FlowControl | None = None
         #: requests running as tasks; bounded by the server's max_inflight
@@ -159,6 +172,8 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = True
         self.transport = None
         self._discard_partial_frame()
+        self._drop_staged()
+        self._flushed()
         if self.flow is not None:
             self.flow.closed()
         for task in list(self._waiting):
@@ -210,9 +225,23 @@ class Connection(asyncio.BufferedProtocol):
             return True  # keep the write side open until they are done
         return None
 
+    def _receive_into(self, header: wire.Header, meta: Buffer | None) -> memoryview | None:
+        if not self.admitted:
+            return None
+        view = self.server.ops.receive_into(header, meta)
+        if view is not None:
+            self._staged[id(view)] = view
+        return view
+
+    def _drop_staged(self) -> None:
+        staged, self._staged = self._staged, {}
+        for view in staged.values():
+            self.server.ops.service.drop_staged(view)
+
     def _discard_partial_frame(self) -> None:
         if self.reader.idle:
             return
+        self._drop_staged()
         dropped = self.reader.discard()
         self.server.counters.protocol_errors.inc(TRUNCATED)
         log.info(
@@ -229,7 +258,18 @@ class Connection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         if self.flow is not None:
             self.flow.resume_writing()
+        transport = self.transport
+        if self._unflushed and (transport is None or not transport.get_write_buffer_size()):
+            self._flushed()
         self._update_reading()
+
+    def _flushed(self) -> None:
+        """Everything written has reached the kernel: run what waited for it."""
+        callbacks, self._unflushed = self._unflushed, []
+        if callbacks and self.transport is not None:
+            self.transport.set_write_buffer_limits()  # back to the defaults
+        for callback in callbacks:
+            callback()
 
     def _update_reading(self) -> None:
         """Stop reading requests while replies back up or too many are in flight."""
@@ -265,6 +305,11 @@ class Connection(asyncio.BufferedProtocol):
         except Exception as exc:  # converted to an error reply at this edge
             self._reply_error(header.opcode, header.request_id, exc, op_name, started)
             return
+        finally:
+            if self._staged:
+                staged = self._staged.pop(id(frame.data), None)
+                if staged is frame.data:
+                    self.server.ops.service.drop_staged(staged)  # no-op when stored
         if isinstance(answer, Reply):
             self._reply(header.opcode, header.request_id, answer)
             self.server.observe(op_name, "ok", time.perf_counter() - started)
@@ -305,7 +350,20 @@ class Connection(asyncio.BufferedProtocol):
             )
         finally:
             if reply.on_sent is not None:
-                reply.on_sent()
+                self._after_flush(reply.on_sent)
+
+    def _after_flush(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the transport has written out what it holds: it
+        keeps views of a reply's blocks, which must not change until then."""
+        transport = self.transport
+        if transport is None or not transport.get_write_buffer_size():
+            callback()
+            return
+        if not self._unflushed:
+            # resume_writing now means "all written": the transport pauses at
+            # any backlog and resumes when it is empty
+            transport.set_write_buffer_limits(high=0, low=0)
+        self._unflushed.append(callback)
 
     def _reply_error(
         self, opcode: int, request_id: int, exc: Exception, op_name: str, started: float

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
-from kvtier.errors import UnsupportedVersionError
-from kvtier.model import Buffer, CacheService, Lookup, PutStatus
+from kvtier.errors import ForbiddenError, UnsupportedVersionError, ValueTooLargeError
+from kvtier.model import Buffer, CacheService, Leased, Lookup, PutStatus, SharedService
 from kvtier.server.connection import Later, Reply
 from kvtier.wire import Frame, Op
 
@@ -34,8 +34,13 @@ class Ops:
         server_name: str,
         server_stats: Callable[[], dict[str, Any]],
         node_id: str = "",
+        shared: SharedService | None = None,
+        shared_offer: wire.SharedOffer | None = None,
     ) -> None:
         self.service = service
+        #: leases and staging for clients that opt in at HELLO; None: not offered
+        self.shared = shared
+        self.shared_offer = shared_offer if shared is not None else None
         #: keys one request may carry, checked before a key list is decoded
         self.max_batch = service.limits.max_batch
         self.max_frame = max_frame
@@ -53,6 +58,11 @@ class Ops:
             Op.RESERVE: self.reserve,
             Op.ABORT: self.abort,
             Op.RELEASE: self.release,
+            Op.GET_SHARED: self.get_shared,
+            Op.UNLEASE: self.unlease,
+            Op.STAGE: self.stage,
+            Op.COMMIT: self.commit,
+            Op.UNSTAGE: self.unstage,
         }
 
     def __repr__(self) -> str:
@@ -67,6 +77,8 @@ class Ops:
                 f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
             )
         limits = self.service.limits
+        offer = self.shared_offer if hello.shared else None
+        conn.shared = offer is not None
         return Reply(
             wire.encode_hello_reply(
                 wire.HelloReply(
@@ -77,6 +89,7 @@ class Ops:
                     max_block_bytes=limits.max_block_bytes,
                     server_name=self.server_name,
                     node_id=self.node_id,
+                    shared=offer,
                 )
             )
         )
@@ -87,6 +100,8 @@ class Ops:
     def stats(self, conn: Connection, frame: Frame) -> Reply:
         stats = self.service.stats()
         stats["server"] = self._server_stats()
+        if self.shared is not None:
+            stats["shared"] = self.shared.stats()
         return Reply(wire.encode_json(stats))
 
     def lookup(self, conn: Connection, frame: Frame) -> Reply | Later:
@@ -118,9 +133,19 @@ class Ops:
             raise
         return Reply(meta, data, on_sent=lambda: self.service.unpin(keys, values))
 
+    def receive_into(self, header: wire.Header, meta: Buffer | None) -> memoryview | None:
+        """Where a PUT's body lands: a RAM slot when it holds one block (the
+        block is then stored without a copy), else a buffer of its own."""
+        if header.opcode != Op.PUT or meta is None or not wire.single_key(meta):
+            return None
+        return self.service.stage(header.data_len)
+
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:
-        keys, values = wire.decode_put(frame.meta, frame.data, self.max_batch)
-        statuses = self.service.put(keys, values)
+        try:
+            keys, values = wire.decode_put(frame.meta, frame.data, self.max_batch)
+            statuses = self.service.put(keys, values)
+        finally:
+            self.service.drop_staged(frame.data)  # unless stored
         if frame.header.flags & wire.FLAG_DURABLE:
             return Later(self._put_durable(keys, values, statuses))
         return Reply(wire.encode_put_reply(statuses))
@@ -157,6 +182,80 @@ class Ops:
             raise wire.CodecError("RELEASE carries no data")
         existed = self.service.release(wire.decode_tag(frame.meta))
         return Reply(bytes([int(existed)]))
+
+    # -- shared memory
+
+    def _shared_of(self, conn: Connection) -> SharedService:
+        if self.shared is None or not conn.shared:
+            raise ForbiddenError("shared memory was not agreed at HELLO on this connection")
+        return self.shared
+
+    def get_shared(self, conn: Connection, frame: Frame) -> Reply | Later:
+        shared = self._shared_of(conn)
+        if frame.data:
+            raise wire.CodecError("GET_SHARED carries no data")
+        releases, keys = wire.decode_get_shared(frame.meta, self.max_batch)
+        shared.unlease(conn.conn_id, releases)
+        values = self.service.try_get(keys)
+        if values is not None:
+            return self._shared_reply(shared, conn, keys, values)
+        return Later(self._get_shared_later(shared, conn, keys))
+
+    async def _get_shared_later(
+        self, shared: SharedService, conn: Connection, keys: list[bytes]
+    ) -> Reply:
+        return self._shared_reply(shared, conn, keys, await self.service.get(keys))
+
+    def _shared_reply(
+        self,
+        shared: SharedService,
+        conn: Connection,
+        keys: list[bytes],
+        values: list[Buffer | None],
+    ) -> Reply:
+        """Blocks in the arena go out as leases; the rest as bytes, pinned until sent."""
+        try:
+            entries = shared.grant(conn.conn_id, keys, values)
+        except BaseException:
+            self.service.unpin(keys, values)
+            raise
+        inline = [(k, e) for k, e in zip(keys, entries, strict=True) if e is not None]
+        inline_keys = [k for k, e in inline if not isinstance(e, Leased)]
+        inline_values: list[Buffer | None] = [e for _, e in inline if not isinstance(e, Leased)]
+        meta, data = wire.encode_get_shared_reply(entries)
+        return Reply(meta, data, on_sent=lambda: self.service.unpin(inline_keys, inline_values))
+
+    def unlease(self, conn: Connection, frame: Frame) -> Reply:
+        shared = self._shared_of(conn)
+        ended = shared.unlease(conn.conn_id, wire.decode_unlease(frame.meta, self.max_batch))
+        return Reply(wire.encode_u64(ended))
+
+    def stage(self, conn: Connection, frame: Frame) -> Reply:
+        shared = self._shared_of(conn)
+        length = wire.decode_u64(frame.meta, "STAGE")
+        if length > self.service.limits.max_block_bytes:
+            raise ValueTooLargeError(
+                f"a block of {length} bytes exceeds the maximum of "
+                f"{self.service.limits.max_block_bytes}"
+            )
+        return Reply(wire.encode_u64(shared.stage(conn.conn_id, length)))
+
+    def commit(self, conn: Connection, frame: Frame) -> Reply | Later:
+        shared = self._shared_of(conn)
+        c = wire.decode_commit(frame.meta)
+        status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
+        if frame.header.flags & wire.FLAG_DURABLE:
+            return Later(self._commit_durable(c.key, status))
+        return Reply(wire.encode_put_reply([status]))
+
+    async def _commit_durable(self, key: bytes, status: PutStatus) -> Reply:
+        await self.service.make_durable([key], [None])
+        return Reply(wire.encode_put_reply([status]))
+
+    def unstage(self, conn: Connection, frame: Frame) -> Reply:
+        shared = self._shared_of(conn)
+        freed = shared.unstage(conn.conn_id, wire.decode_u64(frame.meta, "UNSTAGE"))
+        return Reply(bytes([int(freed)]))
 
     def _only_keys(self, frame: Frame, op: str) -> list[bytes]:
         keys, end, _ = wire.decode_keys(frame.meta, 0, self.max_batch)

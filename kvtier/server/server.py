@@ -16,9 +16,10 @@ import socket
 import ssl
 from typing import Any
 
+from kvtier import wire
 from kvtier._version import __version__
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
-from kvtier.model import CacheService, Spawn
+from kvtier.model import CacheService, SharedService, Spawn
 from kvtier.server.connection import Connection
 from kvtier.server.gate import PeerGate
 from kvtier.server.ops import Ops
@@ -60,6 +61,8 @@ class Server:
         gate: PeerGate | None = None,
         server_name: str = f"kvtier/{__version__}",
         node_id: str = "",
+        shared: SharedService | None = None,
+        shared_offer: wire.SharedOffer | None = None,
     ) -> None:
         self.spawn = spawn
         self.max_frame = max_frame
@@ -77,7 +80,10 @@ class Server:
             server_name=server_name,
             node_id=node_id,
             server_stats=self.stats,
+            shared=shared,
+            shared_offer=shared_offer,
         )
+        self._shared = shared
         self.connections: set[Connection] = set()
         self.shutting_down = False
         #: connections that had a partial frame when shutdown began: that frame is served
@@ -136,12 +142,17 @@ class Server:
 
     def connection_ended(self, conn: Connection) -> None:
         """The client sent EOF: whatever it owned and can no longer complete ends now."""
+        self._owner_gone(conn)
+
+    def _owner_gone(self, conn: Connection) -> None:
         self._service.connection_closed(conn.conn_id)
+        if self._shared is not None:
+            self._shared.connection_closed(conn.conn_id)
 
     def connection_closed(self, conn: Connection) -> None:
         self.connections.discard(conn)
         self._busy_at_shutdown.discard(conn)
-        self._service.connection_closed(conn.conn_id)
+        self._owner_gone(conn)
 
     def admits_during_shutdown(self, conn: Connection) -> bool:
         """A frame that was partly received when shutdown began is still served."""

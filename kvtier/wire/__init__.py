@@ -7,3 +7,4 @@ the tiers, the server, the client or metrics.
 
 from kvtier.wire.codecs import *  # noqa: F403
 from kvtier.wire.framing import *  # noqa: F403
+from kvtier.wire.shared import *  # noqa: F403

@@ -101,6 +101,11 @@ def encode_keys(keys: Sequence[bytes]) -> bytes:
     return b"".join((_KEYS_HEAD.pack(n, 0), _pack_u16s(lengths), *keys))
 
 
+def single_key(buf: Buffer) -> bool:
+    """Whether the key list at the start of ``buf`` holds exactly one key."""
+    return len(buf) >= _KEYS_HEAD.size and _KEYS_HEAD.unpack_from(buf, 0)[0] == 1
+
+
 def decode_keys(
     buf: Buffer, offset: int = 0, max_keys: int | None = None
 ) -> tuple[list[bytes], int, int]:
@@ -201,6 +206,21 @@ class Hello:
     #: the shared secret of a peer listener; empty on the local socket. Its
     #: repr never shows it.
     token: bytes = field(default=b"", repr=False)
+    #: the client would read blocks through shared memory (same host only)
+    shared: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class SharedOffer:
+    """Shared memory a daemon offers a client that asked for it at HELLO."""
+
+    #: the Unix socket that hands out the arena's and the staging region's descriptors
+    path: str
+    arena_bytes: int
+    staging_bytes: int
+
+
+_SHARED_OFFER = struct.Struct("<QQ")
 
 
 @dataclass(slots=True, frozen=True)
@@ -214,12 +234,16 @@ class HelloReply:
     #: the daemon's random identity for this run: a daemon that dials a
     #: peer address and meets its own node id knows the address is itself
     node_id: str = ""
+    #: shared memory for this connection, when asked for and offered
+    shared: SharedOffer | None = None
 
 
 def encode_hello(hello: Hello) -> bytes:
     out = _HELLO_REQ.pack(hello.min_version, hello.max_version) + _encode_str(hello.client_name)
-    if hello.token:
+    if hello.token or hello.shared:
         out += _U16.pack(len(hello.token)) + hello.token
+    if hello.shared:
+        out += _U8.pack(1)
     return out
 
 
@@ -238,8 +262,12 @@ def decode_hello(buf: Buffer) -> Hello:
             raise CodecError("truncated HELLO token")
         token = bytes(buf[end : end + n])
         end += n
+    shared = False
+    if end < len(buf):  # optional, after the token: flags
+        shared = bool(buf[end] & 1)
+        end += 1
     _expect_end(buf, end)
-    return Hello(lo, hi, name, token)
+    return Hello(lo, hi, name, token, shared)
 
 
 def encode_hello_reply(reply: HelloReply) -> bytes:
@@ -252,8 +280,13 @@ def encode_hello_reply(reply: HelloReply) -> bytes:
             reply.max_block_bytes,
         )
         + _encode_str(reply.server_name)
-        + (_encode_str(reply.node_id) if reply.node_id else b"")
+        + (_encode_str(reply.node_id) if reply.node_id or reply.shared else b"")
+        + (_encode_shared_offer(reply.shared) if reply.shared else b"")
     )
+
+
+def _encode_shared_offer(offer: SharedOffer) -> bytes:
+    return _encode_str(offer.path) + _SHARED_OFFER.pack(offer.arena_bytes, offer.staging_bytes)
 
 
 def decode_hello_reply(buf: Buffer) -> HelloReply:
@@ -264,8 +297,16 @@ def decode_hello_reply(buf: Buffer) -> HelloReply:
     node_id = ""
     if end < len(buf):  # optional: the daemon's node id
         node_id, end = _decode_str(buf, end)
+    shared = None
+    if end < len(buf):  # optional, after the node id: the shared memory offer
+        path, end = _decode_str(buf, end)
+        if end + _SHARED_OFFER.size > len(buf):
+            raise CodecError("truncated HELLO reply shared memory offer")
+        arena, staging = _SHARED_OFFER.unpack_from(buf, end)
+        end += _SHARED_OFFER.size
+        shared = SharedOffer(path, arena, staging)
     _expect_end(buf, end)
-    return HelloReply(version, max_key, max_batch, max_frame, max_block, name, node_id)
+    return HelloReply(version, max_key, max_batch, max_frame, max_block, name, node_id, shared)
 
 
 def negotiate_version(hello: Hello) -> int | None:

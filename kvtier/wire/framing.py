@@ -44,6 +44,11 @@ class Op(enum.IntEnum):
     RESERVE = 0x20
     ABORT = 0x21
     RELEASE = 0x22
+    GET_SHARED = 0x30
+    UNLEASE = 0x31
+    STAGE = 0x32
+    COMMIT = 0x33
+    UNSTAGE = 0x34
 
 
 class CodecError(Exception):
@@ -153,8 +158,9 @@ class _Direct:
         self.filled += len(chunk)
 
 
-#: where a frame's data part should land (a caller's buffer), or None
-Sink = Callable[[Header], "memoryview | None"]
+#: where a frame's data part should land (a caller's buffer), or None; it is
+#: given the frame's meta when that has already arrived, else None
+Sink = Callable[[Header, "Buffer | None"], "memoryview | None"]
 
 
 class FrameReader:
@@ -165,7 +171,8 @@ class FrameReader:
     straight into a buffer of its own (no copy), which becomes the frame's
     ``meta``/``data`` views. With a ``sink``, a frame whose data part has a
     destination (a caller's buffer of at least ``data_len`` bytes) is
-    received straight into it, and its ``data`` is a view of that buffer.
+    received straight into it, and its ``data`` is that very view when it
+    has exactly ``data_len`` bytes (else a view of its head).
     Bodies above ``max_frame`` raise :class:`OversizedFrame` and leave the
     reader unusable (the caller closes).
     """
@@ -244,13 +251,13 @@ class FrameReader:
         self._parse(frames)
         return frames
 
-    def _destination(self, header: Header) -> memoryview | None:
+    def _destination(self, header: Header, meta: Buffer | None) -> memoryview | None:
         if self._sink is None or not header.data_len:
             return None
-        dest = self._sink(header)
+        dest = self._sink(header, meta)
         if dest is None or len(dest) < header.data_len:
             return None
-        return dest[: header.data_len]
+        return dest if len(dest) == header.data_len else dest[: header.data_len]
 
     def _parse(self, frames: list[Frame]) -> None:
         view = self._view
@@ -261,9 +268,12 @@ class FrameReader:
                 raise OversizedFrame(header, self.max_frame)
             body_start = self._start + HEADER_SIZE
             available = self._end - body_start
-            dest = self._destination(header)
+            meta_end = body_start + header.meta_len
+            dest = None
+            if self._sink is not None and header.data_len:
+                arrived = view[body_start:meta_end] if available >= header.meta_len else None
+                dest = self._destination(header, arrived)
             if available >= body_len:
-                meta_end = body_start + header.meta_len
                 frame_end = meta_end + header.data_len
                 meta = bytes(view[body_start:meta_end])
                 if dest is not None:

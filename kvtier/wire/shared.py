@@ -1,0 +1,157 @@
+"""Codecs of the shared-memory operations (see docs/protocol.md, "Shared memory").
+
+GET_SHARED answers each key with a lease on the block's place in the
+arena, the bytes themselves (a block that is not in the arena), or
+nothing; it also carries the ids of leases the client is done with, so a
+reader releases the last batch in its next request. UNLEASE releases
+without asking for more. STAGE, COMMIT and UNSTAGE move a block in
+through the writable staging region: the client asks for room, writes
+the block there, and commits it under a key with its checksum.
+
+Pure, like the rest of the wire package.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.model import Buffer, Leased
+from kvtier.wire.codecs import decode_keys, encode_keys
+from kvtier.wire.framing import CodecError
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+#: kind, lease id, offset, length
+_ENTRY = struct.Struct("<BQQI")
+#: offset, length, checksum, flags
+_COMMIT = struct.Struct("<QIQB")
+
+KIND_MISSING = 0
+KIND_LEASED = 1
+KIND_INLINE = 2
+
+#: the handoff message (sent with the descriptors): a tag, the arena's size
+#: and the staging region's size
+HANDOFF = struct.Struct("<8sQQ")
+HANDOFF_TAG = b"KVSHM1\0\0"
+
+COMMIT_KEEP_ROOM = 0x01  # the staging room stays the client's for the next block
+
+
+@dataclass(slots=True, frozen=True)
+class Commit:
+    key: bytes
+    offset: int
+    length: int
+    checksum: int
+    keep_room: bool
+
+
+def _encode_ids(ids: Sequence[int]) -> bytes:
+    return _U32.pack(len(ids)) + b"".join(_U64.pack(i) for i in ids)
+
+
+def _decode_ids(buf: Buffer, offset: int, max_ids: int) -> tuple[list[int], int]:
+    if offset + 4 > len(buf):
+        raise CodecError("truncated lease id list")
+    (n,) = _U32.unpack_from(buf, offset)
+    offset += 4
+    if n > max_ids:
+        raise CodecError(f"{n} lease ids exceed the maximum of {max_ids}")
+    end = offset + 8 * n
+    if end > len(buf):
+        raise CodecError(f"lease id list announces {n} ids; frame too short")
+    return [v for (v,) in _U64.iter_unpack(buf[offset:end])], end
+
+
+def encode_get_shared(releases: Sequence[int], keys: Sequence[bytes]) -> bytes:
+    return _encode_ids(releases) + encode_keys(keys)
+
+
+def decode_get_shared(buf: Buffer, max_batch: int) -> tuple[list[int], list[bytes]]:
+    ids, offset = _decode_ids(memoryview(buf), 0, max_batch)
+    keys, end, _ = decode_keys(buf, offset, max_batch)
+    if end != len(buf):
+        raise CodecError("GET_SHARED carries lease ids and a key list only")
+    return ids, keys
+
+
+def encode_get_shared_reply(
+    entries: Sequence[Leased | Buffer | None],
+) -> tuple[bytes, list[Buffer]]:
+    meta = [_U32.pack(len(entries))]
+    data: list[Buffer] = []
+    for e in entries:
+        if e is None:
+            meta.append(_ENTRY.pack(KIND_MISSING, 0, 0, 0))
+        elif isinstance(e, Leased):
+            meta.append(_ENTRY.pack(KIND_LEASED, e.lease_id, e.offset, e.length))
+        else:
+            meta.append(_ENTRY.pack(KIND_INLINE, 0, 0, len(e)))
+            data.append(e)
+    return b"".join(meta), data
+
+
+def decode_get_shared_reply(meta: Buffer, data: Buffer) -> list[Leased | memoryview | None]:
+    if len(meta) < 4:
+        raise CodecError("truncated GET_SHARED reply")
+    (n,) = _U32.unpack_from(meta, 0)
+    if len(meta) != 4 + n * _ENTRY.size:
+        raise CodecError("GET_SHARED reply length does not match its count")
+    view = memoryview(data)
+    pos = 0
+    out: list[Leased | memoryview | None] = []
+    for kind, lease_id, offset, length in _ENTRY.iter_unpack(memoryview(meta)[4:]):
+        if kind == KIND_MISSING:
+            out.append(None)
+        elif kind == KIND_LEASED:
+            out.append(Leased(lease_id, offset, length))
+        elif kind == KIND_INLINE:
+            out.append(view[pos : pos + length])
+            pos += length
+        else:
+            raise CodecError(f"unknown GET_SHARED entry kind {kind}")
+    if pos != len(view):
+        raise CodecError("GET_SHARED reply data length does not match its entries")
+    return out
+
+
+def encode_unlease(ids: Sequence[int]) -> bytes:
+    return _encode_ids(ids)
+
+
+def decode_unlease(buf: Buffer, max_ids: int) -> list[int]:
+    ids, end = _decode_ids(memoryview(buf), 0, max_ids)
+    if end != len(buf):
+        raise CodecError("UNLEASE carries a lease id list only")
+    return ids
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def decode_u64(buf: Buffer, what: str) -> int:
+    if len(buf) != 8:
+        raise CodecError(f"{what} carries one 8-byte number")
+    (value,) = _U64.unpack(buf)
+    return int(value)
+
+
+def encode_commit(c: Commit) -> bytes:
+    flags = COMMIT_KEEP_ROOM if c.keep_room else 0
+    return _COMMIT.pack(c.offset, c.length, c.checksum, flags) + encode_keys([c.key])
+
+
+def decode_commit(buf: Buffer) -> Commit:
+    if len(buf) < _COMMIT.size:
+        raise CodecError("truncated COMMIT")
+    offset, length, checksum, flags = _COMMIT.unpack_from(buf, 0)
+    if flags & ~COMMIT_KEEP_ROOM:
+        raise CodecError(f"unknown COMMIT flags 0x{flags:02x}")
+    keys, end, _ = decode_keys(buf, _COMMIT.size, 1)
+    if len(keys) != 1 or end != len(buf):
+        raise CodecError("COMMIT carries exactly one key")
+    return Commit(keys[0], offset, length, checksum, bool(flags & COMMIT_KEEP_ROOM))
