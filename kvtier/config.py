@@ -37,6 +37,7 @@ from pydantic_settings import (
 
 from kvtier.defaults import DEFAULT_METRICS_PORT, default_data_dir, default_socket_path
 from kvtier.errors import ConfigError
+from kvtier.model import STAGING_REUSE_SECONDS
 from kvtier.sizes import (
     GiB,
     KiB,
@@ -135,7 +136,8 @@ class SharedConfig(_Section):
     #: the writable region clients stage blocks in before committing them
     staging_bytes: ByteCount = Field(default=256 * MiB, ge=1 * MiB)
     #: staging room a client has not committed to for this long is reclaimed
-    staging_timeout: float = Field(default=60.0, gt=0)
+    #: (more than the 10 s a client reuses a room for)
+    staging_timeout: float = Field(default=60.0, gt=STAGING_REUSE_SECONDS)
 
 
 class DiskConfig(_Section):

@@ -213,6 +213,7 @@ class Daemon:
                 now=self.scheduler.now,
                 lease_timeout=shc.lease_timeout,
                 staging_timeout=shc.staging_timeout,
+                limits=service.limits,
             )
             self.metrics.watch_shared(self.shared.stats)
         self.metrics.watch_core(self.service.counters, self.service.map_sizes)

@@ -19,6 +19,10 @@ from typing import Any, Final, Protocol
 #: a block value: the bytes themselves or a view over them (never copied needlessly)
 Buffer = bytes | bytearray | memoryview
 
+#: a client reuses a staging room for at most this long after its last commit;
+#: the daemon's ``shared.staging_timeout`` (when it reclaims idle rooms) is longer
+STAGING_REUSE_SECONDS: Final = 10.0
+
 #: starts a background task in the daemon's task group
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 

@@ -12,15 +12,19 @@ server, so an engine that imports it pays for none of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import Sequence
+import logging
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
 from kvtier._version import __version__
+from kvtier.client.batching import SOLO_VALUE_BYTES, put_batches
 from kvtier.client.protocol import ClientProtocol, expire
+from kvtier.client.shared import SharedSession, fetch
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
 from kvtier.errors import (
     ConnectionClosedError,
@@ -35,11 +39,10 @@ from kvtier.wire import FLAG_DURABLE, Frame, HelloReply, Op
 if TYPE_CHECKING:
     import ssl
 
+log = logging.getLogger("kvtier.client")
+
 #: seconds, None for no limit, or ``...`` for the client's default
 Timeout = float | None | EllipsisType
-
-#: values at least this large travel one per frame (received without a copy)
-_SOLO_VALUE_BYTES = 64 * 1024
 
 
 class Client:
@@ -61,10 +64,20 @@ class Client:
         self._token = token
         self._ids = itertools.count(1)
         self.server: HelloReply | None = None
+        #: ask for shared memory at HELLO
+        self._want_shared = False
+        #: blocks read and written through shared memory (None: over the socket)
+        self._shm: SharedSession | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"<Client {self.path} {state} in_flight={len(self._protocol.pending)}>"
+        shm = f" {self._shm!r}" if self._shm is not None else ""
+        return f"<Client {self.path} {state} in_flight={len(self._protocol.pending)}{shm}>"
+
+    @property
+    def shared(self) -> bool:
+        """Whether blocks travel through shared memory on this connection."""
+        return self._shm is not None
 
     @classmethod
     async def connect(
@@ -73,10 +86,13 @@ class Client:
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-python/{__version__}",
+        shared: bool = True,
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
 
-        ``path`` defaults to the daemon's default socket path.
+        ``path`` defaults to the daemon's default socket path. ``shared``:
+        read and write blocks through the daemon's shared memory when it
+        offers it (same host; see docs/shared-memory.md), else the socket.
         """
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
@@ -89,12 +105,24 @@ class Client:
         except OSError as exc:
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from exc
         client = cls(protocol, path, timeout, name)
+        client._want_shared = shared
         try:
             client.server = await client.hello()
+            offer = client.server.shared
+            if offer is not None:
+                await client._map_shared(offer)
         except BaseException:
             await client.close()
             raise
         return client
+
+    async def _map_shared(self, offer: wire.SharedOffer) -> None:
+        try:
+            arena, staging = await asyncio.to_thread(fetch, offer.path, self.timeout or 5.0)
+        except OSError as exc:
+            log.info("shared memory offered but not usable (%s); using the socket", exc)
+            return
+        self._shm = SharedSession(self, arena, staging)
 
     @classmethod
     async def connect_tcp(
@@ -162,6 +190,8 @@ class Client:
         if transport is not None:
             transport.close()
             await self._protocol.closed_event.wait()
+        if self._shm is not None:
+            self._shm.close()
 
     def drop(self) -> None:
         """Drop the connection now, without waiting; calls in flight fail."""
@@ -250,7 +280,10 @@ class Client:
 
     async def hello(self) -> HelloReply:
         frame = await self._call(
-            Op.HELLO, wire.encode_hello(wire.Hello(1, wire.VERSION, self.name, self._token))
+            Op.HELLO,
+            wire.encode_hello(
+                wire.Hello(1, wire.VERSION, self.name, self._token, shared=self._want_shared)
+            ),
         )
         return wire.decode_hello_reply(frame.meta)
 
@@ -286,14 +319,18 @@ class Client:
 
     async def get(self, key: bytes, *, timeout: Timeout = ...) -> memoryview | None:
         """The block stored under ``key``, or None."""
+        if self._shm is not None:
+            return (await self._shm.get_many([key], self._timeout(timeout)))[0]
         frame = await self._call(Op.GET, wire.encode_keys([key]), timeout=timeout)
         return wire.decode_get_reply(frame.meta, frame.data)[0]
 
     async def get_many(
         self, keys: Sequence[bytes], *, timeout: Timeout = ...
     ) -> list[memoryview | None]:
-        """Blocks of ``keys`` in order (None where missing); read-only views, no copy."""
+        """Blocks of ``keys`` in order (None where missing); read-only views."""
         step = self._max_batch()
+        if self._shm is not None and len(keys) <= step:
+            return await self._shm.get_many(keys, self._timeout(timeout))
         futs = [
             self._send(Op.GET, wire.encode_keys(keys[i : i + step]))
             for i in range(0, len(keys), step)
@@ -324,6 +361,8 @@ class Client:
         for view in views:
             if view.readonly:
                 raise ValueError("a destination buffer is read-only")
+        if self._shm is not None and len(keys) <= self._max_batch():
+            return await self._shm.get_many_into(keys, views, self._timeout(timeout))
         futs = [
             self._send(Op.GET, wire.encode_keys([key]), into=view)
             for key, view in zip(keys, views, strict=True)
@@ -351,6 +390,8 @@ class Client:
         timeout: Timeout = ...,
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent)."""
+        if self._shm is not None and len(value) >= SOLO_VALUE_BYTES:
+            return (await self.put_many([key], [value], durable=durable, timeout=timeout))[0]
         meta, data = wire.encode_put([key], [value])
         flags = FLAG_DURABLE if durable else 0
         frame = await self._call(Op.PUT, meta, data, flags, timeout)
@@ -367,10 +408,25 @@ class Client:
         """Store blocks, pipelined. Large values travel one per frame."""
         if len(keys) != len(values):
             raise ValueError("put_many needs one value per key")
+        if self._shm is not None and any(len(v) >= SOLO_VALUE_BYTES for v in values):
+
+            async def over_socket(ks: Sequence[bytes], vs: Sequence[Buffer]) -> list[PutStatus]:
+                return await self._put_socket(ks, vs, durable, timeout)
+
+            return await self._shm.put_many(
+                keys, values, durable, self._timeout(timeout), over_socket
+            )
+        return await self._put_socket(keys, values, durable, timeout)
+
+    async def _put_socket(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], durable: bool, timeout: Timeout
+    ) -> list[PutStatus]:
         flags = FLAG_DURABLE if durable else 0
         futs = [
             self._send(Op.PUT, *wire.encode_put(k, v), flags=flags)
-            for k, v in self._put_batches(keys, values)
+            for k, v in put_batches(
+                keys, values, max_frame=self._max_frame(), max_batch=self._max_batch()
+            )
         ]
         frames = await self._await(futs, self._timeout(timeout))
         out: list[PutStatus] = []
@@ -378,29 +434,18 @@ class Client:
             out.extend(wire.decode_put_reply(frame.meta))
         return out
 
-    def _put_batches(
-        self, keys: Sequence[bytes], values: Sequence[Buffer]
-    ) -> list[tuple[Sequence[bytes], Sequence[Buffer]]]:
-        budget = self._max_frame() // 2
-        max_batch = self._max_batch()
-        batches: list[tuple[Sequence[bytes], Sequence[Buffer]]] = []
-        cur_k: list[bytes] = []
-        cur_v: list[Buffer] = []
-        size = 0
-        for key, value in zip(keys, values, strict=True):
-            n = len(value)
-            if n >= _SOLO_VALUE_BYTES:
-                batches.append(([key], [value]))
-                continue
-            if cur_k and (size + n + len(key) > budget or len(cur_k) >= max_batch):
-                batches.append((cur_k, cur_v))
-                cur_k, cur_v, size = [], [], 0
-            cur_k.append(key)
-            cur_v.append(value)
-            size += n + len(key) + 6
-        if cur_k:
-            batches.append((cur_k, cur_v))
-        return batches
+    @contextlib.asynccontextmanager
+    async def lease(
+        self, key: bytes, *, timeout: Timeout = ...
+    ) -> AsyncIterator[memoryview | None]:
+        """The block under ``key`` read in place, or None: a read-only view of the
+        daemon's shared memory, valid inside the ``async with`` only (the block
+        cannot change or go meanwhile). Without shared memory, a copy."""
+        if self._shm is None:
+            yield await self.get(key, timeout=timeout)
+            return
+        async with self._shm.lease(key, self._timeout(timeout)) as view:
+            yield view
 
     async def delete(self, key: bytes, *, timeout: Timeout = ...) -> bool:
         return (await self.delete_many([key], timeout=timeout))[0]

@@ -26,8 +26,9 @@ from typing import Any
 import xxhash
 
 from kvtier.core.leases import Lease, LeaseEnd, LeaseTable
+from kvtier.core.limits import check_sizes
 from kvtier.errors import BadArgumentError, NoCapacityError
-from kvtier.model import Buffer, ConnId, Leased, PutStatus
+from kvtier.model import Buffer, ConnId, Leased, Limits, PutStatus
 from kvtier.tiers.arena import Arena, Slot
 from kvtier.tiers.extents import OutOfArena
 from kvtier.tiers.ram import RamTier
@@ -56,6 +57,7 @@ class SharedBlocks:
         now: Callable[[], float],
         lease_timeout: float,
         staging_timeout: float,
+        limits: Limits,
     ) -> None:
         assert ram.slots is not None, "shared memory needs RAM in the arena"
         self.ram = ram
@@ -64,6 +66,7 @@ class SharedBlocks:
         self._put = put
         self._unpin = unpin
         self._now = now
+        self._limits = limits
         self.lease_timeout = lease_timeout
         self.staging_timeout = staging_timeout
         self.leases = LeaseTable(on_end=self._lease_ended)
@@ -126,6 +129,7 @@ class SharedBlocks:
         """Room for a block of ``length`` bytes; returns its offset in the staging region."""
         if length <= 0:
             raise BadArgumentError("STAGE needs a positive length")
+        check_sizes(self._limits, [length], "value")
         try:
             slot = self.staging.allocate(length)
         except OutOfArena as exc:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
-from kvtier.errors import ForbiddenError, UnsupportedVersionError, ValueTooLargeError
+from kvtier.errors import ForbiddenError, UnsupportedVersionError
 from kvtier.model import Buffer, CacheService, Leased, Lookup, PutStatus, SharedService
 from kvtier.server.connection import Later, Reply
 from kvtier.wire import Frame, Op
@@ -233,11 +233,6 @@ class Ops:
     def stage(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)
         length = wire.decode_u64(frame.meta, "STAGE")
-        if length > self.service.limits.max_block_bytes:
-            raise ValueTooLargeError(
-                f"a block of {length} bytes exceeds the maximum of "
-                f"{self.service.limits.max_block_bytes}"
-            )
         return Reply(wire.encode_u64(shared.stage(conn.conn_id, length)))
 
     def commit(self, conn: Connection, frame: Frame) -> Reply | Later:

@@ -1,0 +1,275 @@
+"""The client's side of shared memory: the mapped arena, leases and staging rooms.
+
+After HELLO offers shared memory, the client fetches two descriptors from
+the daemon's handoff socket (SCM_RIGHTS): RAM's arena, which it maps
+read-only, and the staging region, which it maps read-write. Then:
+
+* reads ask GET_SHARED and copy each leased block out of the mapping (or
+  hand the caller a read-only view of it, :meth:`SharedSession.lease`);
+  the leases are given back in the next GET_SHARED, or by one UNLEASE
+  sent as soon as the event loop is idle, whichever comes first;
+* writes of blocks of at least ``SOLO_VALUE_BYTES`` copy the block into a
+  staging room the client keeps (asked for once per size with STAGE) and
+  COMMIT it with its checksum: one round trip, no bytes on the socket.
+
+Invariants: a lease's bytes are read only while the lease is held (the
+daemon never reuses them before); every lease taken is given back once;
+a room is used by one write at a time. Imports the wire and the records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol
+
+import xxhash
+
+from kvtier import wire
+from kvtier.client.batching import SOLO_VALUE_BYTES
+from kvtier.errors import KvtierError, NoCapacityError, ValueTooLargeError
+from kvtier.model import STAGING_REUSE_SECONDS, Buffer, Leased, PutStatus
+from kvtier.wire import FLAG_DURABLE, Frame, Op
+
+log = logging.getLogger("kvtier.client")
+
+
+class Calls(Protocol):
+    """What the session needs of the client: send frames, await replies."""
+
+    def _send(
+        self, op: int, meta: Buffer, data: Sequence[Buffer] = (), flags: int = 0
+    ) -> asyncio.Future[Frame]: ...
+
+    async def _await(
+        self, futs: Sequence[asyncio.Future[Frame]], timeout: float | None
+    ) -> list[Frame]: ...
+
+
+def fetch(path: str, timeout: float) -> tuple[mmap.mmap, mmap.mmap]:
+    """The daemon's arena (read-only) and staging region (read-write), mapped.
+
+    Blocking: one local round trip. Raises OSError when refused.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, wire.HANDOFF.size, 2)
+    try:
+        if len(msg) != wire.HANDOFF.size or len(fds) != 2:
+            raise OSError(f"the daemon refused to share memory at {path}")
+        tag, arena_bytes, staging_bytes = wire.HANDOFF.unpack(msg)
+        if tag != wire.HANDOFF_TAG:
+            raise OSError(f"{path} does not hand out kvtier shared memory")
+        arena = mmap.mmap(fds[0], arena_bytes, prot=mmap.PROT_READ)
+        try:
+            staging = mmap.mmap(fds[1], staging_bytes)
+        except BaseException:
+            arena.close()
+            raise
+        return arena, staging
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class SharedSession:
+    def __init__(self, calls: Calls, arena: mmap.mmap, staging: mmap.mmap) -> None:
+        self._calls = calls
+        self._arena = arena
+        self._staging = staging
+        self._arena_view = memoryview(arena)
+        self._staging_view = memoryview(staging)
+        #: leases done with, given back with the next request
+        self._releases: list[int] = []
+        self._flush_soon = False
+        #: staging rooms not in use, by the block length they were asked for:
+        #: (offset, when last committed to)
+        self._rooms: dict[int, list[tuple[int, float]]] = {}
+        self.leases_taken = 0
+
+    def __repr__(self) -> str:
+        rooms = sum(len(r) for r in self._rooms.values())
+        return (
+            f"<SharedSession arena={len(self._arena)} staging={len(self._staging)} "
+            f"to_release={len(self._releases)} rooms={rooms}>"
+        )
+
+    # -- reads
+
+    def _get_shared(self, keys: Sequence[bytes]) -> asyncio.Future[Frame]:
+        releases, self._releases = self._releases, []
+        return self._calls._send(Op.GET_SHARED, wire.encode_get_shared(releases, keys))
+
+    async def _entries(
+        self, keys: Sequence[bytes], timeout: float | None
+    ) -> list[Leased | memoryview | None]:
+        (frame,) = await self._calls._await([self._get_shared(keys)], timeout)
+        return wire.decode_get_shared_reply(frame.meta, frame.data)
+
+    def _block(self, leased: Leased) -> memoryview:
+        return self._arena_view[leased.offset : leased.offset + leased.length]
+
+    def _done(self, ids: Sequence[int]) -> None:
+        """Give these leases back with the next request, or once the loop is idle."""
+        self._releases.extend(ids)
+        if self._releases and not self._flush_soon:
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_soon = False
+        releases, self._releases = self._releases, []
+        if not releases:
+            return
+        try:
+            fut = self._calls._send(Op.UNLEASE, wire.encode_unlease(releases))
+        except KvtierError:
+            return  # the connection is gone, and its leases with it
+        fut.add_done_callback(_ignore)
+
+    async def get_many(
+        self, keys: Sequence[bytes], timeout: float | None
+    ) -> list[memoryview | None]:
+        """Copies of the blocks (the leases are given back at once)."""
+        entries = await self._entries(keys, timeout)
+        out: list[memoryview | None] = []
+        try:
+            for e in entries:
+                if isinstance(e, Leased):
+                    out.append(memoryview(bytes(self._block(e))))
+                else:
+                    out.append(e)
+        finally:
+            self._done([e.lease_id for e in entries if isinstance(e, Leased)])
+        return out
+
+    async def get_many_into(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        timeout: float | None,
+    ) -> list[int | None]:
+        entries = await self._entries(keys, timeout)
+        try:
+            out: list[int | None] = []
+            for key, view, e in zip(keys, views, entries, strict=True):
+                if e is None:
+                    out.append(None)
+                    continue
+                n = e.length if isinstance(e, Leased) else len(e)
+                if n > len(view):
+                    raise ValueTooLargeError(
+                        f"block {key.hex()} is {n} bytes; its destination holds {len(view)}"
+                    )
+                view[:n] = self._block(e) if isinstance(e, Leased) else e
+                out.append(n)
+            return out
+        finally:
+            self._done([e.lease_id for e in entries if isinstance(e, Leased)])
+
+    @contextlib.asynccontextmanager
+    async def lease(self, key: bytes, timeout: float | None) -> AsyncIterator[memoryview | None]:
+        (e,) = await self._entries([key], timeout)
+        if not isinstance(e, Leased):
+            yield e  # absent, or small enough to have come over the socket
+            return
+        self.leases_taken += 1
+        view = self._block(e)
+        try:
+            yield view
+        finally:
+            view.release()
+            self._done([e.lease_id])
+
+    # -- writes
+
+    async def _room(self, length: int, timeout: float | None) -> int:
+        free = self._rooms.get(length)
+        now = asyncio.get_running_loop().time()
+        while free:
+            offset, used = free.pop()
+            if now - used < STAGING_REUSE_SECONDS:
+                return offset
+            # Idle too long: the daemon may reclaim it any moment. Give it back.
+            with contextlib.suppress(KvtierError):
+                self._calls._send(Op.UNSTAGE, wire.encode_u64(offset)).add_done_callback(_ignore)
+        fut = self._calls._send(Op.STAGE, wire.encode_u64(length))
+        (frame,) = await self._calls._await([fut], timeout)
+        return wire.decode_u64(frame.meta, "STAGE reply")
+
+    async def put_many(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        durable: bool,
+        timeout: float | None,
+        fallback: Callable[[Sequence[bytes], Sequence[Buffer]], Awaitable[list[PutStatus]]],
+    ) -> list[PutStatus]:
+        """Store blocks through staging rooms; small ones (and any when staging is
+        full) through ``fallback``, the socket path."""
+        out: list[PutStatus | None] = [None] * len(keys)
+        staged: list[int] = []
+        rooms: list[tuple[int, int]] = []  # (length, offset) in use
+        try:
+            for i, value in enumerate(values):
+                length = len(value)
+                if length < SOLO_VALUE_BYTES:
+                    continue
+                try:
+                    offset = await self._room(length, timeout)
+                except NoCapacityError:
+                    continue  # the staging region is full: the socket path takes it
+                rooms.append((length, offset))
+                self._staging_view[offset : offset + length] = value
+                staged.append(i)
+            flags = FLAG_DURABLE if durable else 0
+            futs = [
+                self._calls._send(
+                    Op.COMMIT,
+                    wire.encode_commit(
+                        wire.Commit(
+                            keys[i],
+                            offset,
+                            length,
+                            xxhash.xxh3_64_intdigest(values[i]),
+                            keep_room=True,
+                        )
+                    ),
+                    flags=flags,
+                )
+                for i, (length, offset) in zip(staged, rooms, strict=True)
+            ]
+            in_staging = set(staged)
+            rest = [i for i in range(len(keys)) if i not in in_staging]
+            frames, plain = await asyncio.gather(
+                self._calls._await(futs, timeout),
+                fallback([keys[i] for i in rest], [values[i] for i in rest]),
+            )
+            for i, frame in zip(staged, frames, strict=True):
+                out[i] = wire.decode_put_reply(frame.meta)[0]
+            for i, status in zip(rest, plain, strict=True):
+                out[i] = status
+        finally:
+            now = asyncio.get_running_loop().time()
+            for length, offset in rooms:
+                self._rooms.setdefault(length, []).append((offset, now))
+        assert all(s is not None for s in out)
+        return [s for s in out if s is not None]
+
+    def close(self) -> None:
+        self._arena_view.release()
+        self._staging_view.release()
+        for mapping in (self._arena, self._staging):
+            with contextlib.suppress(BufferError):  # a caller still holds a lease's view
+                mapping.close()
+
+
+def _ignore(fut: asyncio.Future[Frame]) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,263 @@
+"""Shared memory end to end: leases, staging, the handoff, and clients that do not opt in."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+
+from kvtier import wire
+from kvtier.client.aio import Client
+from kvtier.client.shared import fetch
+from kvtier.daemon import Daemon
+from kvtier.errors import BadArgumentError, ForbiddenError
+from kvtier.model import PutStatus, State
+from kvtier.server.handoff import Handoff
+from kvtier.server.sockets import PeerPolicy
+from kvtier.tiers.arena import Arena
+from kvtier.wire import Op
+from tests.helpers import ROOT, running_daemon
+
+MiB = 1024 * 1024
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only")
+
+
+def block(seed: int, size: int = MiB) -> bytes:
+    return bytes([seed % 251]) * (size - 1) + bytes([seed % 7])
+
+
+def shared_stats(d: Daemon) -> dict[str, Any]:
+    assert d.shared is not None
+    return d.shared.stats()
+
+
+def received_bytes(d: Daemon) -> float:
+    value = d.metrics.registry.get_sample_value("kvtier_received_bytes_total")
+    assert value is not None
+    return value
+
+
+async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path) as c:
+        assert c.shared
+        before = received_bytes(daemon)
+        assert await c.put(b"k", block(1)) == PutStatus.STORED
+        assert await c.put(b"k", block(1)) == PutStatus.EXISTS
+        assert received_bytes(daemon) - before < 4096  # two COMMITs, not 2 MiB
+        got = await c.get(b"k")
+        assert got is not None and bytes(got) == block(1)
+        dest = bytearray(MiB + 10)
+        assert await c.get_into(b"k", dest) == MiB
+        assert dest[:MiB] == block(1)
+        assert await c.get_many_into([b"k", b"nope"], [bytearray(MiB), bytearray(1)]) == [MiB, None]
+        async with c.lease(b"k") as view:
+            assert view is not None and view.readonly and view == block(1)
+            assert shared_stats(daemon)["leases"] == 1
+        assert await c.get(b"nope") is None
+        small = await c.put(b"small", b"s" * 100)  # small blocks take the socket
+        assert small == PutStatus.STORED and bytes(await c.get(b"small") or b"") == b"s" * 100
+        await c.ping()  # the releases queued above have been sent by now
+        st = shared_stats(daemon)
+        assert st["leases"] == 0 and st["leases_ended"]["released"] == 4
+        assert st["staging_rooms"] == 1  # kept for the next block of this size
+        assert daemon.server is not None
+        (conn,) = daemon.server.connections
+    await conn.done.wait()  # the client closed: its room is given back
+    st = shared_stats(daemon)
+    assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
+
+
+async def test_a_client_that_does_not_opt_in_works_unchanged(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path, shared=False) as c:
+        assert not c.shared
+        before = received_bytes(daemon)
+        await c.put(b"k", block(2))
+        assert received_bytes(daemon) - before > MiB  # the block crossed the socket
+        assert bytes(await c.get(b"k") or b"") == block(2)
+        # ...and landed straight in the arena (received into its slot)
+        ram = daemon.ram.stats().extra
+        assert ram["arena_allocated_bytes"] >= MiB
+        with pytest.raises(ForbiddenError, match="not agreed at HELLO"):
+            await c._call(Op.GET_SHARED, wire.encode_get_shared([], [b"k"]))
+
+
+async def test_a_lease_pins_its_block_and_its_bytes(sock_dir: Path) -> None:
+    async with (
+        running_daemon(sock_dir, ram={"capacity": "4MiB"}, disk={"enabled": False}) as d,
+        await Client.connect(d.socket_path) as reader,
+        await Client.connect(d.socket_path, shared=False) as writer,
+    ):
+        await writer.put(b"held", block(3))
+        async with reader.lease(b"held") as view:
+            assert view is not None
+            for i in range(8):  # 8 MiB through 4 MiB of RAM
+                await writer.put(b"other%d" % i, block(10 + i))
+            assert (await writer.lookup([b"held"])).states == [State.HIT]  # never evicted
+            await writer.delete(b"held")
+            await writer.put(b"held", block(4))  # a writer gets a new allocation
+            assert bytes(await writer.get(b"held") or b"") == block(4)
+            assert view == block(3)  # the reader's bytes did not change
+            allocated = d.ram.stats().extra["arena_allocated_bytes"]
+        await reader.ping()
+        # the old block's slot was freed when the lease ended
+        assert d.ram.stats().extra["arena_allocated_bytes"] < allocated
+
+
+async def test_a_lease_held_past_its_deadline_is_revoked_and_counted(daemon: Daemon) -> None:
+    assert daemon.shared is not None
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put(b"k", block(5))
+        async with c.lease(b"k") as view:
+            assert view is not None
+            assert daemon.ram.budget.pinned_count == 1
+            daemon.shared.expire(daemon.scheduler.now() + daemon.shared.lease_timeout + 1)
+            st = shared_stats(daemon)
+            assert st["leases"] == 0 and st["leases_ended"]["revoked"] == 1
+            assert daemon.ram.budget.pinned_count == 0  # the block may go now
+            assert daemon.ram.remove(b"k")
+        await c.ping()  # releasing a revoked lease is harmless
+    sample = daemon.metrics.registry.get_sample_value(
+        "kvtier_shared_leases_ended_total", {"end": "revoked"}
+    )
+    assert sample == 1
+
+
+async def test_commits_are_checked_and_rooms_are_the_clients_own(daemon: Daemon) -> None:
+    assert daemon.shared is not None
+    async with (
+        await Client.connect(daemon.socket_path) as a,
+        await Client.connect(daemon.socket_path) as b,
+    ):
+        frame = await a._call(Op.STAGE, wire.encode_u64(MiB))
+        offset = wire.decode_u64(frame.meta, "STAGE")
+        arena, staging = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+        staging[offset : offset + MiB] = block(6)
+        good = xxhash.xxh3_64_intdigest(block(6))
+        bad = wire.Commit(b"k", offset, MiB, good ^ 1, keep_room=True)
+        with pytest.raises(BadArgumentError, match="checksum mismatch"):
+            await a._call(Op.COMMIT, wire.encode_commit(bad))
+        theirs = wire.Commit(b"k", offset, MiB, good, keep_room=True)
+        with pytest.raises(BadArgumentError, match="belongs to this connection"):
+            await b._call(Op.COMMIT, wire.encode_commit(theirs))
+        too_long = wire.Commit(b"k", offset, MiB + 1, good, keep_room=True)
+        with pytest.raises(BadArgumentError, match="does not fit"):
+            await a._call(Op.COMMIT, wire.encode_commit(too_long))
+        assert await b.get(b"k") is None  # nothing was stored
+        ok = wire.Commit(b"k", offset, MiB, good, keep_room=False)
+        await a._call(Op.COMMIT, wire.encode_commit(ok))
+        assert bytes(await b.get(b"k") or b"") == block(6)
+        assert shared_stats(daemon)["commits_refused"] == 3
+        assert shared_stats(daemon)["staging_rooms"] == 0  # given back by the commit
+        arena.close()
+        staging.close()
+        # an abandoned room is reclaimed at its deadline
+        await a._call(Op.STAGE, wire.encode_u64(4096))
+        assert shared_stats(daemon)["staging_rooms"] == 1
+        daemon.shared.expire(daemon.scheduler.now() + daemon.shared.staging_timeout + 1)
+        st = shared_stats(daemon)
+        assert st["staging_rooms"] == 0 and st["staging_expired"] == 1
+
+
+_HOLDER = """
+import asyncio, sys
+from kvtier.client.aio import Client
+
+async def main():
+    c = await Client.connect(sys.argv[1])
+    assert c.shared
+    await c.put(b"mine", bytes(1 << 20))  # keeps a staging room
+    async with c.lease(b"mine") as view:
+        async with c.lease(b"mine") as again:
+            print("holding", flush=True)
+            await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_client_killed_while_holding_leases_leaves_nothing_pinned(daemon: Daemon) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_HOLDER), str(daemon.socket_path)],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.to_thread(proc.stdout.readline)
+        assert line == b"holding\n"
+        st = shared_stats(daemon)
+        assert st["leases"] == 2 and st["staging_rooms"] == 1
+        assert daemon.ram.budget.pinned_count == 1
+        assert daemon.server is not None
+        (conn,) = daemon.server.connections
+        proc.send_signal(signal.SIGKILL)
+        await conn.done.wait()
+    finally:
+        proc.kill()
+        proc.wait()
+    st = shared_stats(daemon)
+    assert st["leases"] == 0 and st["leases_ended"]["closed"] == 2
+    assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
+    assert daemon.ram.budget.pinned_count == 0
+
+
+async def test_a_refused_handoff_leaves_the_client_on_the_socket(sock_dir: Path) -> None:
+    arena, staging = Arena(1 << 20), Arena(1 << 20)
+    handoff = Handoff(
+        sock_dir / "h.shm",
+        arena_fd=arena.readonly_fd(),
+        arena_bytes=arena.size,
+        staging_fd=os.dup(staging.fd),
+        staging_bytes=staging.size,
+        peers=PeerPolicy(frozenset({os.getuid() + 4242})),
+        mode=0o600,
+    )
+    handoff.bind()
+    task = asyncio.create_task(handoff.serve())
+    try:
+        with pytest.raises(OSError, match="refused to share memory"):
+            await asyncio.to_thread(fetch, str(handoff.path), 1.0)
+        assert handoff.refused == 1 and handoff.handed == 0
+    finally:
+        task.cancel()
+        handoff.close()
+        arena.close()
+        staging.close()
+
+
+_OTHER_UID = """
+import os, socket, sys
+os.setgid(65534)
+os.setuid(65534)
+for what, path in (("handoff", sys.argv[1]), ("descriptor", sys.argv[2])):
+    try:
+        if what == "handoff":
+            socket.socket(socket.AF_UNIX).connect(path)
+        else:
+            os.open(path, os.O_RDONLY)
+        print(what, "open")
+    except PermissionError:
+        print(what, "refused")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+async def test_a_client_of_another_uid_cannot_map_the_arena(daemon: Daemon) -> None:
+    assert daemon.arena is not None
+    fd_path = f"/proc/{os.getpid()}/fd/{daemon.arena.fd}"
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", _OTHER_UID, str(daemon.socket_path) + ".shm", fd_path],
+        capture_output=True,
+        check=True,
+    )
+    assert out.stdout.decode().split("\n")[:2] == ["handoff refused", "descriptor refused"]
