@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import sys
+from collections.abc import Sequence
 from typing import Any, cast
 
 from kvtier import loops
@@ -113,6 +114,9 @@ class RawStore:
 
     async def get(self, worker: int, key: bytes) -> Any:
         await self._request(worker, b"G", self.sizes[key])
+
+    async def clear(self, keys: Sequence[bytes]) -> None:
+        pass  # the raw stream stores nothing
 
     def close(self) -> None:
         for proto in self.protos:

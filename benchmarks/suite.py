@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from importlib.metadata import version
 from pathlib import Path
@@ -30,8 +31,10 @@ from kvtier import Client, loops
 from kvtier._version import __version__
 from kvtier.bench import (
     BLOCK_SIZES,
+    BatchStore,
     Figure,
     KvtierStore,
+    MiB,
     Store,
     block_key,
     format_table,
@@ -41,6 +44,8 @@ from kvtier.bench import (
     percentile,
     prefix_lookup,
     put_get,
+    put_get_batched,
+    read_in_place,
 )
 from kvtier.config import load_config
 from kvtier.daemon import Daemon
@@ -63,6 +68,53 @@ class RedisStore:
         if value is None:
             raise RuntimeError("redis lost a block during the benchmark")
         return value
+
+    async def clear(self, keys: Sequence[bytes]) -> None:
+        await self.clients[0].delete(*keys)
+
+    async def put_many(self, worker: int, keys: Sequence[bytes], value: bytes) -> None:
+        await self.clients[worker].mset(dict.fromkeys(keys, value))
+
+    async def get_many(self, worker: int, keys: Sequence[bytes]) -> Any:
+        values = await self.clients[worker].mget(keys)
+        if None in values:
+            raise RuntimeError("redis lost a block during the benchmark")
+        return values
+
+
+class MemcpyStore:
+    """The floor of any data path: copying the same bytes once, in this process.
+
+    Each block has its own buffer (the same working set as the stores'), so
+    the copies run at memory speed, not from a cache-hot source.
+    """
+
+    name = "memcpy"
+
+    def __init__(self, workers: int) -> None:
+        self._dests = [memoryview(bytearray(max(BLOCK_SIZES))) for _ in range(workers)]
+        self._blocks: dict[bytes, memoryview] = {}
+
+    async def put(self, worker: int, key: bytes, value: bytes) -> None:
+        block = self._blocks.get(key)
+        if block is None or len(block) != len(value):
+            block = self._blocks[key] = memoryview(bytearray(len(value)))
+        block[:] = value
+
+    async def get(self, worker: int, key: bytes) -> Any:
+        block = self._blocks[key]
+        self._dests[worker][: len(block)] = block
+        return len(block)
+
+    async def clear(self, keys: Sequence[bytes]) -> None:
+        pass  # the buffers are reused: a copy, not an allocation, is measured
+
+    async def put_many(self, worker: int, keys: Sequence[bytes], value: bytes) -> None:
+        for key in keys:
+            await self.put(worker, key, value)
+
+    async def get_many(self, worker: int, keys: Sequence[bytes]) -> Any:
+        return [await self.get(worker, key) for key in keys]
 
 
 def wait_for_line(proc: subprocess.Popen[bytes], needle: str, timeout: float = 60) -> None:
@@ -271,39 +323,49 @@ async def deferred_writes(tmp: Path, quick: bool) -> Figure:
     )
 
 
+#: each kvtier path, and what it is compared with
+SUBJECTS = {
+    "kvtier": ("kvtier-socket", "redis", "raw", "memcpy"),
+    "kvtier-socket": ("redis", "raw"),
+}
+
+
 def ratios(figures: list[Figure]) -> list[dict[str, Any]]:
     by_workload: dict[str, dict[str, Figure]] = {}
     for f in figures:
         by_workload.setdefault(f.workload, {})[f.system] = f
     rows = []
     for workload, systems in by_workload.items():
-        kv = systems.get("kvtier")
-        if kv is None:
-            continue
-        row: dict[str, Any] = {"workload": workload, "kvtier": kv.rate, "unit": kv.unit}
-        for name, f in systems.items():
-            if name != "kvtier" and f.rate:
-                row[f"kvtier/{name}"] = kv.rate / f.rate
-                row[name] = f.rate
-        rows.append(row)
+        for subject, others in SUBJECTS.items():
+            kv = systems.get(subject)
+            if kv is None:
+                continue
+            row: dict[str, Any] = {
+                "workload": workload,
+                "system": subject,
+                "rate": kv.rate,
+                "unit": kv.unit,
+                "against": {},
+            }
+            for name in others:
+                other = systems.get(name)
+                if other is not None and other.rate:
+                    row["against"][name] = {"rate": other.rate, "ratio": kv.rate / other.rate}
+            rows.append(row)
     return rows
 
 
 def format_ratios(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| workload | kvtier | compared with | their figure | kvtier / them |",
-        "|---|---:|---|---:|---:|",
+        "| workload | path | rate | compared with | their figure | path / them |",
+        "|---|---|---:|---|---:|---:|",
     ]
     for row in rows:
-        others = [k for k in row if k.startswith("kvtier/")]
-        if not others:
-            lines.append(f"| {row['workload']} | {row['kvtier']:,.2f} {row['unit']} | — | — | — |")
-        for k in others:
-            name = k.split("/", 1)[1]
-            lines.append(
-                f"| {row['workload']} | {row['kvtier']:,.2f} {row['unit']} | {name} | "
-                f"{row[name]:,.2f} | **{row[k]:.2f}x** |"
-            )
+        head = f"| {row['workload']} | {row['system']} | {row['rate']:,.2f} {row['unit']} |"
+        if not row["against"]:
+            lines.append(f"{head} — | — | — |")
+        for name, cmp in row["against"].items():
+            lines.append(f"{head} {name} | {cmp['rate']:,.2f} | **{cmp['ratio']:.2f}x** |")
     return "\n".join(lines)
 
 
@@ -335,7 +397,13 @@ def chart(figures: list[Figure], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     labels = ["4KiB", "256KiB", "1MiB", "2MiB"]
     for ax, op in zip(axes, ("put", "get"), strict=True):
-        for system, style in (("kvtier", "o-"), ("redis", "s--"), ("raw", "^:")):
+        for system, style in (
+            ("kvtier", "o-"),
+            ("kvtier-socket", "d-"),
+            ("redis", "s--"),
+            ("raw", "^:"),
+            ("memcpy", "x:"),
+        ):
             ys = []
             for label in labels:
                 match = [
@@ -362,18 +430,25 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
         try:
             async with AsyncExitStack() as stack:
                 kv_clients = [await Client.connect(paths["kvtier"]) for _ in range(8)]
-                for c in kv_clients:
+                socket_clients = [
+                    await Client.connect(paths["kvtier"], shared=False) for _ in range(8)
+                ]
+                for c in kv_clients + socket_clients:
                     stack.push_async_callback(c.close)
+                if not all(c.shared for c in kv_clients):
+                    raise SystemExit("the daemon did not offer shared memory")
                 redis_clients = [aioredis.Redis(unix_socket_path=paths["redis"]) for _ in range(8)]
                 for r in redis_clients:
                     stack.push_async_callback(r.aclose)
                 raw = await RawStore.connect(paths["raw"], 8)
                 stack.callback(raw.close)
-                for concurrency in (1, 8):
+                for concurrency in (1, 4, 8):
                     stores: list[Store] = [
                         KvtierStore(kv_clients[:concurrency]),
+                        KvtierStore(socket_clients[:concurrency], "kvtier-socket"),
                         RedisStore(redis_clients[:concurrency]),
                         raw,
+                        MemcpyStore(concurrency),
                     ]
                     for size in sizes:
                         for store in stores:
@@ -384,6 +459,23 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
                         keys = [block_key(i) for i in range(ops_for(size, args.quick))]
                         await kv_clients[0].delete_many(keys)
                         await redis_clients[0].delete(*keys)
+                batched: list[BatchStore] = [
+                    KvtierStore(kv_clients[:1]),
+                    KvtierStore(socket_clients[:1], "kvtier-socket"),
+                    RedisStore(redis_clients[:1]),
+                    MemcpyStore(1),
+                ]
+                for store in batched:
+                    print(f"  {store.name} 1MiB batch16", file=sys.stderr)
+                    figures.extend(
+                        await put_get_batched(store, MiB, 16, quick=args.quick, runs=runs)
+                    )
+                await kv_clients[0].delete_many([block_key(i) for i in range(ops_for(MiB, False))])
+                for size in (*BLOCK_SIZES[1:], 4 * MiB):
+                    print(f"  in place {size}", file=sys.stderr)
+                    figures.append(
+                        await read_in_place(kv_clients[0], size, quick=args.quick, runs=runs)
+                    )
                 for n in (1000, 10000):
                     for fraction in (1.0, 0.5):
                         print(f"  lookup {n} {fraction}", file=sys.stderr)

@@ -62,15 +62,18 @@ async def measure(
     work_per_op: float,
     unit: str,
     runs: int = 5,
+    before_run: Callable[[], Awaitable[None]] | None = None,
 ) -> Figure:
     """Run ``op(i, worker)`` ``ops`` times on ``concurrency`` workers, ``runs`` + 1 times.
 
     ``work_per_op`` converts operations into the unit (bytes for GB/s, keys
-    for keys/s).
+    for keys/s); ``before_run`` runs untimed before each run.
     """
     rates: list[float] = []
     latencies: list[float] = []
     for run in range(runs + 1):
+        if before_run is not None:
+            await before_run()
         lat: list[float] = []
         counter = iter(range(ops))
         started = time.perf_counter()
@@ -109,6 +112,16 @@ class Store(Protocol):
 
     async def get(self, worker: int, key: bytes) -> Any: ...
 
+    async def clear(self, keys: Sequence[bytes]) -> None: ...
+
+
+class BatchStore(Store, Protocol):
+    """A store that moves many blocks per request (an engine loading a prefix)."""
+
+    async def put_many(self, worker: int, keys: Sequence[bytes], value: bytes) -> None: ...
+
+    async def get_many(self, worker: int, keys: Sequence[bytes]) -> Any: ...
+
 
 def block_key(i: int) -> bytes:
     return i.to_bytes(32, "big")
@@ -123,19 +136,28 @@ def ops_for(size: int, quick: bool) -> int:
 async def put_get(
     store: Store, size: int, concurrency: int, *, quick: bool = False, runs: int = 5
 ) -> tuple[Figure, Figure]:
-    """PUT then GET of ``size``-byte blocks with ``concurrency`` clients."""
+    """PUT then GET of ``size``-byte blocks with ``concurrency`` clients.
+
+    Every PUT run stores new blocks: the keys are deleted before each run.
+    """
     ops = ops_for(size, quick)
     value = bytes(range(256)) * (size // 256)
     label = f"{_size(size)} x{concurrency}"
+    keys = [block_key(i) for i in range(ops)]
+
+    async def clear() -> None:
+        await store.clear(keys)
+
     put = await measure(
         f"put {label}",
         store.name,
-        lambda i, w: store.put(w, block_key(i), value),
+        lambda i, w: store.put(w, keys[i], value),
         ops=ops,
         concurrency=concurrency,
         work_per_op=size,
         unit="GB/s",
         runs=runs,
+        before_run=clear,
     )
     get = await measure(
         f"get {label}",
@@ -150,26 +172,109 @@ async def put_get(
     return put, get
 
 
+async def put_get_batched(
+    store: BatchStore, size: int, batch: int, *, quick: bool = False, runs: int = 5
+) -> tuple[Figure, Figure]:
+    """PUT then GET of ``batch`` blocks of ``size`` bytes per request, one client."""
+    ops = max(8, ops_for(size, quick) // batch)
+    value = bytes(range(256)) * (size // 256)
+    keys = [block_key(i) for i in range(ops * batch)]
+    label = f"{_size(size)} batch{batch} x1"
+
+    async def clear() -> None:
+        await store.clear(keys)
+
+    put = await measure(
+        f"put {label}",
+        store.name,
+        lambda i, w: store.put_many(w, keys[i * batch : (i + 1) * batch], value),
+        ops=ops,
+        concurrency=1,
+        work_per_op=size * batch,
+        unit="GB/s",
+        runs=runs,
+        before_run=clear,
+    )
+    get = await measure(
+        f"get {label}",
+        store.name,
+        lambda i, w: store.get_many(w, keys[i * batch : (i + 1) * batch]),
+        ops=ops,
+        concurrency=1,
+        work_per_op=size * batch,
+        unit="GB/s",
+        runs=runs,
+    )
+    return put, get
+
+
 def _size(n: int) -> str:
     return f"{n // MiB}MiB" if n >= MiB else f"{n // KiB}KiB"
 
 
 class KvtierStore:
-    """kvtier through its own async client: one connection per concurrent client."""
+    """kvtier through its own async client: one connection per concurrent client.
 
-    name = "kvtier"
+    A GET lands in the worker's own buffer (``get_into``), as an engine's
+    does: through shared memory when the clients have it, else the socket.
+    """
 
-    def __init__(self, clients: list[Client]) -> None:
+    def __init__(self, clients: list[Client], name: str = "kvtier") -> None:
         self.clients = clients
+        self.name = name
+        self._dests = [bytearray(max(BLOCK_SIZES)) for _ in clients]
+        #: destinations of batched GETs (one client), by batch size
+        self._batch_dests: dict[int, list[bytearray]] = {}
 
     async def put(self, worker: int, key: bytes, value: bytes) -> None:
         await self.clients[worker].put(key, value)
 
     async def get(self, worker: int, key: bytes) -> Any:
-        value = await self.clients[worker].get(key)
-        if value is None:
+        n = await self.clients[worker].get_into(key, self._dests[worker])
+        if n is None:
             raise RuntimeError(f"kvtier lost block {key.hex()} during the benchmark")
-        return value
+        return n
+
+    async def clear(self, keys: Sequence[bytes]) -> None:
+        await self.clients[0].delete_many(keys)
+
+    async def put_many(self, worker: int, keys: Sequence[bytes], value: bytes) -> None:
+        await self.clients[worker].put_many(keys, [value] * len(keys))
+
+    async def get_many(self, worker: int, keys: Sequence[bytes]) -> Any:
+        dests = self._batch_dests.get(len(keys))
+        if dests is None:
+            dests = self._batch_dests[len(keys)] = [bytearray(max(BLOCK_SIZES)) for _ in keys]
+        got = await self.clients[worker].get_many_into(keys, dests)
+        if None in got:
+            raise RuntimeError("kvtier lost a block during the benchmark")
+        return got
+
+
+async def read_in_place(client: Client, size: int, *, quick: bool, runs: int) -> Figure:
+    """Lease a block and read its first and last byte where it lies: O(1) in its size."""
+    keys = [b"I" + block_key(i)[1:] for i in range(64)]
+    value = bytes(range(256)) * (size // 256)
+    await client.put_many(keys, [value] * len(keys))
+
+    async def read(i: int, _w: int) -> int:
+        async with client.lease(keys[i % len(keys)]) as view:
+            if view is None:
+                raise RuntimeError("kvtier lost a block during the benchmark")
+            return view[0] + view[-1]
+
+    figure = await measure(
+        f"get in place {_size(size)} x1",
+        "kvtier",
+        read,
+        ops=500 if quick else 2000,
+        concurrency=1,
+        work_per_op=1,
+        unit="ops/s",
+        runs=runs,
+    )
+    await client.delete_many(keys)
+    return figure
 
 
 async def lookup_batch(

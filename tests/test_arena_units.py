@@ -91,9 +91,9 @@ def test_leases_end_once_by_release_close_or_revoke() -> None:
     ended: list[tuple[bytes, LeaseEnd]] = []
     table = LeaseTable(on_end=lambda lease, end: ended.append((lease.key, end)))
     a, b = ConnId(1), ConnId(2)
+    late = table.grant(b, b"j", deadline=5.0)
     first = table.grant(a, b"k", deadline=10.0)
     table.grant(a, b"k", deadline=10.0)
-    late = table.grant(b, b"j", deadline=5.0)
     assert table.held(b"k") == 2 and len(table) == 3
     assert table.release(b, first.lease_id) is False  # not b's lease
     assert table.release(a, first.lease_id) is True

@@ -391,7 +391,9 @@ class Client:
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent)."""
         if self._shm is not None and len(value) >= SOLO_VALUE_BYTES:
-            return (await self.put_many([key], [value], durable=durable, timeout=timeout))[0]
+            status = await self._shm.put(key, value, durable, self._timeout(timeout))
+            if status is not None:
+                return status
         meta, data = wire.encode_put([key], [value])
         flags = FLAG_DURABLE if durable else 0
         frame = await self._call(Op.PUT, meta, data, flags, timeout)

@@ -50,6 +50,15 @@ class Calls(Protocol):
         self, futs: Sequence[asyncio.Future[Frame]], timeout: float | None
     ) -> list[Frame]: ...
 
+    async def _call(
+        self,
+        op: int,
+        meta: Buffer,
+        data: Sequence[Buffer] = (),
+        flags: int = 0,
+        timeout: float | None = None,
+    ) -> Frame: ...
+
 
 def fetch(path: str, timeout: float) -> tuple[mmap.mmap, mmap.mmap]:
     """The daemon's arena (read-only) and staging region (read-write), mapped.
@@ -102,14 +111,12 @@ class SharedSession:
 
     # -- reads
 
-    def _get_shared(self, keys: Sequence[bytes]) -> asyncio.Future[Frame]:
-        releases, self._releases = self._releases, []
-        return self._calls._send(Op.GET_SHARED, wire.encode_get_shared(releases, keys))
-
     async def _entries(
         self, keys: Sequence[bytes], timeout: float | None
     ) -> list[Leased | memoryview | None]:
-        (frame,) = await self._calls._await([self._get_shared(keys)], timeout)
+        releases, self._releases = self._releases, []
+        meta = wire.encode_get_shared(releases, keys)
+        frame = await self._calls._call(Op.GET_SHARED, meta, timeout=timeout)
         return wire.decode_get_shared_reply(frame.meta, frame.data)
 
     def _block(self, leased: Leased) -> memoryview:
@@ -189,6 +196,28 @@ class SharedSession:
 
     # -- writes
 
+    async def put(
+        self, key: bytes, value: Buffer, durable: bool, timeout: float | None
+    ) -> PutStatus | None:
+        """Store one block through a staging room; None when staging is full."""
+        length = len(value)
+        try:
+            offset = await self._room(length, timeout)
+        except NoCapacityError:
+            return None
+        try:
+            self._staging_view[offset : offset + length] = value
+            commit = wire.Commit(key, offset, length, xxhash.xxh3_64_intdigest(value), True)
+            frame = await self._calls._call(
+                Op.COMMIT,
+                wire.encode_commit(commit),
+                flags=FLAG_DURABLE if durable else 0,
+                timeout=timeout,
+            )
+        finally:
+            self._rooms.setdefault(length, []).append((offset, asyncio.get_running_loop().time()))
+        return wire.decode_put_reply(frame.meta)[0]
+
     async def _room(self, length: int, timeout: float | None) -> int:
         free = self._rooms.get(length)
         now = asyncio.get_running_loop().time()
@@ -199,8 +228,7 @@ class SharedSession:
             # Idle too long: the daemon may reclaim it any moment. Give it back.
             with contextlib.suppress(KvtierError):
                 self._calls._send(Op.UNSTAGE, wire.encode_u64(offset)).add_done_callback(_ignore)
-        fut = self._calls._send(Op.STAGE, wire.encode_u64(length))
-        (frame,) = await self._calls._await([fut], timeout)
+        frame = await self._calls._call(Op.STAGE, wire.encode_u64(length), timeout=timeout)
         return wire.decode_u64(frame.meta, "STAGE reply")
 
     async def put_many(

@@ -11,14 +11,16 @@ release cannot pin memory for ever.
 Invariants: every lease ends exactly once, by exactly one of release,
 close or revoke, and ``on_end(key)`` runs once per lease then; ``held(key)``
 is the number of live leases on ``key``; nothing is left after every
-holder has closed.
+holder has closed. Leases are granted with non-decreasing deadlines (one
+timeout), so the oldest live lease is the next to expire and an ended
+lease leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,11 +45,10 @@ class Lease:
 class LeaseTable:
     #: runs once for each lease that ends: the block's pin is dropped
     on_end: Callable[[Lease, LeaseEnd], None] = lambda lease, end: None
-    _leases: dict[int, Lease] = field(default_factory=dict)
+    #: live leases in the order granted, hence of their deadlines
+    _leases: OrderedDict[int, Lease] = field(default_factory=OrderedDict)
     _by_owner: dict[ConnId, set[int]] = field(default_factory=dict)
     _by_key: dict[bytes, int] = field(default_factory=dict)
-    #: (deadline, lease id); entries of leases already ended are skipped
-    _deadlines: list[tuple[float, int]] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     ended: dict[LeaseEnd, int] = field(default_factory=lambda: dict.fromkeys(LeaseEnd, 0))
 
@@ -71,7 +72,6 @@ class LeaseTable:
         self._leases[lease.lease_id] = lease
         self._by_owner.setdefault(owner, set()).add(lease.lease_id)
         self._by_key[key] = self._by_key.get(key, 0) + 1
-        heapq.heappush(self._deadlines, (deadline, lease.lease_id))
         return lease
 
     def release(self, owner: ConnId, lease_id: int) -> bool:
@@ -92,15 +92,13 @@ class LeaseTable:
     def expire(self, now: float) -> int:
         """Revoke every lease whose deadline has passed. Returns how many."""
         revoked = 0
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            _, lease_id = heapq.heappop(heap)
-            lease = self._leases.get(lease_id)
-            if lease is not None:
-                self._end(lease, LeaseEnd.REVOKED)
-                revoked += 1
-        if not self._leases:
-            heap.clear()  # only stale entries were left
+        leases = self._leases
+        while leases:
+            lease = leases[next(iter(leases))]
+            if lease.deadline > now:
+                break
+            self._end(lease, LeaseEnd.REVOKED)
+            revoked += 1
         return revoked
 
     def _end(self, lease: Lease, end: LeaseEnd) -> None:

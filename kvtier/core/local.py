@@ -64,8 +64,8 @@ class LocalView:
     ) -> list[PutStatus]:
         return self._service.put(keys, values, source=self._source, copy=copy)
 
-    def stage(self, length: int) -> memoryview | None:
-        return self._service.stage(length)
+    def stage(self, length: int, key: bytes) -> memoryview | None:
+        return self._service.stage(length, key)
 
     def drop_staged(self, value: Buffer) -> None:
         self._service.drop_staged(value)

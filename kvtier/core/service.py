@@ -381,10 +381,13 @@ class Service:
         check.check_values(self.limits, values, self.ram.capacity)
         return [self._store_local(k, v, source, copy) for k, v in zip(keys, values, strict=True)]
 
-    def stage(self, length: int) -> memoryview | None:
+    def stage(self, length: int, key: bytes) -> memoryview | None:
         """Room in RAM's shared arena to receive a PUT body of ``length`` bytes
-        in place; None when it must be received into a buffer of its own.
-        Give it back with :meth:`drop_staged` unless a PUT stores it."""
+        for ``key`` in place; None when it must be received into a buffer of
+        its own (or ``key`` is resident: the body will not be kept). Give it
+        back with :meth:`drop_staged` unless a PUT stores it."""
+        if self.ram.contains(key):
+            return None
         view, evicted = self.ram.stage(length)
         self._evicted(evicted)
         return view

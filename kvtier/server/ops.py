@@ -138,7 +138,11 @@ class Ops:
         block is then stored without a copy), else a buffer of its own."""
         if header.opcode != Op.PUT or meta is None or not wire.single_key(meta):
             return None
-        return self.service.stage(header.data_len)
+        try:
+            keys, _, _ = wire.decode_keys(meta, 0, 1)
+        except wire.CodecError:
+            return None  # the handler reports it
+        return self.service.stage(header.data_len, keys[0])
 
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:
         try:
