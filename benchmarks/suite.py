@@ -326,6 +326,7 @@ async def deferred_writes(tmp: Path, quick: bool) -> Figure:
 #: each kvtier path, and what it is compared with
 SUBJECTS = {
     "kvtier": ("kvtier-socket", "redis", "raw", "memcpy"),
+    "kvtier-staged": ("kvtier-socket", "redis", "memcpy"),
     "kvtier-socket": ("redis", "raw"),
 }
 
@@ -400,6 +401,7 @@ def chart(figures: list[Figure], path: Path) -> None:
         for system, style in (
             ("kvtier", "o-"),
             ("kvtier-socket", "d-"),
+            ("kvtier-staged", "v-"),
             ("redis", "s--"),
             ("raw", "^:"),
             ("memcpy", "x:"),
@@ -433,7 +435,10 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
                 socket_clients = [
                     await Client.connect(paths["kvtier"], shared=False) for _ in range(8)
                 ]
-                for c in kv_clients + socket_clients:
+                staged_clients = [
+                    await Client.connect(paths["kvtier"], stage_writes=True) for _ in range(8)
+                ]
+                for c in kv_clients + socket_clients + staged_clients:
                     stack.push_async_callback(c.close)
                 if not all(c.shared for c in kv_clients):
                     raise SystemExit("the daemon did not offer shared memory")
@@ -446,6 +451,7 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
                     stores: list[Store] = [
                         KvtierStore(kv_clients[:concurrency]),
                         KvtierStore(socket_clients[:concurrency], "kvtier-socket"),
+                        KvtierStore(staged_clients[:concurrency], "kvtier-staged"),
                         RedisStore(redis_clients[:concurrency]),
                         raw,
                         MemcpyStore(concurrency),
@@ -462,6 +468,7 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
                 batched: list[BatchStore] = [
                     KvtierStore(kv_clients[:1]),
                     KvtierStore(socket_clients[:1], "kvtier-socket"),
+                    KvtierStore(staged_clients[:1], "kvtier-staged"),
                     RedisStore(redis_clients[:1]),
                     MemcpyStore(1),
                 ]
@@ -525,25 +532,26 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
 
 NOTES = """## Reading the figures
 
-* Targets (one client, 256 KiB to 2 MiB blocks: at least Redis and at least half
-  the raw stream; 1,000-key lookups: at least 2x Redis `SMISMEMBER` and 10x
-  pipelined `EXISTS`; probe sharing: one backend call per key) are read off the
-  ratio table above, from the same run.
-* The raw stream is a reference point, not a ceiling: in several one-client
-  rows kvtier moves more bytes per second than it does. That stream keeps one
-  receive buffer per connection and acknowledges each message; why it falls
-  behind there has not been profiled. Single rows also move between runs on
-  this shared 2-core machine (2 MiB PUT has measured from 2.9 to 3.9 GB/s),
-  which is why ratios are only taken within one run.
-* With 8 clients all three systems are driven by one Python client process on
-  a 2-core machine, so those figures are bounded by the client as much as by
-  the servers; kvtier's client also does more per operation than the raw
-  stream's (framing, request ids, futures). Redis stays ahead for 1 and 2 MiB
-  PUTs from 8 clients. A py-spy profile of the daemon under that load puts 57%
-  of its samples in the event loop itself (socket I/O) and 24% in allocating
-  the fresh `bytearray` each frame body is received into: CPython zero-fills
-  it, touching every page before `recv_into` writes it again. Receiving into
-  reusable buffers would need a copy to store the block, so this is left as is.
+* Paths: **kvtier** is the Python client as it comes (reads through shared
+  memory: a lease, then one copy out of the arena into the caller's buffer;
+  writes over the socket, received by the daemon straight into the block's
+  arena slot). **kvtier-staged** also writes through shared memory (a
+  staging room, then COMMIT). **kvtier-socket** is a client that does not
+  opt in (`shared=False`). *memcpy* copies the same working set once in the
+  client process: the floor of any data path on this machine.
+* Every PUT run stores new keys (they are deleted before each run), for
+  Redis as for kvtier.
+* One block per request from one client pays a full request round trip per
+  block, of the order of a 1 MiB copy here, so single-client rows are far
+  from memcpy; the batched rows (16 blocks per request, `MGET`/`MSET` for
+  Redis) and the 4- and 8-client rows show the data path itself.
+* A staged PUT passes over the bytes four times (the client's copy and
+  checksum, the daemon's checksum and its copy into the read-only arena);
+  a socket PUT twice (two kernel copies, received in place). From one
+  client the socket wins; with several, the daemon's event loop is the
+  bottleneck of the socket path and staging wins.
+* Reading in place (`get in place`) costs one lease round trip whatever the
+  block size.
 * Probe sharing is measured against a gated in-memory remote tier: 64 lookups
   of the same 100 unknown keys from 8 connections make one backend call per
   key. Deferred writes: the time from a stalled reservation's deadline to its

@@ -163,6 +163,11 @@ class _Collector(Collector):
                 "commits_refused",
                 "COMMITs refused: wrong checksum or length, or not the client's room",
             ),
+            (
+                "kvtier_shared_leased_bytes",
+                "leased_bytes",
+                "Bytes of blocks leased to clients (read without crossing the socket)",
+            ),
         ):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], st[key])

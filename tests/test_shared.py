@@ -47,7 +47,7 @@ def received_bytes(d: Daemon) -> float:
 
 
 async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) -> None:
-    async with await Client.connect(daemon.socket_path) as c:
+    async with await Client.connect(daemon.socket_path, stage_writes=True) as c:
         assert c.shared
         before = received_bytes(daemon)
         assert await c.put(b"k", block(1)) == PutStatus.STORED
@@ -74,6 +74,20 @@ async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) ->
     await conn.done.wait()  # the client closed: its room is given back
     st = shared_stats(daemon)
     assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
+
+
+async def test_by_default_reads_use_shared_memory_and_writes_the_socket(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path) as c:
+        assert c.shared
+        before = received_bytes(daemon)
+        await c.put(b"k", block(7))  # over the socket, into its arena slot
+        assert received_bytes(daemon) - before > MiB
+        assert shared_stats(daemon)["staging_rooms"] == 0
+        assert daemon.ram.stats().extra["arena_allocated_bytes"] >= MiB
+        assert await c.get_many_into([b"k"], [bytearray(MiB)]) == [MiB]
+        assert shared_stats(daemon)["leased_bytes"] == MiB
+        await c.ping()
+        assert shared_stats(daemon)["leases_ended"]["released"] == 1
 
 
 async def test_a_client_that_does_not_opt_in_works_unchanged(daemon: Daemon) -> None:
@@ -172,7 +186,7 @@ import asyncio, sys
 from kvtier.client.aio import Client
 
 async def main():
-    c = await Client.connect(sys.argv[1])
+    c = await Client.connect(sys.argv[1], stage_writes=True)
     assert c.shared
     await c.put(b"mine", bytes(1 << 20))  # keeps a staging room
     async with c.lease(b"mine") as view:

@@ -66,8 +66,10 @@ class Client:
         self.server: HelloReply | None = None
         #: ask for shared memory at HELLO
         self._want_shared = False
-        #: blocks read and written through shared memory (None: over the socket)
+        #: blocks read (and written) through shared memory (None: over the socket)
         self._shm: SharedSession | None = None
+        #: large blocks are written through staging rooms (with shared memory)
+        self._stage_writes = False
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -87,12 +89,16 @@ class Client:
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-python/{__version__}",
         shared: bool = True,
+        stage_writes: bool = False,
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
 
         ``path`` defaults to the daemon's default socket path. ``shared``:
-        read and write blocks through the daemon's shared memory when it
-        offers it (same host; see docs/shared-memory.md), else the socket.
+        read blocks through the daemon's shared memory when it offers it
+        (same host; see docs/shared-memory.md), else over the socket.
+        ``stage_writes``: write large blocks through shared memory too
+        (staging and COMMIT); off, they go over the socket, which the daemon
+        receives straight into the block's place (faster from one client).
         """
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
@@ -106,6 +112,7 @@ class Client:
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from exc
         client = cls(protocol, path, timeout, name)
         client._want_shared = shared
+        client._stage_writes = stage_writes
         try:
             client.server = await client.hello()
             offer = client.server.shared
@@ -390,7 +397,7 @@ class Client:
         timeout: Timeout = ...,
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent)."""
-        if self._shm is not None and len(value) >= SOLO_VALUE_BYTES:
+        if self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES:
             status = await self._shm.put(key, value, durable, self._timeout(timeout))
             if status is not None:
                 return status
@@ -410,7 +417,11 @@ class Client:
         """Store blocks, pipelined. Large values travel one per frame."""
         if len(keys) != len(values):
             raise ValueError("put_many needs one value per key")
-        if self._shm is not None and any(len(v) >= SOLO_VALUE_BYTES for v in values):
+        if (
+            self._shm is not None
+            and self._stage_writes
+            and any(len(v) >= SOLO_VALUE_BYTES for v in values)
+        ):
 
             async def over_socket(ks: Sequence[bytes], vs: Sequence[Buffer]) -> list[PutStatus]:
                 return await self._put_socket(ks, vs, durable, timeout)

@@ -78,6 +78,8 @@ class SharedBlocks:
         self.rooms_expired = 0
         #: commits refused: wrong length, wrong checksum, or not the caller's room
         self.commits_refused = 0
+        #: bytes of the blocks leased (read by clients without crossing the socket)
+        self.leased_bytes = 0
 
     def __repr__(self) -> str:
         return (
@@ -104,6 +106,7 @@ class SharedBlocks:
             lease = self.leases.grant(owner, key, deadline)
             self._leased[lease.lease_id] = value
             out.append(Leased(lease.lease_id, slot.offset, slot.length))
+            self.leased_bytes += slot.length
         return out
 
     def unlease(self, owner: ConnId, ids: Sequence[int]) -> int:
@@ -218,6 +221,7 @@ class SharedBlocks:
             "staging_bytes": self.staging.size,
             "staging_expired": self.rooms_expired,
             "commits_refused": self.commits_refused,
+            "leased_bytes": self.leased_bytes,
             "arena_bytes": self.slots.arena.size,
             "arena_allocated_bytes": self.slots.arena.allocator.allocated_bytes,
         }
