@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from kvtier.daemon import run
 
-    run(config)
+    run(config, lambda: _config(args))
     return EXIT_OK
 
 

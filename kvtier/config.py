@@ -14,6 +14,7 @@ The daemon's side only: this module loads pydantic, so the client and
 from __future__ import annotations
 
 import os
+import ssl
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
@@ -154,6 +155,9 @@ class DiskConfig(_Section):
     io_threads: int = Field(default=4, ge=1, le=64)
     #: a lookup HIT on disk starts loading the block into RAM
     promote_on_lookup: bool = True
+    #: /readyz answers 503 until the disk index scan at start has finished
+    #: (the daemon serves meanwhile; blocks not yet scanned read RETRY)
+    ready_after_scan: bool = False
     #: background writes (write-through, demotions) beyond this many bytes in
     #: flight are dropped and counted rather than queued without bound
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
@@ -331,6 +335,27 @@ class PeerConfig(_Section):
             if host not in ("0.0.0.0", "::", ""):
                 return self.listen
         return None
+
+    def server_tls(self) -> ssl.SSLContext | None:
+        """The peer listener's TLS: this daemon's certificate; peers must present
+        one signed by ``tls_ca`` (mutual TLS)."""
+        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(self.tls_ca))
+        ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """TLS for dialling peers: verify their certificate against ``tls_ca`` and
+        present ours. Peers are dialled by address, so any certificate the
+        fleet's CA signed is a peer (the name in it is not checked)."""
+        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.tls_ca))
+        ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+        ctx.check_hostname = False
+        return ctx
 
     def secret(self) -> bytes:
         """The shared token's bytes (read from ``token_file`` if that is how it is given)."""

@@ -16,8 +16,7 @@ import logging
 import os
 import secrets
 import signal
-import ssl
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,10 @@ from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.scheduler import Scheduler
 from kvtier.core.service import Service
 from kvtier.core.shared import SharedBlocks
+from kvtier.errors import ConfigError
 from kvtier.metrics import Metrics, start_metrics_server
 from kvtier.model import Limits, Spawn
+from kvtier.reload import Live, apply
 from kvtier.server.gate import PeerGate
 from kvtier.server.handoff import Handoff
 from kvtier.server.server import Server
@@ -65,33 +66,10 @@ READY_MESSAGE = "kvtier ready"
 PEER_TIER = "peers"
 
 
-def server_tls(pc: PeerConfig) -> ssl.SSLContext | None:
-    """The peer listener's TLS: this daemon's certificate; peers must present
-    one signed by ``tls_ca`` (mutual TLS)."""
-    if pc.tls_cert is None or pc.tls_key is None or pc.tls_ca is None:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pc.tls_ca))
-    ctx.load_cert_chain(str(pc.tls_cert), str(pc.tls_key))
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
-def client_tls(pc: PeerConfig) -> ssl.SSLContext | None:
-    """TLS for dialling peers: verify their certificate against ``tls_ca`` and
-    present ours. Peers are dialled by address, so any certificate the
-    fleet's CA signed is a peer (the name in it is not checked)."""
-    if pc.tls_cert is None or pc.tls_key is None or pc.tls_ca is None:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(pc.tls_ca))
-    ctx.load_cert_chain(str(pc.tls_cert), str(pc.tls_key))
-    ctx.check_hostname = False
-    return ctx
-
-
 def build_peer_tier(pc: PeerConfig, node_id: str) -> PeerTier:
     """The peer tier over ``pc``'s members, ranked by rendezvous hashing."""
     counters = PeerCounters()
-    tls = client_tls(pc)
+    tls = pc.client_tls()
     token = pc.secret()
     picker: RendezvousPicker[Peer]
 
@@ -127,12 +105,19 @@ class Daemon:
     """One kvtier daemon. ``await Daemon(config).run()`` serves until :meth:`stop`."""
 
     def __init__(
-        self, config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = None
+        self,
+        config: Config,
+        *,
+        remote_tiers: Sequence[Tier | RemoteSpec] | None = None,
+        reread: Callable[[], Config] | None = None,
     ) -> None:
         """``remote_tiers`` replaces the configured remote tiers (tests and benchmarks
         inject doubles, or real tiers built with a test clock); a bare tier gets
-        write policy none."""
+        write policy none. ``reread`` builds the configuration again from its
+        sources, for :meth:`reload`."""
         self.config = config
+        self._reread = reread
+        self._spawn: Spawn | None = None
         #: this run's identity, in every HELLO reply: a daemon that dials its
         #: own address among the peers recognises itself by it
         self.node_id = secrets.token_hex(8)
@@ -239,6 +224,56 @@ class Daemon:
         while pending := [t for t in self._tasks if t is not asyncio.current_task()]:
             await asyncio.wait(pending)
 
+    def health(self) -> tuple[bool, bool, dict[str, Any]]:
+        """(alive, ready, details) for the probes on the metrics port.
+
+        Alive while the event loop answers and the daemon is not stopping;
+        ready once it serves, unless it is stopping or (with
+        ``disk.ready_after_scan``) its disk index is still being scanned."""
+        stopping = self._stop.is_set()
+        state = "stopping" if stopping else ("serving" if self.ready.is_set() else "starting")
+        details: dict[str, Any] = {"state": state}
+        ready = state == "serving"
+        if self.disk is not None:
+            scanning = self.disk.scanning
+            details["disk"] = "scanning" if scanning else "ready"
+            if scanning and self.config.disk.ready_after_scan:
+                ready = False
+        if self.peer_tier is not None:
+            peers = self.peer_tier.stats().extra
+            details["peers"] = {"up": peers["peers_up"], "known": peers["peers"]}
+        return not stopping, ready, details
+
+    def reload(self) -> None:
+        """Re-read the configuration and apply what can change live (SIGHUP);
+        see :mod:`kvtier.reload`. A configuration that does not load changes nothing."""
+        if self._reread is None:
+            log.warning("reload: this daemon has no configuration source to re-read")
+            return
+        try:
+            new = self._reread()
+        except ConfigError as exc:
+            log.error("reload failed; the running configuration is kept:\n%s", exc)
+            return
+        live = Live(
+            writers={w.name: w for w in self.service.propagation.writers},
+            shared=self.shared,
+        )
+        peer_tier, spawn = self.peer_tier, self._spawn
+        picker = peer_tier.picker if peer_tier is not None else None
+        if isinstance(picker, RendezvousPicker) and spawn is not None and not self.config.peer.dns:
+            members_of = picker
+
+            def set_members(members: list[str]) -> None:
+                for dropped in members_of.set_members(members):
+                    spawn(dropped.close())
+
+            live.set_members = set_members
+        applied, waiting = apply(self.config, new, live)
+        log.info("reloaded: %s", ", ".join(applied) or "nothing changed that applies live")
+        if waiting:
+            log.warning("changed but not applied until a restart: %s", ", ".join(waiting))
+
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
         self._stop.set()
@@ -276,6 +311,7 @@ class Daemon:
                 task.add_done_callback(self._tasks.discard)
                 return task
 
+            self._spawn = spawn
             scheduler_task = tasks.create_task(self.scheduler.run(), name="kvtier-scheduler")
             self.service.start(spawn)
             peer_tier = self.peer_tier
@@ -355,7 +391,7 @@ class Daemon:
         )
         self.metrics.watch_peer_listener(peers.counters, lambda: len(peers.connections))
         try:
-            self.peer_port = await peers.start_tcp(host, port, server_tls(pc))
+            self.peer_port = await peers.start_tcp(host, port, pc.server_tls())
         except OSError as exc:
             raise OSError(exc.errno, f"cannot listen for peers on {pc.listen}: {exc}") from exc
 
@@ -364,7 +400,9 @@ class Daemon:
         if not mc.enabled:
             return None
         try:
-            runner, self.metrics_port = await start_metrics_server(self.metrics, mc.host, mc.port)
+            runner, self.metrics_port = await start_metrics_server(
+                self.metrics, mc.host, mc.port, self.health
+            )
         except OSError as exc:
             raise OSError(
                 exc.errno, f"cannot serve metrics on {mc.host}:{mc.port}: {exc.strerror}"
@@ -436,14 +474,16 @@ def install_signal_handlers(daemon: Daemon) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload)
 
 
-async def serve(config: Config) -> None:
-    daemon = Daemon(config)
+async def serve(config: Config, reread: Callable[[], Config] | None = None) -> None:
+    daemon = Daemon(config, reread=reread)
     install_signal_handlers(daemon)
     await daemon.run()
 
 
-def run(config: Config) -> None:
-    """Run the daemon to completion on the loop :mod:`kvtier.loops` chooses."""
-    loops.run(serve(config))
+def run(config: Config, reread: Callable[[], Config] | None = None) -> None:
+    """Run the daemon to completion on the loop :mod:`kvtier.loops` chooses;
+    SIGHUP calls ``reread`` and applies the live settings."""
+    loops.run(serve(config, reread))

@@ -92,6 +92,8 @@ class DaemonProcess:
         self.metrics_url: str | None = None
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
+        #: notified for every line of stderr (wait_for_line)
+        self._line = threading.Condition()
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         cmd = [
@@ -125,13 +127,25 @@ class DaemonProcess:
         assert self.proc is not None and self.proc.stderr is not None
         for raw in self.proc.stderr:
             line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
+            with self._line:
+                self.lines.append(line)
+                self._line.notify_all()
             if READY_MESSAGE in line:
                 match = re.search(r"metrics=(\S+)", line)
                 if match and match.group(1).startswith("http"):
                     self.metrics_url = match.group(1)
                 self._ready.set()
         self._ready.set()  # EOF: the process is gone; start() reports it
+
+    def wait_for_line(self, needle: str, start: int = 0, timeout: float = 30.0) -> str:
+        """The first line from ``start`` on that contains ``needle``, as it arrives."""
+        with self._line:
+            found = self._line.wait_for(
+                lambda: any(needle in line for line in self.lines[start:]), timeout
+            )
+            if not found:
+                raise AssertionError(f"no line with {needle!r}:\n" + "\n".join(self.lines))
+            return next(line for line in self.lines[start:] if needle in line)
 
     @property
     def pid(self) -> int:
