@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm bench-vllm lint typecheck imports unit bench bench-deps soak clean
+.PHONY: run test test-vllm bench-vllm lint typecheck imports unit bench bench-deps soak clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,8 @@ run: $(STAMP)
 	$(BIN)/kvtier serve $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvtier tests benchmarks
-	$(BIN)/ruff format --check kvtier tests benchmarks
+	$(BIN)/ruff check kvtier tests benchmarks deploy
+	$(BIN)/ruff format --check kvtier tests benchmarks deploy
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -28,10 +28,29 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-unit: $(STAMP)
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+unit: $(STAMP) deploy-tools
+	KVTIER_REQUIRE_TOOLS=1 PATH="$(CURDIR)/$(TOOLS)/usr/bin:$$PATH" $(BIN)/pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck imports unit
+
+# Tools the deploy/ checks run (tests/test_deploy.py): promtool from Debian's
+# prometheus package, unpacked into .tools/ (its service is never installed);
+# kubectl for kustomize, from Debian's kubernetes-client where it is missing.
+TOOLS    := .tools
+PROMTOOL := $(TOOLS)/usr/bin/promtool
+
+$(PROMTOOL):
+	@command -v promtool >/dev/null && { mkdir -p $(TOOLS)/usr/bin && ln -sf "$$(command -v promtool)" $@; exit 0; }; \
+	mkdir -p $(TOOLS)/deb && cd $(TOOLS)/deb && rm -f prometheus_*.deb && \
+	  { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; } && \
+	  dpkg -x prometheus_*.deb $(CURDIR)/$(TOOLS) && rm -f prometheus_*.deb
+	@test -x $@
+
+deploy-tools: $(PROMTOOL)
+	@command -v kubectl >/dev/null || test -x $(TOOLS)/usr/bin/kubectl || { \
+	  mkdir -p $(TOOLS)/deb && cd $(TOOLS)/deb && \
+	  { apt-get download kubernetes-client 2>/dev/null || { apt-get update -qq && apt-get download kubernetes-client; }; } && \
+	  dpkg -x kubernetes-client_*.deb $(CURDIR)/$(TOOLS) && rm -f kubernetes-client_*.deb; }
 
 # vLLM's tiering machinery on CPU, in a venv of its own (.venv-vllm, ~3 GB):
 # kvtier's tier inside vLLM's real SecondaryTierFactory and job types, against
@@ -86,4 +105,4 @@ soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak --duration $(DURATION)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info

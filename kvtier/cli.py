@@ -250,6 +250,13 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from kvtier.configdoc import render
+
+    sys.stdout.write(render())
+    return EXIT_OK
+
+
 # -- parser
 
 
@@ -343,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = csub.add_parser("check", help="print the effective config or the error")
     c.add_argument("path", nargs="?", help="TOML file (default: --config or $KVTIER_CONFIG)")
     c.set_defaults(func=cmd_config_check)
+    r = csub.add_parser("reference", help="print the configuration reference (Markdown)")
+    r.set_defaults(func=cmd_config_reference)
     return parser
 
 

@@ -85,12 +85,21 @@ class _Section(BaseModel):
 
 
 class ServerConfig(_Section):
+    #: the Unix socket clients connect to; its directory is created 0700 (0750 for a
+    #: group-usable socket). Default: $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else
+    #: /tmp/kvtier-$UID/kvtier.sock
     socket_path: Path = Field(default_factory=default_socket_path)
+    #: largest frame body (meta + data) accepted; a larger one closes the connection
     max_frame_bytes: ByteSize = Field(default=ByteSize(64 * MiB), ge=4096, le=0xFFFFFFFF)
+    #: keys are 1..N opaque bytes
     max_key_bytes: int = Field(default=256, ge=1, le=4096)
+    #: keys per LOOKUP, GET, PUT or DELETE request
     max_batch: int = Field(default=65536, ge=1, le=1 << 24)
+    #: largest block; must fit in one frame
     max_block_bytes: ByteSize = Field(default=ByteSize(16 * MiB), ge=1)
+    #: requests one connection may have running before reading from it pauses
     max_inflight_per_connection: int = Field(default=1024, ge=1)
+    #: seconds to finish in-flight requests on SIGTERM or SIGINT
     shutdown_grace: float = Field(default=10.0, ge=0)
     #: the socket file's mode: 0600 (the daemon's user only) or, for engines
     #: running as another user of a shared group, 0660; written as "0660" or 432
@@ -99,6 +108,7 @@ class ServerConfig(_Section):
     #: passes if its uid or its gid is listed); unset with a group-readable
     #: socket: the daemon's own uid only
     allowed_uids: list[int] | None = None
+    #: groups allowed to connect (see allowed_uids)
     allowed_gids: list[int] | None = None
 
     @model_validator(mode="after")
@@ -142,7 +152,10 @@ class SharedConfig(_Section):
 
 
 class DiskConfig(_Section):
+    #: serve a disk tier below RAM
     enabled: bool = True
+    #: the block directory (256 fan-out subdirectories are created). Default:
+    #: $XDG_CACHE_HOME/kvtier, else ~/.cache/kvtier
     path: Path = Field(default_factory=default_data_dir)
     #: bytes, or "auto": a tenth of the free space at start, capped at 64 GiB
     capacity: Capacity = "auto"
@@ -152,6 +165,7 @@ class DiskConfig(_Section):
     #: "none": no fsync (survives a process crash, not power loss); "batch":
     #: grouped fsyncs, durable PUTs wait for theirs; "always": fsync per block
     fsync: Literal["none", "batch", "always"] = "batch"
+    #: threads doing file I/O (block reads and writes never run on the event loop)
     io_threads: int = Field(default=4, ge=1, le=64)
     #: a lookup HIT on disk starts loading the block into RAM
     promote_on_lookup: bool = True
@@ -176,11 +190,13 @@ class LookupConfig(_Section):
     probe_timeout: float = Field(default=2.0, gt=0)
     #: probes arriving within this window go to a tier in one batch_lookup call
     probe_batch_window: float = Field(default=0.001, ge=0)
+    #: keys per batch_lookup call to a remote tier at most
     probe_max_batch: int = Field(default=1024, ge=1)
     #: how long a probe's verdict answers later lookups without a new probe
     verdict_ttl: float = Field(default=5.0, gt=0)
     #: how long a failed probe is remembered (short: errors are transient; 0 = not at all)
     error_ttl: float = Field(default=0.5, ge=0)
+    #: probe verdicts kept per remote tier at most
     max_verdicts: int = Field(default=100_000, ge=1)
     #: write deadline of every PENDING block (reservations and promotions)
     pending_deadline: float = Field(default=30.0, gt=0)
@@ -191,6 +207,7 @@ class LookupConfig(_Section):
     remote_hit: Literal["promote", "hit"] = "promote"
     #: idle per-request lookup state (max_pending_wait) is dropped after this
     request_state_ttl: float = Field(default=60.0, gt=0)
+    #: request tags tracked at most (oldest dropped first)
     max_request_states: int = Field(default=100_000, ge=1)
     #: how often stale verdicts and idle request state are swept
     sweep_interval: float = Field(default=1.0, gt=0)
@@ -212,10 +229,13 @@ class S3TierConfig(_Section):
     """Any S3-compatible object store (AWS S3, MinIO, Ceph RGW)."""
 
     kind: Literal["s3"] = "s3"
+    #: the tier's name in metrics and logs (unique among tiers)
     name: str = "s3"
+    #: the bucket blocks are stored in
     bucket: str = Field(min_length=3, max_length=63)
     #: namespaces a deployment or a model inside the bucket
     prefix: str = "kvtier/"
+    #: the bucket's region; unset: the standard AWS chain decides
     region: str | None = None
     #: e.g. http://minio:9000 ; unset for AWS
     endpoint_url: str | None = None
@@ -223,18 +243,28 @@ class S3TierConfig(_Section):
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     #: explicit credentials; unset uses the standard AWS chain (env, profile, IMDS)
     access_key_id: str | None = None
+    #: with access_key_id; never logged
     secret_access_key: SecretStr | None = None
+    #: for temporary credentials; never logged
     session_token: SecretStr | None = None
+    #: HTTP connections kept to the endpoint
     max_pool_connections: int = Field(default=64, ge=1)
     #: S3 requests in flight at once from this tier
     max_concurrency: int = Field(default=64, ge=1)
+    #: seconds to connect to the endpoint
     connect_timeout: float = Field(default=2.0, gt=0)
+    #: seconds to wait for a response's bytes
     read_timeout: float = Field(default=10.0, gt=0)
     #: overall bound of one operation, retries included
     op_timeout: float = Field(default=20.0, gt=0)
+    #: tries per request (botocore retries) within op_timeout
     max_attempts: int = Field(default=3, ge=1, le=20)
+    #: botocore's retry mode
     retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
+    #: how blocks reach the tier: write-through (every PUT, in the background), write-back (RAM
+    #: evictions), none
     write_policy: WritePolicy = "write-through"
+    #: background writes beyond this many bytes in flight are dropped and counted
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     #: consecutive failures that open the circuit breaker
     breaker_failures: int = Field(default=5, ge=1)
@@ -282,6 +312,7 @@ class PeerConfig(_Section):
     #: "name:port": every address the name resolves to is a peer (a
     #: Kubernetes headless service), re-resolved every ``dns_interval``
     dns: Address | None = None
+    #: seconds between re-resolutions of peer.dns
     dns_interval: float = Field(default=10.0, gt=0)
     #: the shared secret, from ``KVTIER_PEER__TOKEN`` or here; never logged
     token: SecretStr | None = None
@@ -290,13 +321,16 @@ class PeerConfig(_Section):
     #: TLS between hosts: this daemon's certificate and key, and the CA that
     #: signed every peer's certificate (peers must present one: mutual TLS)
     tls_cert: Path | None = None
+    #: this daemon's TLS key (with tls_cert and tls_ca)
     tls_key: Path | None = None
+    #: the CA that signs every peer's certificate (mutual TLS)
     tls_ca: Path | None = None
     #: "owner": a block stored here is also pushed to its owner in the
     #: background; "none": blocks stay where they were stored
     push: Literal["owner", "none"] = "owner"
     #: pushes beyond this many bytes in flight are dropped and counted
     max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)
+    #: seconds to connect and authenticate (HELLO) to a peer
     connect_timeout: float = Field(default=1.0, gt=0)
     #: bound of one request to a peer (a GET of one block included)
     request_timeout: float = Field(default=5.0, gt=0)
@@ -373,13 +407,17 @@ class PeerConfig(_Section):
 
 
 class MetricsConfig(_Section):
+    #: serve /metrics, /healthz and /readyz over HTTP
     enabled: bool = True
+    #: address to bind; a non-loopback address exposes the metrics and probes (no block data) to
+    #: that network
     host: str = "127.0.0.1"
     #: 0 picks a free port (logged at startup)
     port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
 
 
 class LogConfig(_Section):
+    #: log level; SIGHUP applies a change live
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
