@@ -323,11 +323,12 @@ async def deferred_writes(tmp: Path, quick: bool) -> Figure:
     )
 
 
-#: each kvtier path, and what it is compared with
+#: each kvtier path, and the other kvtier paths it is compared with (every
+#: other system of the same workload is compared with each of them)
 SUBJECTS = {
-    "kvtier": ("kvtier-socket", "redis", "raw", "memcpy"),
-    "kvtier-staged": ("kvtier-socket", "redis", "memcpy"),
-    "kvtier-socket": ("redis", "raw"),
+    "kvtier": ("kvtier-socket",),
+    "kvtier-staged": ("kvtier-socket",),
+    "kvtier-socket": (),
 }
 
 
@@ -348,7 +349,8 @@ def ratios(figures: list[Figure]) -> list[dict[str, Any]]:
                 "unit": kv.unit,
                 "against": {},
             }
-            for name in others:
+            compared = [*others, *(n for n in systems if not n.startswith("kvtier"))]
+            for name in compared:
                 other = systems.get(name)
                 if other is not None and other.rate:
                     row["against"][name] = {"rate": other.rate, "ratio": kv.rate / other.rate}

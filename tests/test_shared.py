@@ -18,7 +18,7 @@ from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.shared import fetch
 from kvtier.daemon import Daemon
-from kvtier.errors import BadArgumentError, ForbiddenError
+from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError
 from kvtier.model import PutStatus, State
 from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
@@ -275,3 +275,39 @@ async def test_a_client_of_another_uid_cannot_map_the_arena(daemon: Daemon) -> N
         check=True,
     )
     assert out.stdout.decode().split("\n")[:2] == ["handoff refused", "descriptor refused"]
+
+
+async def test_a_client_falls_back_when_the_daemon_refuses_the_shared_flag(
+    sock_dir: Path,
+) -> None:
+    """A daemon older than shared memory rejects the HELLO flag as malformed:
+    the client says HELLO again without it and uses the socket."""
+    hellos: list[wire.Hello] = []
+
+    async def old_daemon(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while head := await reader.readexactly(wire.HEADER_SIZE):
+            h = wire.unpack_header(head)
+            meta = await reader.readexactly(h.meta_len)
+            hello = wire.decode_hello(meta)
+            hellos.append(hello)
+            if hello.shared:
+                body = wire.encode_error("1 unexpected trailing bytes in message")
+                status = int(ErrorCode.MALFORMED)
+            else:
+                body, status = (
+                    wire.encode_hello_reply(wire.HelloReply(1, 256, 100, 1 << 20, 1 << 16, "old")),
+                    0,
+                )
+            parts = wire.frame_parts(
+                h.opcode, h.request_id, body, flags=wire.FLAG_REPLY, status=status
+            )
+            writer.writelines(parts)
+
+    server = await asyncio.start_unix_server(old_daemon, path=str(sock_dir / "old.sock"))
+    async with server:
+        c = await Client.connect(sock_dir / "old.sock")
+        try:
+            assert not c.shared and c.server is not None and c.server.server_name == "old"
+            assert [h.shared for h in hellos] == [True, False]
+        finally:
+            await c.close()

@@ -29,6 +29,7 @@ from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
 from kvtier.errors import (
     ConnectionClosedError,
     DaemonUnavailableError,
+    ProtocolError,
     RequestTimeoutError,
     ValueTooLargeError,
     error_from_code,
@@ -114,7 +115,14 @@ class Client:
         client._want_shared = shared
         client._stage_writes = stage_writes
         try:
-            client.server = await client.hello()
+            try:
+                client.server = await client.hello()
+            except ProtocolError:
+                if not shared:
+                    raise
+                # A daemon older than shared memory refuses the HELLO flag.
+                client._want_shared = False
+                client.server = await client.hello()
             offer = client.server.shared
             if offer is not None:
                 await client._map_shared(offer)
