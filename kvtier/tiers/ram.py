@@ -19,7 +19,8 @@ policy; never the core or metrics.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from itertools import chain, islice
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
@@ -84,18 +85,30 @@ class RamTier(LocalTier):
 
     def touch_later(self, keys: Sequence[bytes], count: int) -> None:
         """A lookup answered HIT for ``keys[:count]``: refresh the resident ones in
-        the eviction order before the next write, off the lookup's reply path."""
-        self._touches.append((keys, count))
-        if len(self._touches) >= _MAX_DEFERRED_TOUCHES:
+        the eviction order before the next write, off the lookup's reply path.
+        The same lookup again (a reader polling) adds nothing to do."""
+        touches = self._touches
+        if touches and touches[-1][1] == count and touches[-1][0] == keys:
+            return
+        touches.append((keys, count))
+        if len(touches) >= _MAX_DEFERRED_TOUCHES:
             self._apply_touches()
 
     def _apply_touches(self) -> None:
+        """Each key touched once, in the order of its latest lookup: lookups of
+        the same prefixes (a shared system prompt, a polling reader) cost the
+        policy one touch per key per window, not one per lookup."""
         touches, self._touches = self._touches, []
+        if len(touches) == 1:
+            keys, count = touches[0]
+            latest: Iterable[bytes] = keys[:count]
+        else:  # dict.fromkeys dedupes at C speed; built newest first, then reversed
+            newest = chain.from_iterable(islice(k, c) for k, c in reversed(touches))
+            latest = reversed(dict.fromkeys(newest))
         values, touch = self._values, self.budget.touch
-        for keys, count in touches:
-            for key in keys[:count]:
-                if key in values:
-                    touch(key)
+        for key in latest:
+            if key in values:
+                touch(key)
 
     def get(self, key: bytes) -> Buffer | None:
         value = self._values.get(key)
