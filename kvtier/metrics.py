@@ -383,6 +383,16 @@ class _Collector(Collector):
             "Fraction of the disk index rebuilt since start (1 = complete)",
             value=st.extra.get("index_buckets_scanned", 0) / total,
         )
+        yield GaugeMetricFamily(
+            "kvtier_disk_filesystem_free_bytes",
+            "Free bytes (for unprivileged users) on the filesystem holding disk.path",
+            value=st.extra.get("filesystem_free_bytes", 0),
+        )
+        yield GaugeMetricFamily(
+            "kvtier_disk_filesystem_size_bytes",
+            "Size of the filesystem holding disk.path",
+            value=st.extra.get("filesystem_size_bytes", 0),
+        )
 
     def _s3(self, tiers: list[S3Tier]) -> Iterator[Metric]:
         if not tiers:

@@ -135,6 +135,19 @@ ROWS: list[tuple[str, list[tuple[str, list[tuple[str, str]], str]]]] = [
                 "percentunit",
             ),
             (
+                "Disk tier's filesystem: free",
+                [
+                    (
+                        sel(
+                            "kvtier_disk_filesystem_free_bytes{SEL} / "
+                            "kvtier_disk_filesystem_size_bytes{SEL}"
+                        ),
+                        "{{instance}}",
+                    )
+                ],
+                "percentunit",
+            ),
+            (
                 "Evictions",
                 [
                     (

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier import wire
 from kvtier._version import __version__
 from kvtier.client.batching import SOLO_VALUE_BYTES, put_batches
+from kvtier.client.dial import connect_tcp
 from kvtier.client.protocol import ClientProtocol, expire
 from kvtier.client.shared import SharedSession, fetch
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
@@ -38,7 +39,7 @@ from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Res
 from kvtier.wire import FLAG_DURABLE, Frame, HelloReply, Op
 
 if TYPE_CHECKING:
-    import ssl
+    pass
 
 log = logging.getLogger("kvtier.client")
 
@@ -139,56 +140,8 @@ class Client:
             return
         self._shm = SharedSession(self, arena, staging)
 
-    @classmethod
-    async def connect_tcp(
-        cls,
-        host: str,
-        port: int,
-        *,
-        token: bytes,
-        tls: ssl.SSLContext | None = None,
-        connect_timeout: float = 1.0,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        name: str = f"kvtier-peer/{__version__}",
-    ) -> Client:
-        """Connect to a daemon's peer port and authenticate with ``token`` (HELLO)."""
-        address = f"{host}:{port}"
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(connect_timeout):
-                _, protocol = await loop.create_connection(
-                    lambda: ClientProtocol(wire.MAX_FRAME_BYTES_V1),
-                    host,
-                    port,
-                    ssl=tls,
-                    server_hostname=host if tls is not None else None,
-                )
-        except TimeoutError as exc:
-            raise DaemonUnavailableError(
-                f"no answer from peer {address} within {connect_timeout}s"
-            ) from exc
-        except OSError as exc:  # ssl.SSLError included: a failed handshake
-            raise DaemonUnavailableError(f"cannot connect to peer {address}: {exc}") from exc
-        client = cls(protocol, address, timeout, name, token)
-        try:
-            async with asyncio.timeout(connect_timeout):  # authenticating is connecting
-                client.server = await client.hello()
-        except TimeoutError as exc:
-            await client.close()
-            raise DaemonUnavailableError(
-                f"peer {address} did not answer HELLO within {connect_timeout}s"
-            ) from exc
-        except ConnectionClosedError as exc:
-            await client.close()
-            # With TLS 1.3 a refused client certificate shows only now.
-            raise DaemonUnavailableError(
-                f"peer {address} closed the connection at HELLO ({exc}); "
-                "if TLS is on, check that both sides use the same CA"
-            ) from exc
-        except BaseException:
-            await client.close()
-            raise
-        return client
+    #: connect to a daemon's peer port (TCP, token, TLS): see :mod:`kvtier.client.dial`
+    connect_tcp = classmethod(connect_tcp)
 
     async def __aenter__(self) -> Client:
         return self
@@ -265,9 +218,10 @@ class Client:
         data: Sequence[Buffer] = (),
         flags: int = 0,
         timeout: Timeout = ...,
+        into: memoryview | None = None,
     ) -> Frame:
         """One request, one reply: the per-call fast path (no gather, no timeout context)."""
-        fut = self._send(op, meta, data, flags)
+        fut = self._send(op, meta, data, flags, into=into)
         await self._protocol.drain()
         seconds = self._timeout(timeout)
         handle = None
@@ -364,7 +318,13 @@ class Client:
         ``dest`` raises :class:`~kvtier.errors.ValueTooLargeError`; after any
         error the contents of ``dest`` are undefined.
         """
-        return (await self.get_many_into([key], [dest], timeout=timeout))[0]
+        view = memoryview(dest).cast("B")
+        if view.readonly:
+            raise ValueError("the destination buffer is read-only")
+        if self._shm is not None:
+            return (await self._shm.get_many_into([key], [view], self._timeout(timeout)))[0]
+        frame = await self._call(Op.GET, wire.encode_keys([key]), timeout=timeout, into=view)
+        return _landed(key, view, frame)
 
     async def get_many_into(
         self, keys: Sequence[bytes], dests: Sequence[Buffer], *, timeout: Timeout = ...
@@ -383,18 +343,7 @@ class Client:
             for key, view in zip(keys, views, strict=True)
         ]
         frames = await self._await(futs, self._timeout(timeout))
-        out: list[int | None] = []
-        for key, view, frame in zip(keys, views, frames, strict=True):
-            (value,) = wire.decode_get_reply(frame.meta, frame.data)
-            if value is None:
-                out.append(None)
-            elif value.obj is not view.obj:
-                raise ValueTooLargeError(
-                    f"block {key.hex()} is {len(value)} bytes; its destination holds {len(view)}"
-                )
-            else:
-                out.append(len(value))
-        return out
+        return [_landed(k, v, f) for k, v, f in zip(keys, views, frames, strict=True)]
 
     async def put(
         self,
@@ -504,3 +453,15 @@ class Client:
         """Free the daemon's per-request lookup state of ``request_tag``."""
         frame = await self._call(Op.RELEASE, wire.encode_tag(request_tag), timeout=timeout)
         return bool(frame.meta and frame.meta[0])
+
+
+def _landed(key: bytes, view: memoryview, frame: Frame) -> int | None:
+    """The length of the block a GET reply received into ``view``, or None."""
+    (value,) = wire.decode_get_reply(frame.meta, frame.data)
+    if value is None:
+        return None
+    if value.obj is not view.obj:
+        raise ValueTooLargeError(
+            f"block {key.hex()} is {len(value)} bytes; its destination holds {len(view)}"
+        )
+    return len(value)

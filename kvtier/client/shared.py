@@ -28,8 +28,6 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
-import xxhash
-
 from kvtier import wire
 from kvtier.client.batching import SOLO_VALUE_BYTES
 from kvtier.errors import KvtierError, NoCapacityError, ValueTooLargeError
@@ -207,7 +205,7 @@ class SharedSession:
             return None
         try:
             self._staging_view[offset : offset + length] = value
-            commit = wire.Commit(key, offset, length, xxhash.xxh3_64_intdigest(value), True)
+            commit = wire.Commit(key, offset, length, checksum(value), True)
             frame = await self._calls._call(
                 Op.COMMIT,
                 wire.encode_commit(commit),
@@ -265,7 +263,7 @@ class SharedSession:
                             keys[i],
                             offset,
                             length,
-                            xxhash.xxh3_64_intdigest(values[i]),
+                            checksum(values[i]),
                             keep_room=True,
                         )
                     ),
@@ -296,6 +294,13 @@ class SharedSession:
         for mapping in (self._arena, self._staging):
             with contextlib.suppress(BufferError):  # a caller still holds a lease's view
                 mapping.close()
+
+
+def checksum(value: Buffer) -> int:
+    """XXH3-64 of a block, as COMMIT carries it (imported only by writers that stage)."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(value)
 
 
 def _ignore(fut: asyncio.Future[Frame]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -345,7 +346,16 @@ class DiskTier(LocalTier):
             await self.sync()
         self._pool.shutdown(wait=True)
 
+    def filesystem(self) -> tuple[int, int]:
+        """(free bytes, size) of the filesystem holding the blocks; (0, 0) if unknown."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return 0, 0
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
     def stats(self) -> TierStats:
+        fs_free, fs_size = self.filesystem()
         return TierStats(
             name=self.name,
             capacity_bytes=self.capacity,
@@ -363,5 +373,7 @@ class DiskTier(LocalTier):
                 "writes_in_flight": len(self._writing),
                 "index_buckets_scanned": self.buckets_scanned,
                 "index_buckets_total": self.buckets_total,
+                "filesystem_free_bytes": fs_free,
+                "filesystem_size_bytes": fs_size,
             },
         )
