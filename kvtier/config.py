@@ -14,19 +14,14 @@ The daemon's side only: this module loads pydantic, so the client and
 from __future__ import annotations
 
 import os
-import ssl
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ByteSize,
-    ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     model_validator,
 )
@@ -36,6 +31,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from kvtier.configtypes import ByteCount, Capacity, Section, SocketMode
 from kvtier.defaults import DEFAULT_METRICS_PORT, default_data_dir, default_socket_path
 from kvtier.errors import ConfigError
 from kvtier.model import STAGING_REUSE_SECONDS
@@ -47,44 +43,23 @@ from kvtier.sizes import (
     auto_ram_capacity,
     available_memory,
     free_disk_bytes,
-    parse_size,
 )
+from kvtier.tierconfig import PeerConfig, RemoteTierConfig, S3TierConfig, split_address
 
-__all__ = ["GiB", "MiB", "auto_ram_capacity", "load_config", "render_toml"]
-
-
-def _capacity(value: Any) -> Any:
-    return value if value == "auto" else parse_size(value)
-
-
-def _size_or_zero(value: Any) -> Any:
-    return 0 if value == 0 else parse_size(value)
-
-
-def _socket_mode(value: Any) -> Any:
-    mode = int(value, 8) if isinstance(value, str) else value
-    if not isinstance(mode, int) or mode & ~0o660 or mode & 0o600 != 0o600:
-        raise ValueError(
-            f"socket_mode must give the owner read and write and nothing to others "
-            f"(0600 or 0660), got {value!r}"
-        )
-    return mode
+__all__ = [
+    "GiB",
+    "MiB",
+    "PeerConfig",
+    "RemoteTierConfig",
+    "S3TierConfig",
+    "auto_ram_capacity",
+    "load_config",
+    "render_toml",
+    "split_address",
+]
 
 
-#: a Unix socket's permission bits: owner rw, optionally group rw, never others
-SocketMode = Annotated[int, BeforeValidator(_socket_mode)]
-
-#: a byte count (``8GiB`` or an int), or "auto"
-Capacity = Annotated[int | Literal["auto"], BeforeValidator(_capacity)]
-#: a byte count, 0 allowed
-ByteCount = Annotated[int, BeforeValidator(_size_or_zero)]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ServerConfig(_Section):
+class ServerConfig(Section):
     #: the Unix socket clients connect to; its directory is created 0700 (0750 for a
     #: group-usable socket). Default: $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else
     #: /tmp/kvtier-$UID/kvtier.sock
@@ -121,7 +96,7 @@ class ServerConfig(_Section):
         return self
 
 
-class RamConfig(_Section):
+class RamConfig(Section):
     #: bytes, or "auto": a quarter of available memory, capped at 16 GiB
     capacity: Capacity = "auto"
     #: eviction policy: "harc" (ARC with a long frequency history, see
@@ -134,7 +109,7 @@ class RamConfig(_Section):
         return int(self.capacity)
 
 
-class SharedConfig(_Section):
+class SharedConfig(Section):
     """Shared memory for clients on the same host (docs/shared-memory.md)."""
 
     #: keep RAM's blocks in a memory file that clients map and read in place
@@ -151,7 +126,7 @@ class SharedConfig(_Section):
     staging_timeout: float = Field(default=60.0, gt=STAGING_REUSE_SECONDS)
 
 
-class DiskConfig(_Section):
+class DiskConfig(Section):
     #: serve a disk tier below RAM
     enabled: bool = True
     #: the block directory (256 fan-out subdirectories are created). Default:
@@ -185,7 +160,7 @@ class DiskConfig(_Section):
         return int(self.capacity)
 
 
-class LookupConfig(_Section):
+class LookupConfig(Section):
     #: seconds a remote existence probe may take before it resolves as an error (MISS)
     probe_timeout: float = Field(default=2.0, gt=0)
     #: probes arriving within this window go to a tier in one batch_lookup call
@@ -213,200 +188,7 @@ class LookupConfig(_Section):
     sweep_interval: float = Field(default=1.0, gt=0)
 
 
-WritePolicy = Literal["write-through", "write-back", "none"]
-
-
-class MemoryTierConfig(_Section):
-    """An in-memory remote tier, for demos and tests of the probe path."""
-
-    kind: Literal["memory"] = "memory"
-    name: str = "memory"
-    write_policy: WritePolicy = "none"
-    max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
-
-
-class S3TierConfig(_Section):
-    """Any S3-compatible object store (AWS S3, MinIO, Ceph RGW)."""
-
-    kind: Literal["s3"] = "s3"
-    #: the tier's name in metrics and logs (unique among tiers)
-    name: str = "s3"
-    #: the bucket blocks are stored in
-    bucket: str = Field(min_length=3, max_length=63)
-    #: namespaces a deployment or a model inside the bucket
-    prefix: str = "kvtier/"
-    #: the bucket's region; unset: the standard AWS chain decides
-    region: str | None = None
-    #: e.g. http://minio:9000 ; unset for AWS
-    endpoint_url: str | None = None
-    #: "path" for MinIO and most self-hosted stores; "auto" lets botocore choose
-    addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    #: explicit credentials; unset uses the standard AWS chain (env, profile, IMDS)
-    access_key_id: str | None = None
-    #: with access_key_id; never logged
-    secret_access_key: SecretStr | None = None
-    #: for temporary credentials; never logged
-    session_token: SecretStr | None = None
-    #: HTTP connections kept to the endpoint
-    max_pool_connections: int = Field(default=64, ge=1)
-    #: S3 requests in flight at once from this tier
-    max_concurrency: int = Field(default=64, ge=1)
-    #: seconds to connect to the endpoint
-    connect_timeout: float = Field(default=2.0, gt=0)
-    #: seconds to wait for a response's bytes
-    read_timeout: float = Field(default=10.0, gt=0)
-    #: overall bound of one operation, retries included
-    op_timeout: float = Field(default=20.0, gt=0)
-    #: tries per request (botocore retries) within op_timeout
-    max_attempts: int = Field(default=3, ge=1, le=20)
-    #: botocore's retry mode
-    retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
-    #: how blocks reach the tier: write-through (every PUT, in the background), write-back (RAM
-    #: evictions), none
-    write_policy: WritePolicy = "write-through"
-    #: background writes beyond this many bytes in flight are dropped and counted
-    max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
-    #: consecutive failures that open the circuit breaker
-    breaker_failures: int = Field(default=5, ge=1)
-    #: seconds the breaker stays open before one trial request
-    breaker_reset: float = Field(default=5.0, gt=0)
-
-
-RemoteTierConfig = Annotated[MemoryTierConfig | S3TierConfig, Field(discriminator="kind")]
-
-
-def _address(value: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected host:port, got {value!r}")
-    return value
-
-
-#: ``host:port`` (an IPv6 host in brackets: ``[::1]:7070``)
-Address = Annotated[str, BeforeValidator(_address)]
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` as (host, port); brackets around an IPv6 host dropped."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-class PeerConfig(_Section):
-    """Daemons on other nodes sharing blocks over TCP (off unless configured).
-
-    ``listen`` serves peers; ``members`` or ``dns`` name the peers this
-    daemon asks. Both need the shared ``token``.
-    """
-
-    #: host:port to serve peers on, e.g. "0.0.0.0:7070"; unset: no listener
-    listen: Address | None = None
-    #: the address peers dial for this daemon (its name in the hash ring);
-    #: default: ``listen`` when it names a host
-    advertise: Address | None = None
-    #: static peer addresses (this daemon's own address may be listed: it is
-    #: recognised and skipped)
-    members: list[Address] = Field(default_factory=list)
-    #: "name:port": every address the name resolves to is a peer (a
-    #: Kubernetes headless service), re-resolved every ``dns_interval``
-    dns: Address | None = None
-    #: seconds between re-resolutions of peer.dns
-    dns_interval: float = Field(default=10.0, gt=0)
-    #: the shared secret, from ``KVTIER_PEER__TOKEN`` or here; never logged
-    token: SecretStr | None = None
-    #: or a file holding it (read at start; surrounding whitespace ignored)
-    token_file: Path | None = None
-    #: TLS between hosts: this daemon's certificate and key, and the CA that
-    #: signed every peer's certificate (peers must present one: mutual TLS)
-    tls_cert: Path | None = None
-    #: this daemon's TLS key (with tls_cert and tls_ca)
-    tls_key: Path | None = None
-    #: the CA that signs every peer's certificate (mutual TLS)
-    tls_ca: Path | None = None
-    #: "owner": a block stored here is also pushed to its owner in the
-    #: background; "none": blocks stay where they were stored
-    push: Literal["owner", "none"] = "owner"
-    #: pushes beyond this many bytes in flight are dropped and counted
-    max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)
-    #: seconds to connect and authenticate (HELLO) to a peer
-    connect_timeout: float = Field(default=1.0, gt=0)
-    #: bound of one request to a peer (a GET of one block included)
-    request_timeout: float = Field(default=5.0, gt=0)
-    #: consecutive failures that mark a peer down (its keys go to the next peer)
-    breaker_failures: int = Field(default=3, ge=1)
-    #: seconds a down peer is left alone before one trial request
-    breaker_reset: float = Field(default=2.0, gt=0)
-    #: whether peers may DELETE blocks here
-    allow_delete: bool = False
-
-    @model_validator(mode="after")
-    def _complete(self) -> PeerConfig:
-        if (self.listen or self.members or self.dns) and not (self.token or self.token_file):
-            raise ValueError(
-                "peering needs a shared secret: set peer.token (or KVTIER_PEER__TOKEN) "
-                "or peer.token_file"
-            )
-        if self.token and self.token_file:
-            raise ValueError("set peer.token or peer.token_file, not both")
-        tls = [self.tls_cert, self.tls_key, self.tls_ca]
-        if any(tls) and not all(tls):
-            raise ValueError("TLS needs all of peer.tls_cert, peer.tls_key and peer.tls_ca")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        """Whether this daemon asks peers (a peer tier exists)."""
-        return bool(self.members or self.dns)
-
-    def self_address(self) -> str | None:
-        """This daemon's name among peers, when the config says it."""
-        if self.advertise:
-            return self.advertise
-        if self.listen:
-            host, _ = split_address(self.listen)
-            if host not in ("0.0.0.0", "::", ""):
-                return self.listen
-        return None
-
-    def server_tls(self) -> ssl.SSLContext | None:
-        """The peer listener's TLS: this daemon's certificate; peers must present
-        one signed by ``tls_ca`` (mutual TLS)."""
-        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
-            return None
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(self.tls_ca))
-        ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        return ctx
-
-    def client_tls(self) -> ssl.SSLContext | None:
-        """TLS for dialling peers: verify their certificate against ``tls_ca`` and
-        present ours. Peers are dialled by address, so any certificate the
-        fleet's CA signed is a peer (the name in it is not checked)."""
-        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
-            return None
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.tls_ca))
-        ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
-        ctx.check_hostname = False
-        return ctx
-
-    def secret(self) -> bytes:
-        """The shared token's bytes (read from ``token_file`` if that is how it is given)."""
-        if self.token is not None:
-            return self.token.get_secret_value().encode()
-        if self.token_file is None:
-            return b""
-        try:
-            raw = self.token_file.read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read peer.token_file {self.token_file}: {exc}") from exc
-        if not raw:
-            raise ConfigError(f"peer.token_file {self.token_file} is empty")
-        return raw
-
-
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     #: serve /metrics, /healthz and /readyz over HTTP
     enabled: bool = True
     #: address to bind; a non-loopback address exposes the metrics and probes (no block data) to
@@ -416,7 +198,7 @@ class MetricsConfig(_Section):
     port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
 
 
-class LogConfig(_Section):
+class LogConfig(Section):
     #: log level; SIGHUP applies a change live
     level: Literal["debug", "info", "warning", "error"] = "info"
 

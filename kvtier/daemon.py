@@ -37,8 +37,9 @@ from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.scheduler import Scheduler
 from kvtier.core.service import Service
 from kvtier.core.shared import SharedBlocks
+from kvtier.endpoint import start_metrics_server
 from kvtier.errors import ConfigError
-from kvtier.metrics import Metrics, start_metrics_server
+from kvtier.metrics import Metrics
 from kvtier.model import Limits, Spawn
 from kvtier.reload import Live, apply
 from kvtier.server.gate import PeerGate

@@ -30,7 +30,7 @@ from kvtier.core.locate import Locator, Where
 from kvtier.core.lookup import LookupEvaluator, SeenProbes
 from kvtier.core.pending import End, Reservation
 from kvtier.core.promotions import Promoter
-from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
+from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer, write_durably
 from kvtier.core.remotes import RemoteProbes, RemoteSlot
 from kvtier.core.scheduler import Scheduler
 from kvtier.core.writes import PendingWrites
@@ -396,28 +396,9 @@ class Service:
         self.ram.drop_staged(value)
 
     async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        """Return once the blocks are on disk (per the disk's fsync policy).
-        Without a disk tier there is nothing to wait for.
-
-        What RAM holds under each key is written, pinned meanwhile; a value
-        in the shared arena that RAM no longer holds may be reused already,
-        so only a value of the caller's own memory stands in for it."""
-        disk, ram = self.disk, self.ram
-        if disk is None:
-            return
-        held: list[tuple[bytes, Buffer]] = []
-        for key, value in zip(keys, values, strict=True):
-            kept = ram.peek(key)
-            if kept is None and value is not None and not ram.in_arena_memory(value):
-                kept = value
-            if kept is not None:
-                ram.hold(kept)
-                held.append((key, kept))
-        try:
-            await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
-        finally:
-            for _, v in held:
-                ram.let_go(v)
+        """Return once the blocks are on disk (per the disk's fsync policy)."""
+        if self.disk is not None:
+            await write_durably(self.ram, self.disk, keys, values)
 
     def _store_local(
         self, key: bytes, value: Buffer, promoted_from: str | None = None, copy: bool = False

@@ -7,4 +7,5 @@ the tiers, the server, the client or metrics.
 
 from kvtier.wire.codecs import *  # noqa: F403
 from kvtier.wire.framing import *  # noqa: F403
+from kvtier.wire.hello import *  # noqa: F403
 from kvtier.wire.shared import *  # noqa: F403
