@@ -158,15 +158,21 @@ def _encode_str(text: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
-def _decode_str(buf: Buffer, offset: int) -> tuple[str, int]:
+def _decode_u16_bytes(buf: Buffer, offset: int, what: str) -> tuple[bytes, int]:
+    """A ``u16`` length, then that many bytes; the offset after them."""
     if offset + 2 > len(buf):
-        raise CodecError("truncated string")
+        raise CodecError(f"truncated {what}")
     (n,) = _U16.unpack_from(buf, offset)
     offset += 2
     if offset + n > len(buf):
-        raise CodecError("truncated string")
+        raise CodecError(f"truncated {what}")
+    return bytes(buf[offset : offset + n]), offset + n
+
+
+def _decode_str(buf: Buffer, offset: int) -> tuple[str, int]:
+    raw, end = _decode_u16_bytes(buf, offset, "string")
     try:
-        return bytes(buf[offset : offset + n]).decode(), offset + n
+        return raw.decode(), end
     except UnicodeDecodeError as exc:
         raise CodecError("string is not UTF-8") from exc
 

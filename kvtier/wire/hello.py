@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass, field
 
 from kvtier.model import Buffer
-from kvtier.wire.codecs import _decode_str, _encode_str, _expect_end
+from kvtier.wire.codecs import _decode_str, _decode_u16_bytes, _encode_str, _expect_end
 from kvtier.wire.framing import SUPPORTED_VERSIONS, CodecError
 
 _U8 = struct.Struct("<B")
@@ -76,14 +76,7 @@ def decode_hello(buf: Buffer) -> Hello:
     name, end = _decode_str(buf, _HELLO_REQ.size)
     token = b""
     if end < len(buf):  # optional: the peer token
-        if end + 2 > len(buf):
-            raise CodecError("truncated HELLO token")
-        (n,) = _U16.unpack_from(buf, end)
-        end += 2
-        if end + n > len(buf):
-            raise CodecError("truncated HELLO token")
-        token = bytes(buf[end : end + n])
-        end += n
+        token, end = _decode_u16_bytes(buf, end, "HELLO token")
     shared = False
     if end < len(buf):  # optional, after the token: flags
         shared = bool(buf[end] & 1)
