@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
+from kvtier.client.redial import Backoff, Redial
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadKeyError,
@@ -17,6 +19,8 @@ from kvtier.errors import (
     RequestTimeoutError,
     ValueTooLargeError,
 )
+from kvtier.wire import Op
+from tests.helpers import DaemonProcess, wait_until
 
 
 def key(i: int) -> bytes:
@@ -247,3 +251,114 @@ async def test_an_engine_tier_never_strands_a_key_on_a_short_answer(sock_dir: Pa
             assert [tier.lookup("r", k) for k in keys] == [Answer.MISS] * 3
         finally:
             await asyncio.to_thread(tier.close)
+
+
+# ---------------------------------------------------------------- one client, two faces
+
+
+def _public(cls: type) -> dict[str, object]:
+    return {
+        name: inspect.getattr_static(cls, name) for name in dir(cls) if not name.startswith("_")
+    }
+
+
+def _parameters(fn: object) -> list[tuple[str, object, object]]:
+    params = list(inspect.signature(fn).parameters.values())  # type: ignore[arg-type]
+    return [(p.name, p.kind, p.default) for p in params if p.name not in ("self", "cls")]
+
+
+def test_every_public_method_of_the_client_has_a_blocking_twin() -> None:
+    aio, blocking = _public(Client), _public(BlockingClient)
+    instance_attrs = {"path", "timeout", "name", "server"}  # set by the async client's __init__
+    missing = sorted(set(aio) - set(blocking) - instance_attrs)
+    assert not missing, f"BlockingClient lacks {missing}"
+    assert instance_attrs <= set(blocking)
+    for name, attr in aio.items():
+        twin = blocking.get(name)
+        if name == "connect":  # the constructor connects too, with the same options
+            ours = _parameters(BlockingClient.__init__)
+            assert [p[:2] for p in ours] == [p[:2] for p in _parameters(Client.connect)]
+        if isinstance(attr, property):
+            assert isinstance(twin, property), name
+            continue
+        fn = attr.__func__ if isinstance(attr, classmethod | staticmethod) else attr
+        if not callable(fn):
+            continue
+        twin_fn = twin.__func__ if isinstance(twin, classmethod | staticmethod) else twin
+        ours, theirs = _parameters(twin_fn), _parameters(fn)
+        if name in ("connect", "connect_tcp"):  # only the default client name differs
+            ours = [p if p[0] != "name" else (*p[:2], None) for p in ours]
+            theirs = [p if p[0] != "name" else (*p[:2], None) for p in theirs]
+        assert ours == theirs, f"{name}: blocking {ours} != async {theirs}"
+
+
+def test_the_blocking_client_offers_leases_and_shared_memory(sock_dir: Path) -> None:
+    proc = DaemonProcess(sock_dir, "--ram-capacity", "64MiB").start()
+    try:
+        block = bytes(range(256)) * 1024
+        with BlockingClient(proc.socket_path) as c:
+            assert c.shared  # the daemon offers shared memory on this host
+            c.put(b"k", block)
+            with c.lease(b"k") as view:
+                assert view is not None and bytes(view) == block
+            assert c.stats()["shared"]["leases"] == 0  # given back on leaving the block
+            with c.lease(b"absent") as view:
+                assert view is None
+        with BlockingClient(proc.socket_path, shared=False) as c:
+            assert not c.shared
+            assert c.get(b"k") == block
+            frame = c.request(Op.PING, b"raw")
+            assert bytes(frame.meta) == b"raw"
+    finally:
+        assert proc.stop() == 0
+
+
+# ---------------------------------------------------------------- redial
+
+
+def test_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
+    b = Backoff(0.05, 0.3)
+    assert [b.failed(10.0) for _ in range(4)] == [0.05, 0.1, 0.2, 0.3]
+    assert b.not_before == 10.3
+    b.succeeded()
+    assert (b.not_before, b.failed(0.0)) == (0.0, 0.05)
+    with pytest.raises(ValueError, match="first <= most"):
+        Backoff(1.0, 0.5)
+
+
+async def test_redial_shares_one_attempt_and_waits_out_its_backoff_on_its_clock(
+    daemon: Daemon,
+) -> None:
+    now = [100.0]
+    gate = asyncio.Event()
+    attempts: list[str] = []
+    fail = [True]
+
+    async def dial() -> Client:
+        attempts.append("dial")
+        await gate.wait()
+        if fail[0]:
+            raise DaemonUnavailableError("down")
+        return await Client.connect(daemon.socket_path)
+
+    redial = Redial(dial, what="test daemon", backoff=Backoff(1.0, 4.0), clock=lambda: now[0])
+    callers = [asyncio.create_task(redial.client()) for _ in range(5)]
+    await wait_until(lambda: len(attempts) == 1)
+    gate.set()
+    results = await asyncio.gather(*callers, return_exceptions=True)
+    # The first caller's attempt failed; the others then met its backoff.
+    assert attempts == ["dial"]
+    assert all(isinstance(r, DaemonUnavailableError) for r in results)
+    assert "next attempt in 1.00s" in str(results[-1])
+    now[0] += 0.5
+    with pytest.raises(DaemonUnavailableError, match=r"next attempt in 0\.50s"):
+        await redial.client()
+    fail[0] = False
+    now[0] += 0.5  # the backoff has passed on the injected clock
+    client = await redial.client()
+    assert attempts == ["dial", "dial"] and redial.connected
+    assert await redial.client() is client  # kept, not dialled again
+    assert "connected" in repr(redial)
+    redial.drop()
+    assert not redial.connected
+    await redial.close()

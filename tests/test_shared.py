@@ -101,7 +101,7 @@ async def test_a_client_that_does_not_opt_in_works_unchanged(daemon: Daemon) -> 
         ram = daemon.ram.stats().extra
         assert ram["arena_allocated_bytes"] >= MiB
         with pytest.raises(ForbiddenError, match="not agreed at HELLO"):
-            await c._call(Op.GET_SHARED, wire.encode_get_shared([], [b"k"]))
+            await c.request(Op.GET_SHARED, wire.encode_get_shared([], [b"k"]))
 
 
 async def test_a_lease_pins_its_block_and_its_bytes(sock_dir: Path) -> None:
@@ -151,30 +151,30 @@ async def test_commits_are_checked_and_rooms_are_the_clients_own(daemon: Daemon)
         await Client.connect(daemon.socket_path) as a,
         await Client.connect(daemon.socket_path) as b,
     ):
-        frame = await a._call(Op.STAGE, wire.encode_u64(MiB))
+        frame = await a.request(Op.STAGE, wire.encode_u64(MiB))
         offset = wire.decode_u64(frame.meta, "STAGE")
         arena, staging = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
         staging[offset : offset + MiB] = block(6)
         good = xxhash.xxh3_64_intdigest(block(6))
         bad = wire.Commit(b"k", offset, MiB, good ^ 1, keep_room=True)
         with pytest.raises(BadArgumentError, match="checksum mismatch"):
-            await a._call(Op.COMMIT, wire.encode_commit(bad))
+            await a.request(Op.COMMIT, wire.encode_commit(bad))
         theirs = wire.Commit(b"k", offset, MiB, good, keep_room=True)
         with pytest.raises(BadArgumentError, match="belongs to this connection"):
-            await b._call(Op.COMMIT, wire.encode_commit(theirs))
+            await b.request(Op.COMMIT, wire.encode_commit(theirs))
         too_long = wire.Commit(b"k", offset, MiB + 1, good, keep_room=True)
         with pytest.raises(BadArgumentError, match="does not fit"):
-            await a._call(Op.COMMIT, wire.encode_commit(too_long))
+            await a.request(Op.COMMIT, wire.encode_commit(too_long))
         assert await b.get(b"k") is None  # nothing was stored
         ok = wire.Commit(b"k", offset, MiB, good, keep_room=False)
-        await a._call(Op.COMMIT, wire.encode_commit(ok))
+        await a.request(Op.COMMIT, wire.encode_commit(ok))
         assert bytes(await b.get(b"k") or b"") == block(6)
         assert shared_stats(daemon)["commits_refused"] == 3
         assert shared_stats(daemon)["staging_rooms"] == 0  # given back by the commit
         arena.close()
         staging.close()
         # an abandoned room is reclaimed at its deadline
-        await a._call(Op.STAGE, wire.encode_u64(4096))
+        await a.request(Op.STAGE, wire.encode_u64(4096))
         assert shared_stats(daemon)["staging_rooms"] == 1
         daemon.shared.expire(daemon.scheduler.now() + daemon.shared.staging_timeout + 1)
         st = shared_stats(daemon)

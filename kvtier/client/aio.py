@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from kvtier import wire
 from kvtier._version import __version__
 from kvtier.client.batching import SOLO_VALUE_BYTES, put_batches
-from kvtier.client.dial import connect_tcp
 from kvtier.client.protocol import ClientProtocol, expire
 from kvtier.client.shared import SharedSession, fetch
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
@@ -39,7 +38,7 @@ from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Res
 from kvtier.wire import FLAG_DURABLE, Frame, HelloReply, Op
 
 if TYPE_CHECKING:
-    pass
+    import ssl
 
 log = logging.getLogger("kvtier.client")
 
@@ -132,6 +131,61 @@ class Client:
             raise
         return client
 
+    @classmethod
+    async def connect_tcp(
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: bytes,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout: float = 1.0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        name: str = f"kvtier-peer/{__version__}",
+    ) -> Client:
+        """Connect to a daemon's peer port and authenticate with ``token`` (HELLO).
+
+        ``connect_timeout`` bounds the TCP (and TLS) handshake and the HELLO
+        alike: authenticating is part of connecting. Blocks never travel
+        through shared memory on this connection."""
+        address = f"{host}:{port}"
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, protocol = await loop.create_connection(
+                    lambda: ClientProtocol(wire.MAX_FRAME_BYTES_V1),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=host if tls is not None else None,
+                )
+        except TimeoutError as exc:
+            raise DaemonUnavailableError(
+                f"no answer from peer {address} within {connect_timeout}s"
+            ) from exc
+        except OSError as exc:  # ssl.SSLError included: a failed handshake
+            raise DaemonUnavailableError(f"cannot connect to peer {address}: {exc}") from exc
+        client = cls(protocol, address, timeout, name, token)
+        try:
+            async with asyncio.timeout(connect_timeout):
+                client.server = await client.hello()
+        except TimeoutError as exc:
+            await client.close()
+            raise DaemonUnavailableError(
+                f"peer {address} did not answer HELLO within {connect_timeout}s"
+            ) from exc
+        except ConnectionClosedError as exc:
+            await client.close()
+            # With TLS 1.3 a refused client certificate shows only now.
+            raise DaemonUnavailableError(
+                f"peer {address} closed the connection at HELLO ({exc}); "
+                "if TLS is on, check that both sides use the same CA"
+            ) from exc
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
     async def _map_shared(self, offer: wire.SharedOffer) -> None:
         try:
             arena, staging = await asyncio.to_thread(fetch, offer.path, self.timeout or 5.0)
@@ -139,9 +193,6 @@ class Client:
             log.info("shared memory offered but not usable (%s); using the socket", exc)
             return
         self._shm = SharedSession(self, arena, staging)
-
-    #: connect to a daemon's peer port (TCP, token, TLS): see :mod:`kvtier.client.dial`
-    connect_tcp = classmethod(connect_tcp)
 
     async def __aenter__(self) -> Client:
         return self
@@ -210,6 +261,28 @@ class Client:
             if frame.header.status:
                 raise error_from_code(frame.header.status, wire.decode_error(frame.meta))
         return frames
+
+    async def request(
+        self,
+        op: int,
+        meta: Buffer,
+        data: Sequence[Buffer] = (),
+        *,
+        flags: int = 0,
+        timeout: Timeout = ...,
+        into: memoryview | None = None,
+    ) -> Frame:
+        """One request of any operation, and its reply frame: the seam every
+        operation is built on (docs/protocol.md gives each op's meta and data).
+
+        An error reply raises its :class:`~kvtier.errors.KvtierError`.
+        ``into``: receive the reply's data straight into this buffer."""
+        return await self._call(op, meta, data, flags, timeout, into)
+
+    def post(self, op: int, meta: Buffer) -> None:
+        """Send one request without waiting for its reply (which is read and
+        dropped, an error included). Raises only when the connection is closed."""
+        self._send(op, meta).add_done_callback(_drop_reply)
 
     async def _call(
         self,
@@ -453,6 +526,11 @@ class Client:
         """Free the daemon's per-request lookup state of ``request_tag``."""
         frame = await self._call(Op.RELEASE, wire.encode_tag(request_tag), timeout=timeout)
         return bool(frame.meta and frame.meta[0])
+
+
+def _drop_reply(fut: asyncio.Future[Frame]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # read, so an error reply is not reported as never retrieved
 
 
 def _landed(key: bytes, view: memoryview, frame: Frame) -> int | None:

@@ -1,9 +1,12 @@
-"""The blocking client: the async client's operations for synchronous engine code.
+"""The blocking client: a thin facade over the async client for synchronous engine code.
 
 A private event loop (of the kind :mod:`kvtier.loops` chooses) runs in a
-daemon thread; each method blocks the calling thread until its reply
-arrives. Calls from several threads are pipelined on the one connection.
-Same import rules as :mod:`kvtier.client.aio`.
+daemon thread and owns one :class:`~kvtier.client.aio.Client`; each method
+runs the async method of the same name there and blocks the calling thread
+until it returns. Calls from several threads are pipelined on the one
+connection. Every public method of the async client has its twin here, with
+the same parameters (``tests/test_client.py`` checks it). Same import rules
+as :mod:`kvtier.client.aio`.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier import loops
 from kvtier._version import __version__
@@ -22,7 +25,10 @@ from kvtier.client.aio import Client, Timeout
 from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.errors import KvtierError
 from kvtier.model import Buffer, LookupMode, LookupReply, PutStatus, ReserveStatus
-from kvtier.wire import HelloReply
+from kvtier.wire import Frame, HelloReply
+
+if TYPE_CHECKING:
+    import ssl
 
 T = TypeVar("T")
 
@@ -36,17 +42,67 @@ class BlockingClient:
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-python-blocking/{__version__}",
+        shared: bool = True,
+        stage_writes: bool = False,
     ) -> None:
+        """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>` does."""
+        self._start(
+            Client.connect(
+                path, timeout=timeout, name=name, shared=shared, stage_writes=stage_writes
+            )
+        )
+
+    def _start(self, connect: Coroutine[Any, Any, Client]) -> None:
         self._loop = loops.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvtier-client", daemon=True
         )
         self._thread.start()
         try:
-            self._client: Client = self._run(Client.connect(path, timeout=timeout, name=name))
+            self._client: Client = self._run(connect)
         except BaseException:
             self._stop_loop()
             raise
+
+    @classmethod
+    def connect(
+        cls,
+        path: str | Path | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        name: str = f"kvtier-python-blocking/{__version__}",
+        shared: bool = True,
+        stage_writes: bool = False,
+    ) -> BlockingClient:
+        """The same as the constructor: connect and negotiate (HELLO)."""
+        return cls(path, timeout=timeout, name=name, shared=shared, stage_writes=stage_writes)
+
+    @classmethod
+    def connect_tcp(
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: bytes,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout: float = 1.0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        name: str = f"kvtier-peer/{__version__}",
+    ) -> BlockingClient:
+        """A blocking client of a daemon's peer port (TCP, ``token``, optional TLS)."""
+        self = cls.__new__(cls)
+        self._start(
+            Client.connect_tcp(
+                host,
+                port,
+                token=token,
+                tls=tls,
+                connect_timeout=connect_timeout,
+                timeout=timeout,
+                name=name,
+            )
+        )
+        return self
 
     def __repr__(self) -> str:
         return f"<BlockingClient {self._client!r}>"
@@ -66,6 +122,8 @@ class BlockingClient:
         self._thread.join()
         self._loop.close()
 
+    # -- the connection
+
     def close(self) -> None:
         if self._loop.is_closed():
             return
@@ -73,9 +131,63 @@ class BlockingClient:
             self._run(self._client.close())
         self._stop_loop()
 
+    def drop(self) -> None:
+        """Drop the connection now, without waiting; calls in flight fail."""
+
+        async def drop() -> None:
+            self._client.drop()
+
+        self._run(drop())
+
     @property
     def server(self) -> HelloReply | None:
         return self._client.server
+
+    @property
+    def path(self) -> Path | str:
+        return self._client.path
+
+    @property
+    def timeout(self) -> float | None:
+        return self._client.timeout
+
+    @property
+    def name(self) -> str:
+        return self._client.name
+
+    @property
+    def closed(self) -> bool:
+        return self._client.closed
+
+    @property
+    def shared(self) -> bool:
+        """Whether blocks travel through shared memory on this connection."""
+        return self._client.shared
+
+    def request(
+        self,
+        op: int,
+        meta: Buffer,
+        data: Sequence[Buffer] = (),
+        *,
+        flags: int = 0,
+        timeout: Timeout = ...,
+        into: memoryview | None = None,
+    ) -> Frame:
+        return self._run(
+            self._client.request(op, meta, data, flags=flags, timeout=timeout, into=into)
+        )
+
+    def post(self, op: int, meta: Buffer) -> None:
+        async def post() -> None:
+            self._client.post(op, meta)
+
+        self._run(post())
+
+    # -- operations
+
+    def hello(self) -> HelloReply:
+        return self._run(self._client.hello())
 
     def ping(self, payload: bytes = b"", *, timeout: Timeout = ...) -> bytes:
         return self._run(self._client.ping(payload, timeout=timeout))
@@ -122,6 +234,20 @@ class BlockingClient:
         self, keys: Sequence[bytes], dests: Sequence[Buffer], *, timeout: Timeout = ...
     ) -> list[int | None]:
         return self._run(self._client.get_many_into(keys, dests, timeout=timeout))
+
+    @contextlib.contextmanager
+    def lease(self, key: bytes, *, timeout: Timeout = ...) -> Iterator[memoryview | None]:
+        """The block under ``key`` read in place (see :meth:`Client.lease
+        <kvtier.client.aio.Client.lease>`), valid inside the ``with`` only."""
+        held = self._client.lease(key, timeout=timeout)
+        view = self._run(held.__aenter__())
+        try:
+            yield view
+        except BaseException as exc:
+            if not self._run(held.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            self._run(held.__aexit__(None, None, None))
 
     def put(
         self, key: bytes, value: Buffer, *, durable: bool = False, timeout: Timeout = ...

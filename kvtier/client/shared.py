@@ -38,24 +38,20 @@ log = logging.getLogger("kvtier.client")
 
 
 class Calls(Protocol):
-    """What the session needs of the client: send frames, await replies."""
+    """What the session needs of the client: its public request seam."""
 
-    def _send(
-        self, op: int, meta: Buffer, data: Sequence[Buffer] = (), flags: int = 0
-    ) -> asyncio.Future[Frame]: ...
-
-    async def _await(
-        self, futs: Sequence[asyncio.Future[Frame]], timeout: float | None
-    ) -> list[Frame]: ...
-
-    async def _call(
+    async def request(
         self,
         op: int,
         meta: Buffer,
         data: Sequence[Buffer] = (),
+        *,
         flags: int = 0,
         timeout: float | None = None,
+        into: memoryview | None = None,
     ) -> Frame: ...
+
+    def post(self, op: int, meta: Buffer) -> None: ...
 
 
 def fetch(path: str, timeout: float) -> tuple[mmap.mmap, mmap.mmap]:
@@ -114,7 +110,7 @@ class SharedSession:
     ) -> list[Leased | memoryview | None]:
         releases, self._releases = self._releases, []
         meta = wire.encode_get_shared(releases, keys)
-        frame = await self._calls._call(Op.GET_SHARED, meta, timeout=timeout)
+        frame = await self._calls.request(Op.GET_SHARED, meta, timeout=timeout)
         return wire.decode_get_shared_reply(frame.meta, frame.data)
 
     def _block(self, leased: Leased) -> memoryview:
@@ -132,11 +128,8 @@ class SharedSession:
         releases, self._releases = self._releases, []
         if not releases:
             return
-        try:
-            fut = self._calls._send(Op.UNLEASE, wire.encode_unlease(releases))
-        except KvtierError:
-            return  # the connection is gone, and its leases with it
-        fut.add_done_callback(_ignore)
+        with contextlib.suppress(KvtierError):  # the connection is gone, and its leases with it
+            self._calls.post(Op.UNLEASE, wire.encode_unlease(releases))
 
     async def get_many(
         self, keys: Sequence[bytes], timeout: float | None
@@ -206,7 +199,7 @@ class SharedSession:
         try:
             self._staging_view[offset : offset + length] = value
             commit = wire.Commit(key, offset, length, checksum(value), True)
-            frame = await self._calls._call(
+            frame = await self._calls.request(
                 Op.COMMIT,
                 wire.encode_commit(commit),
                 flags=FLAG_DURABLE if durable else 0,
@@ -225,8 +218,8 @@ class SharedSession:
                 return offset
             # Idle too long: the daemon may reclaim it any moment. Give it back.
             with contextlib.suppress(KvtierError):
-                self._calls._send(Op.UNSTAGE, wire.encode_u64(offset)).add_done_callback(_ignore)
-        frame = await self._calls._call(Op.STAGE, wire.encode_u64(length), timeout=timeout)
+                self._calls.post(Op.UNSTAGE, wire.encode_u64(offset))
+        frame = await self._calls.request(Op.STAGE, wire.encode_u64(length), timeout=timeout)
         return wire.decode_u64(frame.meta, "STAGE reply")
 
     async def put_many(
@@ -255,26 +248,21 @@ class SharedSession:
                 self._staging_view[offset : offset + length] = value
                 staged.append(i)
             flags = FLAG_DURABLE if durable else 0
-            futs = [
-                self._calls._send(
+            commits = [
+                self._calls.request(
                     Op.COMMIT,
                     wire.encode_commit(
-                        wire.Commit(
-                            keys[i],
-                            offset,
-                            length,
-                            checksum(values[i]),
-                            keep_room=True,
-                        )
+                        wire.Commit(keys[i], offset, length, checksum(values[i]), keep_room=True)
                     ),
                     flags=flags,
+                    timeout=timeout,
                 )
                 for i, (length, offset) in zip(staged, rooms, strict=True)
             ]
             in_staging = set(staged)
             rest = [i for i in range(len(keys)) if i not in in_staging]
             frames, plain = await asyncio.gather(
-                self._calls._await(futs, timeout),
+                asyncio.gather(*commits),
                 fallback([keys[i] for i in rest], [values[i] for i in rest]),
             )
             for i, frame in zip(staged, frames, strict=True):
@@ -301,8 +289,3 @@ def checksum(value: Buffer) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest(value)
-
-
-def _ignore(fut: asyncio.Future[Frame]) -> None:
-    if not fut.cancelled():
-        fut.exception()

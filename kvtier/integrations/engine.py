@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 from kvtier import loops
 from kvtier.client import Client
+from kvtier.client.redial import Backoff, Redial
 from kvtier.errors import KvtierError
 from kvtier.model import HIT, MISS, Buffer, LookupMode
 
@@ -105,7 +106,6 @@ class EngineTier:
         self.reserve_stores = reserve_stores
         self.store_deadline = store_deadline
         self.failed_ttl = failed_ttl
-        self._backoff_min, self._backoff_max = backoff
         self._clock = clock
         # -- scheduler-thread state
         self._requests: dict[str, _Request] = {}
@@ -121,10 +121,10 @@ class EngineTier:
         )
         self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
         # -- loop-thread state
-        self._client: Client | None = None
-        self._connecting: asyncio.Lock | None = None
-        self._next_attempt = 0.0
-        self._delay = self._backoff_min
+        #: the daemon connection, dialled again after a failure with backoff
+        self._redial = Redial(
+            self._dial, what="kvtier daemon", backoff=Backoff(*backoff), clock=clock
+        )
         self._loop = loops.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvtier-engine", daemon=True
@@ -134,7 +134,7 @@ class EngineTier:
     def __repr__(self) -> str:
         return (
             f"<EngineTier requests={len(self._requests)} jobs={len(self._jobs)} "
-            f"failed_keys={len(self._failed)} connected={self._client is not None}>"
+            f"failed_keys={len(self._failed)} connected={self._redial.connected}>"
         )
 
     # ------------------------------------------------------------ scheduler side
@@ -224,8 +224,7 @@ class EngineTier:
         if self._loop.is_closed():
             return
         self.drain(self.timeout)
-        if self._client is not None:
-            self._run(self._client.close())
+        self._run(self._redial.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -266,31 +265,12 @@ class EngineTier:
 
     # ------------------------------------------------------------ loop side
 
+    async def _dial(self) -> Client:
+        return await Client.connect(self.socket_path, timeout=self.timeout)
+
     async def _connected(self) -> Client:
         """The client, connecting (with backoff after a failure) if needed."""
-        client = self._client
-        if client is not None and not client.closed:
-            return client
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            client = self._client
-            if client is not None and not client.closed:
-                return client
-            now = time.monotonic()
-            if now < self._next_attempt:
-                raise KvtierError("kvtier daemon unavailable; retrying later")
-            try:
-                self._client = await Client.connect(self.socket_path, timeout=self.timeout)
-            except (KvtierError, OSError) as exc:
-                self._next_attempt = now + self._delay
-                self._delay = min(self._delay * 2, self._backoff_max)
-                log.warning(
-                    "kvtier daemon unavailable (%s); next attempt in %.2fs", exc, self._delay
-                )
-                raise
-            self._delay = self._backoff_min
-            return self._client
+        return await self._redial.client()
 
     async def _lookup(self, request_id: str, tag: bytes, keys: list[bytes]) -> None:
         states: bytes | None = None

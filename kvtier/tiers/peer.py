@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.client.aio import Client
+from kvtier.client.redial import Backoff, Redial
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.errors import KvtierError, TierError
 from kvtier.model import Buffer, LookupMode, State
@@ -99,15 +100,16 @@ class Peer:
         self._node_id = node_id
         self._on_self = on_self
         self._clock = clock
-        self._client: Client | None = None
-        #: held while connecting: concurrent callers share one attempt
-        self._connecting = asyncio.Lock()
-        #: no connection attempt before this time (backoff after a failure)
-        self._retry_at = 0.0
-        self._backoff = BACKOFF_MIN
+        #: one connection, dialled again after a failure with backoff
+        self.redial = Redial(
+            self._dial,
+            what=f"peer {address}",
+            backoff=Backoff(BACKOFF_MIN, BACKOFF_MAX),
+            clock=clock,
+        )
 
     def __repr__(self) -> str:
-        state = "connected" if self._client is not None and not self._client.closed else "idle"
+        state = "connected" if self.redial.connected else "idle"
         return f"<Peer {self.address} {state} {self.breaker!r}>"
 
     def is_down(self) -> bool:
@@ -117,39 +119,25 @@ class Peer:
     def up(self) -> bool:
         return not self.is_down()
 
-    async def _connected(self) -> Client:
-        client = self._client
-        if client is not None and not client.closed:
-            return client
-        async with self._connecting:
-            client = self._client
-            if client is not None and not client.closed:
-                return client
-            now = self._clock()
-            if now < self._retry_at:
-                raise TierError(f"peer {self.address}: reconnecting in {self._retry_at - now:.2f}s")
-            try:
-                client = await Client.connect_tcp(
-                    self._host,
-                    self._port,
-                    token=self._token,
-                    tls=self._tls,
-                    connect_timeout=self._connect_timeout,
-                    timeout=self.request_timeout,
-                )
-            except KvtierError as exc:
-                self._counters.connects.inc(self.address, "failed")
-                self._retry_at = self._clock() + self._backoff
-                self._backoff = min(BACKOFF_MAX, self._backoff * 2)
-                raise TierError(f"peer {self.address}: {exc}") from exc
-            self._counters.connects.inc(self.address, "ok")
-            self._backoff = BACKOFF_MIN
-            if client.server is not None and client.server.node_id == self._node_id:
-                await client.close()
-                self._on_self(self.address)
-                raise TierError(f"peer {self.address} is this daemon")
-            self._client = client
-            return client
+    async def _dial(self) -> Client:
+        try:
+            client = await Client.connect_tcp(
+                self._host,
+                self._port,
+                token=self._token,
+                tls=self._tls,
+                connect_timeout=self._connect_timeout,
+                timeout=self.request_timeout,
+            )
+        except KvtierError:
+            self._counters.connects.inc(self.address, "failed")
+            raise
+        self._counters.connects.inc(self.address, "ok")
+        if client.server is not None and client.server.node_id == self._node_id:
+            await client.close()
+            self._on_self(self.address)
+            raise TierError(f"peer {self.address} is this daemon")
+        return client
 
     async def call(self, op: str, fn: Callable[[Client], Any]) -> Any:
         """Run one request against the peer, guarded by its breaker and counted."""
@@ -160,7 +148,7 @@ class Peer:
         outcome = PeerOutcome.ERROR
         try:
             async with asyncio.timeout(self.request_timeout):
-                result = await fn(await self._connected())
+                result = await fn(await self.redial.client())
             outcome = PeerOutcome.OK
             self.breaker.success()
             return result
@@ -182,10 +170,7 @@ class Peer:
 
     def _failed(self) -> None:
         self.breaker.failure(self._clock())
-        client, self._client = self._client, None
-        if client is not None:
-            # A hung or broken connection is not reused; reconnecting starts fresh.
-            client.drop()
+        self.redial.drop()  # a hung or broken connection is not reused
 
     async def lookup(self, keys: list[bytes]) -> list[bool]:
         started = time.perf_counter()
@@ -216,9 +201,7 @@ class Peer:
         self._counters.bytes.inc(self.address, "out", n=sum(len(v) for v in values))
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.close()
+        await self.redial.close()
 
 
 class PeerTier(Tier):
