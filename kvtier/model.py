@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -131,9 +131,11 @@ class ConnId:
 class CacheService(Protocol):
     """The verbs the server calls; the core's ``Service`` implements them.
 
-    One calling convention: ``try_*`` answers now or returns None when the
+    Two calling conventions: ``try_*`` answers now or returns None when the
     answer needs I/O, in which case the server awaits the async verb of the
-    same name. Verbs without an async twin never wait.
+    same name; ``get`` returns its answer now, or the awaitable that gives it
+    (the keys already checked, pinned and located). Verbs without an async
+    form never wait.
     """
 
     limits: Limits
@@ -144,9 +146,9 @@ class CacheService(Protocol):
         self, req: Lookup, cutoff: asyncio.Future[None] | None = None
     ) -> LookupReply: ...
 
-    def try_get(self, keys: Sequence[bytes]) -> list[Buffer | None] | None: ...
-
-    async def get(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
+    def get(
+        self, keys: Sequence[bytes]
+    ) -> list[Buffer | None] | Awaitable[list[Buffer | None]]: ...
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None: ...
 

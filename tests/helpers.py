@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import wire
-from kvtier.config import load_config
+from kvtier.config import Config, load_config
 from kvtier.core.propagation import RemoteSpec
 from kvtier.daemon import READY_MESSAGE, Daemon
 from kvtier.tiers.base import Tier
@@ -36,9 +36,11 @@ async def running_daemon(
     sock_dir: Path,
     remote_tiers: Sequence[Tier | RemoteSpec] | None = None,
     remote_tier_configs: list[dict[str, Any]] | None = None,
+    reread: Callable[[], Config] | None = None,
     **sections: dict[str, Any],
 ) -> AsyncIterator[Daemon]:
-    """An in-process daemon on the test's event loop."""
+    """An in-process daemon on the test's event loop; ``reread`` is its
+    configuration source for SIGHUP (:meth:`Daemon.reload`)."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"socket_path": sock_dir / "d.sock"},
         "metrics": {"port": 0},
@@ -50,7 +52,7 @@ async def running_daemon(
     config_overrides: dict[str, Any] = dict(overrides)
     if remote_tier_configs is not None:
         config_overrides["remote_tiers"] = remote_tier_configs
-    daemon = Daemon(load_config(None, config_overrides), remote_tiers=remote_tiers)
+    daemon = Daemon(load_config(None, config_overrides), remote_tiers=remote_tiers, reread=reread)
     task = asyncio.create_task(daemon.run())
     ready = asyncio.create_task(daemon.ready.wait())
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)

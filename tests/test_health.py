@@ -38,7 +38,7 @@ async def test_not_ready_while_the_disk_index_is_scanning_if_so_configured(
     assert d.disk is not None
     # Hold every disk I/O thread: the index scan at start waits behind them.
     hold = threading.Event()
-    busy = [d.disk._pool.submit(hold.wait) for _ in range(config.disk.io_threads)]
+    busy = [d.disk.executor.submit(hold.wait) for _ in range(config.disk.io_threads)]
     task = asyncio.create_task(d.run())
     try:
         await d.ready.wait()

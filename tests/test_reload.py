@@ -9,7 +9,7 @@ from typing import Any
 
 from kvtier.client.aio import Client
 from kvtier.client.blocking import BlockingClient
-from kvtier.config import load_config
+from kvtier.config import Config, load_config
 from kvtier.daemon import Daemon
 from kvtier.reload import LIVE, changed
 from tests.helpers import DaemonProcess, running_daemon
@@ -59,7 +59,8 @@ def test_sighup_rereads_the_file_and_says_what_waits_for_a_restart(sock_dir: Pat
 async def test_a_reload_changes_what_it_says_it_changes(sock_dir: Path) -> None:
     root = logging.getLogger()
     level = root.level
-    async with running_daemon(sock_dir) as d:
+    sources: list[Config] = []  # what SIGHUP re-reads
+    async with running_daemon(sock_dir, reread=lambda: sources[-1]) as d:
         base: dict[str, Any] = d.config.model_dump(mode="json")
         new = load_config(
             None,
@@ -72,7 +73,7 @@ async def test_a_reload_changes_what_it_says_it_changes(sock_dir: Path) -> None:
             },
         )
         assert set(changed(d.config, new)) <= set(LIVE)
-        d._reread = lambda: new
+        sources.append(new)
         try:
             d.reload()
             assert d.shared is not None and d.shared.lease_timeout == 7.0

@@ -12,7 +12,7 @@ them before they get here, and this view refuses them again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core import limits as check
@@ -50,11 +50,8 @@ class LocalView:
     async def lookup(self, req: Lookup, cutoff: asyncio.Future[None] | None = None) -> LookupReply:
         return await self._service.lookup(req, cutoff, local=True)
 
-    def try_get(self, keys: Sequence[bytes]) -> list[Buffer | None] | None:
-        return self._service.try_get(keys, local=True)
-
-    async def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        return await self._service.get(keys, local=True)
+    def get(self, keys: Sequence[bytes]) -> list[Buffer | None] | Awaitable[list[Buffer | None]]:
+        return self._service.get(keys, local=True)
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         self._service.unpin(keys, values)

@@ -45,7 +45,10 @@ class Scheduler:
         self._timers = TimerHeap()
         self._batches: dict[str, _Batch] = {}
         self._wake: asyncio.Future[None] | None = None
+        #: the deadline the loop is woken for, while it waits
         self._armed_for: float | None = None
+        #: that deadline, once the loop's timer said it came
+        self._reached: float | None = None
         self._stopping = False
         #: timers that re-arm themselves for the scheduler's life (sweeps)
         self._periodic = 0
@@ -129,16 +132,24 @@ class Scheduler:
                 log.exception("scheduler callback failed")
         return len(fired)
 
+    def _deadline_reached(self) -> None:
+        # The loop's timer resolution may wake us a little before the
+        # deadline (uvloop's is a millisecond): what it woke us for is due.
+        self._reached = self._armed_for
+        self._poke()
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
-            self.run_due(self.now())
+            reached, self._reached = self._reached, None
+            now = self.now()
+            self.run_due(now if reached is None else max(now, reached))
             self._wake = loop.create_future()
             deadline = self._timers.next_deadline()
             self._armed_for = deadline
             handle = None
             if deadline is not None:
-                handle = loop.call_at(deadline, self._poke)
+                handle = loop.call_at(deadline, self._deadline_reached)
             try:
                 await self._wake
             finally:

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
 from kvtier.core import limits as check
-from kvtier.core.counts import CoreCounters, MapSizes
+from kvtier.core.counts import CoreCounters, MapSizes, Promoted
 from kvtier.core.deferral import DeferralTracker
-from kvtier.core.locate import Locator, Where
+from kvtier.core.locate import Location, Locator, Where
 from kvtier.core.lookup import LookupEvaluator, SeenProbes
-from kvtier.core.pending import End, Reservation
-from kvtier.core.promotions import Promoter
+from kvtier.core.pending import End, Promotion, Reservation
+from kvtier.core.probes import Verdict
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer, write_durably
 from kvtier.core.remotes import RemoteProbes, RemoteSlot
 from kvtier.core.scheduler import Scheduler
@@ -51,6 +51,10 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.ram import RamTier
 
 log = logging.getLogger("kvtier.service")
+
+#: a GET gives up on a key after this many rounds of waiting on writes that
+#: ended without the block (each round is bounded by a write deadline)
+MAX_READ_ROUNDS = 8
 
 
 class Service:
@@ -77,14 +81,7 @@ class Service:
         )
         self._spawn: Spawn | None = None
         self._closing: asyncio.Future[None] | None = None
-        self.pending = PendingWrites(
-            ram,
-            self.scheduler,
-            self.counters,
-            load_timeout=self.cfg.load_timeout,
-            task=self._task,
-            complete=lambda key, value, source: self._store_local(key, value, source),
-        )
+        self.pending = PendingWrites(ram, self.scheduler, self.counters)
         self.deferrals = DeferralTracker(self.cfg.request_state_ttl, self.cfg.max_request_states)
         self.probing = RemoteProbes(
             [spec.tier for spec in remotes],
@@ -98,9 +95,6 @@ class Service:
             on_present=self._probed_present,
         )
         self.remotes = self.probing.slots
-        self.promoter = Promoter(
-            ram, disk, self.pending, self.remotes, self.cfg, self._now, lambda: self._closing
-        )
         self.locator = Locator(
             ram.resident(), disk, self.pending.table, [s.probes for s in self.remotes]
         )
@@ -250,10 +244,74 @@ class Service:
         self.probing.invalidate(key)
 
     def _promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
-        return self.promoter.remote(slot, key, now)
+        """Load ``key`` from a remote tier into RAM; a tier that claimed the
+        block and could not deliver it is told ABSENT for the key (no
+        lookup-says-HIT / load-fails livelock)."""
+
+        async def load() -> Buffer | None:
+            values = await slot.tier.batch_load([key])
+            if len(values) != 1:
+                raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
+            return values[0]
+
+        def failed() -> None:
+            slot.probes.force(key, Verdict.ABSENT, self._now())
+
+        return self._start_promotion(slot.name, key, now, load, failed)
 
     def _promote_from_disk(self, key: bytes, now: float) -> Reservation:
-        return self.promoter.from_disk(key, now)
+        disk = self.disk
+        assert disk is not None
+        return self._start_promotion(disk.name, key, now, lambda: disk.read(key), None)
+
+    def _start_promotion(
+        self,
+        source: str,
+        key: bytes,
+        now: float,
+        load: Callable[[], Awaitable[Buffer | None]],
+        failed: Callable[[], None] | None,
+    ) -> Reservation:
+        """A promotion is a pending write whose writer is a load from a lower
+        tier: readers of the key wait on it like on any write, so concurrent
+        GETs of one key share one load, and its deadline bounds it."""
+        res = self.pending.reserve(key, Promotion(source), self.cfg.pending_deadline, 0, now)
+        self.counters.promotions.inc(source, Promoted.STARTED.value)
+        res.task = self._task(self._promotion(source, res, load, failed))
+        return res
+
+    async def _promotion(
+        self,
+        source: str,
+        res: Reservation,
+        load: Callable[[], Awaitable[Buffer | None]],
+        failed: Callable[[], None] | None,
+    ) -> None:
+        """Load, then store into RAM if the reservation still holds the key (a
+        client's PUT may have completed it first). The reservation ends in
+        ``finally`` whatever the load did."""
+        key = res.key
+        outcome = Promoted.FAILED
+        try:
+            async with asyncio.timeout(self.cfg.load_timeout):
+                value = await load()
+            if value is None:
+                outcome = Promoted.ABSENT
+            elif self.pending.table.get(key) is res:
+                self._store_local(key, value, source)  # completes res
+                outcome = Promoted.COMPLETED
+            else:
+                outcome = Promoted.SUPERSEDED
+        except asyncio.CancelledError:
+            outcome = Promoted.CANCELLED
+            raise
+        except Exception as exc:
+            log.warning("%s: loading key %s failed: %s", source, key.hex(), exc)
+        finally:
+            if failed is not None and outcome in (Promoted.FAILED, Promoted.ABSENT):
+                failed()
+            self.counters.promotions.inc(source, outcome.value)
+            self.pending.end(res, End.ABORTED)  # no-op when completed
 
     # ------------------------------------------------------------ RESERVE / ABORT / RELEASE
 
@@ -315,9 +373,13 @@ class Service:
 
     # ------------------------------------------------------------ GET
 
-    def try_get(self, keys: Sequence[bytes], *, local: bool = False) -> list[Buffer | None] | None:
-        """Values of ``keys`` now, each present one pinned until :meth:`unpin`;
-        None (nothing pinned) when some key must be waited for or loaded.
+    def get(
+        self, keys: Sequence[bytes], *, local: bool = False
+    ) -> list[Buffer | None] | Awaitable[list[Buffer | None]]:
+        """Values of ``keys``, each present one pinned until :meth:`unpin`: now,
+        or (when some key must be loaded or waited for) the awaitable that
+        returns them. Each key is checked, pinned and located once; the loads
+        it needs start before this returns.
 
         ``local``: from the local tiers only (a peer's request)."""
         check.check_keys(self.limits, keys)
@@ -325,36 +387,79 @@ class Service:
         values = [pin(k) for k in keys]
         if None not in values:
             return values
-        now = self._now()
         locate = (self.local_locator if local else self.locator).locate
-        for key, value in zip(keys, values, strict=True):
-            if value is None and locate(key, now).where is not Where.ABSENT:
-                self.unpin(keys, values)
-                return None
-        return values
-
-    async def get(self, keys: Sequence[bytes], *, local: bool = False) -> list[Buffer | None]:
-        """Values of ``keys``, each present one pinned until :meth:`unpin`.
-
-        A key on disk or in a remote tier is promoted into RAM first;
-        concurrent readers of one key share one promotion, hence one load.
-        """
-        check.check_keys(self.limits, keys)
-        pin = self.ram.pin
-        values = [pin(k) for k in keys]
-        missing = [i for i, v in enumerate(values) if v is None]
-        if not missing:
+        now = self._now()
+        below: list[tuple[int, asyncio.Future[Any]]] = []
+        for i, value in enumerate(values):
+            if value is None and (settles := self._read_step(keys[i], locate(keys[i], now), now)):
+                below.append((i, settles))
+        if not below:
             return values
+        return self._get_below(keys, values, below, locate)
+
+    def _read_step(self, key: bytes, loc: Location, now: float) -> asyncio.Future[Any] | None:
+        """Act on where ``key`` is for a read: join the write or promotion in
+        flight, or start one from the disk or the remote tier that holds the
+        key (the first that may, while none has answered; a load of an absent
+        block answers absent, which is kept), or wait for the disk index.
+        Returns what to wait for; None when there is nothing to read."""
+        where = loc.where
+        if where is Where.ABSENT or self._closing_now():
+            return None
+        if loc.reservation is not None:  # a write or a promotion is under way
+            return loc.reservation.done
+        if where is Where.DISK:
+            return self._promote_from_disk(key, now).done
+        if where is Where.REMOTE:
+            return self._promote(self.remotes[loc.remote], key, now).done
+        if where is Where.PROBING:
+            first = min((*loc.unprobed, *(i for i, _ in loc.inflight)))
+            return self._promote(self.remotes[first], key, now).done
+        return loc.settles  # SCANNING: the disk index may still name it
+
+    async def _get_below(
+        self,
+        keys: Sequence[bytes],
+        values: list[Buffer | None],
+        below: list[tuple[int, asyncio.Future[Any]]],
+        locate: Callable[[bytes, float], Location],
+    ) -> list[Buffer | None]:
         try:
-            locator = self.local_locator if local else self.locator
-            read = self.promoter.read_through
-            found = await asyncio.gather(*(read(keys[i], locator) for i in missing))
+            found = await asyncio.gather(*(self._read(keys[i], f, locate) for i, f in below))
         except BaseException:
             self.unpin(keys, values)
             raise
-        for i, value in zip(missing, found, strict=True):
+        for (i, _), value in zip(below, found, strict=True):
             values[i] = value
         return values
+
+    async def _read(
+        self,
+        key: bytes,
+        settles: asyncio.Future[Any],
+        locate: Callable[[bytes, float], Location],
+    ) -> Buffer | None:
+        """``key`` pinned in RAM once what it waits for settles; None if absent.
+        A write that ended without the block sends the key round again, at
+        most ``MAX_READ_ROUNDS`` times (each round bounded by a deadline)."""
+        for _ in range(MAX_READ_ROUNDS):
+            await self._until(settles)
+            value = self.ram.pin(key)
+            if value is not None or self._closing_now():
+                return value
+            now = self._now()
+            step = self._read_step(key, locate(key, now), now)
+            if step is None:
+                return None
+            settles = step
+        return None
+
+    async def _until(self, fut: asyncio.Future[Any]) -> None:
+        """Wait for ``fut`` (never cancelling it: it is shared) or for shutdown."""
+        waits: list[asyncio.Future[Any]] = [fut]
+        if self._closing is not None:
+            waits.append(self._closing)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         unpin = self.ram.unpin

@@ -1,56 +1,40 @@
-"""Pending writes in motion: reservations with deadline timers, and promotions.
+"""Pending writes in motion: the reservation table's acting half.
 
-:class:`PendingWrites` owns the reservation table and arms one scheduler
-timer per pending key. Invariants (the second seed lesson):
+:class:`PendingWrites` owns the pure :class:`~kvtier.core.pending.ReservationTable`,
+arms one scheduler timer per pending key and gives back the RAM a
+reservation holds. Invariants (the second seed lesson):
 
 * every reservation it creates has a deadline timer; however it ends, the
   timer is cancelled, the RAM held for it is given back and its waiters are
   woken (``done`` resolved) - nothing is pending forever;
 * at the deadline the write is aborted, counted
   (``pending_deadline_expired``) and logged with the key and the writer;
-  a promotion's task is cancelled with it;
-* a promotion stores its block only if its reservation still holds the key
-  (a client's PUT may have completed it first), and ends its reservation in
-  ``finally`` whatever the load did.
+  a promotion's task is cancelled with it.
 
-Imports the core's pure maps, the tiers and the shared records.
+The service starts promotions (a load from a lower tier written as a
+pending write). Imports the core's pure maps, the tiers and the shared records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
 
-from kvtier.core.counts import CoreCounters, Promoted
-from kvtier.core.pending import End, Owner, Promotion, Reservation, ReservationTable
+from kvtier.core.counts import CoreCounters
+from kvtier.core.pending import End, Owner, Reservation, ReservationTable
 from kvtier.core.scheduler import Scheduler
-from kvtier.model import Buffer, ConnId
+from kvtier.model import ConnId
 from kvtier.tiers.ram import RamTier
 
 log = logging.getLogger("kvtier.service")
 
 
 class PendingWrites:
-    def __init__(
-        self,
-        ram: RamTier,
-        scheduler: Scheduler,
-        counters: CoreCounters,
-        *,
-        load_timeout: float,
-        task: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
-        complete: Callable[[bytes, Buffer, str], object],
-    ) -> None:
+    def __init__(self, ram: RamTier, scheduler: Scheduler, counters: CoreCounters) -> None:
         self.table = ReservationTable()
         self._ram = ram
         self._scheduler = scheduler
         self._counters = counters
-        self._load_timeout = load_timeout
-        self._task = task
-        #: stores a promoted block into RAM (completing its reservation)
-        self._complete = complete
 
     def __repr__(self) -> str:
         return f"<PendingWrites {self.table!r} timers={self._scheduler.timer_count}>"
@@ -104,51 +88,3 @@ class PendingWrites:
         )
         if res.task is not None:
             res.task.cancel()
-
-    # -- promotions
-
-    def promote(
-        self,
-        source: str,
-        key: bytes,
-        deadline: float,
-        now: float,
-        load: Callable[[], Awaitable[Buffer | None]],
-        failed: Callable[[], None],
-    ) -> Reservation:
-        """Load ``key`` into RAM as a pending write: concurrent readers share it."""
-        res = self.reserve(key, Promotion(source), deadline, 0, now)
-        self._counters.promotions.inc(source, Promoted.STARTED.value)
-        res.task = self._task(self._run_promotion(source, res, load, failed))
-        return res
-
-    async def _run_promotion(
-        self,
-        source: str,
-        res: Reservation,
-        load: Callable[[], Awaitable[Buffer | None]],
-        failed: Callable[[], None],
-    ) -> None:
-        """The reservation ends whatever happens; a miss or failure calls ``failed``."""
-        key = res.key
-        outcome = Promoted.FAILED
-        try:
-            async with asyncio.timeout(self._load_timeout):
-                value = await load()
-            if value is None:
-                outcome = Promoted.ABSENT
-            elif self.table.get(key) is res:
-                self._complete(key, value, source)  # completes res
-                outcome = Promoted.COMPLETED
-            else:
-                outcome = Promoted.SUPERSEDED
-        except asyncio.CancelledError:
-            outcome = Promoted.CANCELLED
-            raise
-        except Exception as exc:
-            log.warning("%s: loading key %s failed: %s", source, key.hex(), exc)
-        finally:
-            if outcome in (Promoted.FAILED, Promoted.ABSENT):
-                failed()
-            self._counters.promotions.inc(source, outcome.value)
-            self.end(res, End.ABORTED)  # no-op when completed

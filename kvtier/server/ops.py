@@ -8,7 +8,7 @@ the service's async verb of the same name. The service is any
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
@@ -116,13 +116,13 @@ class Ops:
 
     def get(self, conn: Connection, frame: Frame) -> Reply | Later:
         keys = self._only_keys(frame, "GET")
-        values = self.service.try_get(keys)
-        if values is not None:
+        values = self.service.get(keys)
+        if isinstance(values, list):
             return self._get_reply(keys, values)
-        return Later(self._get_later(keys))
+        return Later(self._get_later(keys, values))
 
-    async def _get_later(self, keys: list[bytes]) -> Reply:
-        return self._get_reply(keys, await self.service.get(keys))
+    async def _get_later(self, keys: list[bytes], values: Awaitable[list[Buffer | None]]) -> Reply:
+        return self._get_reply(keys, await values)
 
     def _get_reply(self, keys: list[bytes], values: list[Buffer | None]) -> Reply:
         """The reply holds the pins until its frame is handed to the transport."""
@@ -200,15 +200,19 @@ class Ops:
             raise wire.CodecError("GET_SHARED carries no data")
         releases, keys = wire.decode_get_shared(frame.meta, self.max_batch)
         shared.unlease(conn.conn_id, releases)
-        values = self.service.try_get(keys)
-        if values is not None:
+        values = self.service.get(keys)
+        if isinstance(values, list):
             return self._shared_reply(shared, conn, keys, values)
-        return Later(self._get_shared_later(shared, conn, keys))
+        return Later(self._get_shared_later(shared, conn, keys, values))
 
     async def _get_shared_later(
-        self, shared: SharedService, conn: Connection, keys: list[bytes]
+        self,
+        shared: SharedService,
+        conn: Connection,
+        keys: list[bytes],
+        values: Awaitable[list[Buffer | None]],
     ) -> Reply:
-        return self._shared_reply(shared, conn, keys, await self.service.get(keys))
+        return self._shared_reply(shared, conn, keys, await values)
 
     def _shared_reply(
         self,

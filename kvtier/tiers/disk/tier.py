@@ -78,7 +78,8 @@ class DiskTier(LocalTier):
         #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
         self.budget = Budget(capacity, policy)
         self.fsync = fsync
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
+        #: the disk's I/O threads: every blocking file operation runs here
+        self.executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
         #: a write or unlink of each key in flight; a second write waits for it
         self._writing: dict[bytes, asyncio.Future[None]] = {}
         self._file_writes: set[bytes] = set()  # keys whose file write is in flight
@@ -137,7 +138,7 @@ class DiskTier(LocalTier):
         found = 0
         # Scan as many buckets at once as there are I/O threads; merge in order.
         scans = [
-            loop.run_in_executor(self._pool, scan_bucket, self.root / f"{i:02x}")
+            loop.run_in_executor(self.executor, scan_bucket, self.root / f"{i:02x}")
             for i in range(256)
         ]
         try:
@@ -174,7 +175,7 @@ class DiskTier(LocalTier):
 
     async def _shrink_to_capacity(self) -> None:
         victims = self._evict(0)  # until indexed plus in-flight bytes fit
-        await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, victims)
+        await asyncio.get_running_loop().run_in_executor(self.executor, unlink_all, victims)
 
     # -- index (synchronous)
 
@@ -199,7 +200,7 @@ class DiskTier(LocalTier):
         path = self.path_of(key)
         try:
             value = await asyncio.get_running_loop().run_in_executor(
-                self._pool, read_block, path, key
+                self.executor, read_block, path, key
             )
         except FileNotFoundError:
             self._forget(key)
@@ -208,7 +209,7 @@ class DiskTier(LocalTier):
             log.warning("discarding corrupt block %s (%s): %s", key.hex(), path, exc)
             self.corrupt += 1
             self._forget(key)
-            await asyncio.get_running_loop().run_in_executor(self._pool, unlink_all, [path])
+            await asyncio.get_running_loop().run_in_executor(self.executor, unlink_all, [path])
             return None
         except OSError as exc:
             raise TierError(f"disk: reading {path} failed: {exc}") from exc
@@ -249,7 +250,7 @@ class DiskTier(LocalTier):
             path = self.path_of(key)
             try:
                 await loop.run_in_executor(
-                    self._pool, write_block, path, key, value, self.fsync == "always", victims
+                    self.executor, write_block, path, key, value, self.fsync == "always", victims
                 )
             except OSError as exc:
                 self.write_errors += 1
@@ -267,7 +268,7 @@ class DiskTier(LocalTier):
             self.written_bytes += len(value)
             if key in self._deleted_while_writing:
                 self._deleted_while_writing.discard(key)
-                await loop.run_in_executor(self._pool, unlink_all, [path])
+                await loop.run_in_executor(self.executor, unlink_all, [path])
                 return
             self.budget.admit(key, size)
             if self.fsync == "batch":
@@ -275,6 +276,11 @@ class DiskTier(LocalTier):
                 self._write_gen += 1
         if durable and self.fsync == "batch":
             await self.sync()
+
+    @property
+    def unsynced_writes(self) -> int:
+        """Writes completed but not yet on stable storage (fsync ``batch``)."""
+        return self._write_gen - self._synced_gen
 
     async def sync(self) -> None:
         """Return once every write completed before this call is on stable storage."""
@@ -288,7 +294,7 @@ class DiskTier(LocalTier):
                 gen = self._write_gen
                 self._syncing = loop.create_future()
                 try:
-                    await loop.run_in_executor(self._pool, sync_paths, paths)
+                    await loop.run_in_executor(self.executor, sync_paths, paths)
                     self._synced_gen = max(self._synced_gen, gen)
                 finally:
                     fut, self._syncing = self._syncing, None
@@ -313,7 +319,7 @@ class DiskTier(LocalTier):
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._writing[key] = done
-        unlink = loop.run_in_executor(self._pool, unlink_all, [self.path_of(key)])
+        unlink = loop.run_in_executor(self.executor, unlink_all, [self.path_of(key)])
 
         def finished(_f: asyncio.Future[None]) -> None:
             if self._writing.get(key) is done:
@@ -344,7 +350,7 @@ class DiskTier(LocalTier):
     async def close(self) -> None:
         if self.fsync == "batch" and self._dirty:
             await self.sync()
-        self._pool.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
 
     def filesystem(self) -> tuple[int, int]:
         """(free bytes, size) of the filesystem holding the blocks; (0, 0) if unknown."""

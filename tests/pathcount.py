@@ -1,0 +1,241 @@
+"""How far a reader must follow one request: calls, files and switches between files.
+
+A daemon runs in a thread of its own, on its own event loop; a profiler
+(``sys.setprofile``, which sees only the thread it is set in) records every
+call of a Python function defined in a kvtier module while a request is
+measured. The request is sent from the main thread, so the client's own
+calls are not counted. Counted: the op table and everything below it (core,
+tiers, codecs, the scheduler loop, background tasks the request starts);
+not counted: the transport layer every op shares (the connection's frame
+reader and writer, flow control, framing) and the waiting helper below.
+
+``python -m tests.pathcount`` prints the figures of the two traced paths:
+
+* a GET of a key that only the disk holds (a fresh daemon over a data
+  directory a previous daemon left);
+* a LOOKUP of a key that only S3 holds: one LOOKUP answering RETRY (the
+  probe starts), then one that waits (``wait``) until the key reads HIT
+  (probe answered, promotion landed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import threading
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import kvtier
+from kvtier import loops
+from kvtier.client import Client
+from kvtier.config import load_config
+from kvtier.daemon import Daemon
+from kvtier.model import LookupMode, LookupReply
+from tests.helpers import short_tmpdir
+
+T = TypeVar("T")
+
+PACKAGE = str(Path(kvtier.__file__).resolve().parent) + "/"
+
+#: the transport every op shares: not part of any one verb's path
+TRANSPORT = frozenset(
+    {
+        "server/connection.py",
+        "server/server.py",
+        "wire/framing.py",
+        "wire/flow_control.py",
+        "loops.py",
+    }
+)
+
+KEY = bytes.fromhex("aa" * 32)
+VALUE = bytes(range(256)) * 1024  # 256 KiB
+
+
+@dataclass
+class PathCount:
+    """The kvtier calls one measured request made, in order."""
+
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def files(self) -> set[str]:
+        return {f for f, _ in self.calls}
+
+    @property
+    def switches(self) -> int:
+        return sum(1 for a, b in zip(self.calls, self.calls[1:], strict=False) if a[0] != b[0])
+
+    def by_function(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f, name in self.calls:
+            out[f"{f}:{name}"] = out.get(f"{f}:{name}", 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def __str__(self) -> str:
+        return f"{len(self.calls)} calls in {len(self.files)} files, {self.switches} switches"
+
+
+class ThreadedDaemon:
+    """A daemon on an event loop in its own thread, with a switchable call recorder."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        self.loop = loops.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._count: PathCount | None = None
+        self.run(self._install())
+        self.daemon = Daemon(load_config(None, overrides))
+        self._task = asyncio.run_coroutine_threadsafe(self.daemon.run(), self.loop)
+        self.run(self._ready())
+
+    async def _install(self) -> None:
+        sys.setprofile(self._record)  # this thread only
+
+    async def _uninstall(self) -> None:
+        sys.setprofile(None)
+
+    async def _ready(self) -> None:
+        daemon = self.daemon
+        await daemon.ready.wait()
+        if daemon.disk is not None and daemon.disk.scan_done is not None:
+            await daemon.disk.scan_done
+
+    def _record(self, frame: FrameType, event: str, _arg: object) -> None:
+        if event != "call" or self._count is None:
+            return
+        filename = frame.f_code.co_filename
+        if not filename.startswith(PACKAGE):
+            return
+        rel = filename[len(PACKAGE) :]
+        if rel in TRANSPORT:
+            return
+        self._count.calls.append((rel, frame.f_code.co_name))
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def measure(self) -> PathCount:
+        """Start recording; stop with :meth:`stop_measuring`."""
+        self._count = PathCount()
+        return self._count
+
+    def stop_measuring(self) -> None:
+        """Stop recording once the background work the request started is done."""
+
+        async def idle() -> None:
+            await self.daemon.settle()
+            self._count = None
+
+        self.run(idle())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.daemon.stop)
+        self._task.result(60)
+        self.run(self._uninstall())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+async def _put(sock_dir: Path, durable: bool = False) -> None:
+    async with await Client.connect(sock_dir / "d.sock") as c:
+        await c.put(KEY, VALUE, durable=durable)
+
+
+def _overrides(sock_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "server": {"socket_path": sock_dir / "d.sock"},
+        "metrics": {"enabled": False},
+        "ram": {"capacity": "64MiB"},
+        "disk": {"path": sock_dir / "data", "capacity": "256MiB"},
+        # No periodic sweep fires inside a measured request.
+        "lookup": {"sweep_interval": 3600},
+    }
+    for name, values in sections.items():
+        out.setdefault(name, {}).update(values)
+    return out
+
+
+def disk_only_get(sock_dir: Path) -> PathCount:
+    """A GET of a key that a previous daemon left on disk only."""
+    first = ThreadedDaemon(_overrides(sock_dir))
+    try:
+        asyncio.run(_put(sock_dir, durable=True))
+    finally:
+        first.close()
+    daemon = ThreadedDaemon(_overrides(sock_dir))
+    try:
+
+        async def get() -> tuple[PathCount, bytes | None]:
+            async with await Client.connect(sock_dir / "d.sock", shared=False) as c:
+                count = daemon.measure()
+                value = await c.get(KEY)
+                await asyncio.to_thread(daemon.stop_measuring)
+                return count, None if value is None else bytes(value)
+
+        count, value = asyncio.run(get())
+        assert value == VALUE
+        return count
+    finally:
+        daemon.close()
+
+
+def s3_only_lookup(sock_dir: Path, s3_tier: dict[str, Any]) -> PathCount:
+    """A LOOKUP of a key only S3 holds, until it reads HIT."""
+    remote = {"remote_tiers": [s3_tier]}
+    first = ThreadedDaemon({**_overrides(sock_dir), **remote})
+    try:
+        asyncio.run(_put(sock_dir))  # written through to S3 in the background
+        first.stop_measuring()  # waits for the write-through
+    finally:
+        first.close()
+    shutil.rmtree(sock_dir / "data", ignore_errors=True)
+    daemon = ThreadedDaemon({**_overrides(sock_dir, disk={"enabled": False}), **remote})
+    try:
+
+        async def lookups() -> tuple[PathCount, LookupReply, LookupReply]:
+            async with await Client.connect(sock_dir / "d.sock", shared=False) as c:
+                count = daemon.measure()
+                first = await c.lookup([KEY], mode=LookupMode.PREFIX)
+                settled = await c.lookup([KEY], mode=LookupMode.PREFIX, wait=10.0)
+                await asyncio.to_thread(daemon.stop_measuring)
+                return count, first, settled
+
+        count, first_answer, settled = asyncio.run(lookups())
+        assert first_answer.defer and first_answer.prefix_hits == 0, first_answer
+        assert settled.prefix_hits == 1, settled
+        return count
+    finally:
+        daemon.close()
+
+
+def _paths() -> Iterator[tuple[str, PathCount]]:
+    from tests.s3server import S3Server
+
+    sock_dir = short_tmpdir()
+    try:
+        yield "disk-only GET", disk_only_get(sock_dir)
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    s3 = S3Server()
+    sock_dir = short_tmpdir()
+    try:
+        yield "S3-only LOOKUP until HIT", s3_only_lookup(sock_dir, s3.tier_config(s3.new_bucket()))
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        s3.close()
+
+
+if __name__ == "__main__":
+    verbose = "-v" in sys.argv
+    for name, count in _paths():
+        print(f"{name}: {count}")
+        if verbose:
+            for fn, n in count.by_function().items():
+                print(f"  {n:4d} {fn}")
