@@ -222,7 +222,9 @@ class Daemon:
 
     async def settle(self) -> None:
         """Wait until the background work started so far (writes, loads, probes) is done."""
-        while pending := [t for t in self._tasks if t is not asyncio.current_task()]:
+        while pending := [
+            t for t in (*self._tasks, *self.service.tasks) if t is not asyncio.current_task()
+        ]:
             await asyncio.wait(pending)
 
     def health(self) -> tuple[bool, bool, dict[str, Any]]:
@@ -314,7 +316,7 @@ class Daemon:
 
             self._spawn = spawn
             scheduler_task = tasks.create_task(self.scheduler.run(), name="kvtier-scheduler")
-            self.service.start(spawn)
+            self.service.start(tasks.create_task)  # the service keeps count of its own
             peer_tier = self.peer_tier
             if peer_tier is not None and self.config.peer.dns is not None:
                 self.scheduler.every(
@@ -445,10 +447,11 @@ class Daemon:
             self.handoff.close()
         # Probes and promotions still running are cut short; each resolves
         # its waiters in its own finally.
-        for task in list(self._tasks):
+        running = [*self._tasks, *self.service.tasks]
+        for task in running:
             task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
+        if running:
+            await asyncio.wait(running)
         self.service.close()
         if self.shared is not None:
             self.shared.close()

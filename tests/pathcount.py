@@ -3,11 +3,16 @@
 A daemon runs in a thread of its own, on its own event loop; a profiler
 (``sys.setprofile``, which sees only the thread it is set in) records every
 call of a Python function defined in a kvtier module while a request is
-measured. The request is sent from the main thread, so the client's own
+measured, once the daemon has served one request of the same kind (so
+first-use set-up, such as a counter's first label, is not counted). The
+request is sent from the main thread, so the client's own
 calls are not counted. Counted: the op table and everything below it (core,
-tiers, codecs, the scheduler loop, background tasks the request starts);
-not counted: the transport layer every op shares (the connection's frame
-reader and writer, flow control, framing) and the waiting helper below.
+tiers, codecs, the scheduler loop, background tasks the request starts).
+Not counted: the transport layer every op shares (the connection's frame
+reader and writer, flow control, framing) and what it calls besides the op
+table (its request counters, task spawning); a coroutine resuming after an
+await (it is one call, however often it waits); and the measurement's own
+wait for the daemon to be idle (``Daemon.settle``).
 
 ``python -m tests.pathcount`` prints the figures of the two traced paths:
 
@@ -21,6 +26,7 @@ reader and writer, flow control, framing) and the waiting helper below.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import shutil
 import sys
 import threading
@@ -53,7 +59,10 @@ TRANSPORT = frozenset(
     }
 )
 
+_SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
+
 KEY = bytes.fromhex("aa" * 32)
+ABSENT = bytes.fromhex("bb" * 32)
 VALUE = bytes(range(256)) * 1024  # 256 KiB
 
 
@@ -62,6 +71,8 @@ class PathCount:
     """The kvtier calls one measured request made, in order."""
 
     calls: list[tuple[str, str]] = field(default_factory=list)
+    #: coroutine and generator frames already counted (held, so ids stay unique)
+    frames: dict[int, FrameType] = field(default_factory=dict, repr=False)
 
     @property
     def files(self) -> set[str]:
@@ -89,6 +100,8 @@ class ThreadedDaemon:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._count: PathCount | None = None
+        #: the measurement's own waiting (Daemon.settle) is not counted
+        self._helpers = {Daemon.settle.__code__}
         self.run(self._install())
         self.daemon = Daemon(load_config(None, overrides))
         self._task = asyncio.run_coroutine_threadsafe(self.daemon.run(), self.loop)
@@ -107,15 +120,28 @@ class ThreadedDaemon:
             await daemon.disk.scan_done
 
     def _record(self, frame: FrameType, event: str, _arg: object) -> None:
-        if event != "call" or self._count is None:
+        count = self._count
+        if event != "call" or count is None:
             return
-        filename = frame.f_code.co_filename
+        code = frame.f_code
+        filename = code.co_filename
         if not filename.startswith(PACKAGE):
             return
         rel = filename[len(PACKAGE) :]
-        if rel in TRANSPORT:
+        if rel in TRANSPORT or code in self._helpers:
             return
-        self._count.calls.append((rel, frame.f_code.co_name))
+        caller = frame.f_back
+        if caller is not None:
+            if caller.f_code in self._helpers:
+                return
+            called_from = caller.f_code.co_filename[len(PACKAGE) :]
+            if called_from in TRANSPORT and rel != "server/ops.py":
+                return  # the transport's own bookkeeping (request counters, spawning)
+        if code.co_flags & _SUSPENDABLE:
+            if id(frame) in count.frames:
+                return  # a coroutine resumed after an await is not a new call
+            count.frames[id(frame)] = frame
+        count.calls.append((rel, code.co_name))
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
@@ -174,6 +200,7 @@ def disk_only_get(sock_dir: Path) -> PathCount:
 
         async def get() -> tuple[PathCount, bytes | None]:
             async with await Client.connect(sock_dir / "d.sock", shared=False) as c:
+                assert await c.get(ABSENT) is None  # a daemon that has served a GET
                 count = daemon.measure()
                 value = await c.get(KEY)
                 await asyncio.to_thread(daemon.stop_measuring)
@@ -201,6 +228,8 @@ def s3_only_lookup(sock_dir: Path, s3_tier: dict[str, Any]) -> PathCount:
 
         async def lookups() -> tuple[PathCount, LookupReply, LookupReply]:
             async with await Client.connect(sock_dir / "d.sock", shared=False) as c:
+                # A daemon that has served a LOOKUP, and probed S3 once.
+                await c.lookup([ABSENT], mode=LookupMode.PREFIX, wait=10.0)
                 count = daemon.measure()
                 first = await c.lookup([KEY], mode=LookupMode.PREFIX)
                 settled = await c.lookup([KEY], mode=LookupMode.PREFIX, wait=10.0)

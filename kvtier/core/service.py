@@ -80,6 +80,8 @@ class Service:
             batch_window=self.cfg.probe_batch_window, max_batch=self.cfg.probe_max_batch
         )
         self._spawn: Spawn | None = None
+        #: background work in flight (probes, promotions, writes), in the daemon's task group
+        self.tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
         self.pending = PendingWrites(ram, self.scheduler, self.counters)
         self.deferrals = DeferralTracker(self.cfg.request_state_ttl, self.cfg.max_request_states)
@@ -117,6 +119,11 @@ class Service:
             hold=lambda _key, value: ram.hold(value),
             let_go=lambda _key, value: ram.let_go(value),
         )
+        #: promotions counted by source tier and outcome, bound once
+        self._promoted = {
+            tier.name: {o: self.counters.promotions.bind(tier.name, o.value) for o in Promoted}
+            for tier in self.tiers()[1:]
+        }
         # A demoted block must outlive its arena slot, which is reused at once.
         ram.keep_evicted = any(w.policy is WritePolicy.WRITE_BACK for w in self.propagation.writers)
 
@@ -185,6 +192,8 @@ class Service:
             coro.close()
             raise RuntimeError("service not started")
         task: asyncio.Task[None] = self._spawn(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
         return task
 
     # ------------------------------------------------------------ LOOKUP
@@ -241,7 +250,8 @@ class Service:
             self._promote(slot, key, now)
 
     def _invalidate(self, key: bytes) -> None:
-        self.probing.invalidate(key)
+        if self.remotes:
+            self.probing.invalidate(key)
 
     def _promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
         """Load ``key`` from a remote tier into RAM; a tier that claimed the
@@ -276,7 +286,7 @@ class Service:
         tier: readers of the key wait on it like on any write, so concurrent
         GETs of one key share one load, and its deadline bounds it."""
         res = self.pending.reserve(key, Promotion(source), self.cfg.pending_deadline, 0, now)
-        self.counters.promotions.inc(source, Promoted.STARTED.value)
+        self._promoted[source][Promoted.STARTED].value += 1
         res.task = self._task(self._promotion(source, res, load, failed))
         return res
 
@@ -310,7 +320,7 @@ class Service:
         finally:
             if failed is not None and outcome in (Promoted.FAILED, Promoted.ABSENT):
                 failed()
-            self.counters.promotions.inc(source, outcome.value)
+            self._promoted[source][outcome].value += 1
             self.pending.end(res, End.ABORTED)  # no-op when completed
 
     # ------------------------------------------------------------ RESERVE / ABORT / RELEASE
@@ -527,6 +537,8 @@ class Service:
         return PutStatus.STORED if stored else PutStatus.EXISTS
 
     def _evicted(self, evicted: list[tuple[bytes, Buffer]]) -> None:
+        if not evicted:
+            return
         for victim, _ in evicted:
             self._invalidate(victim)
         self.propagation.evicted(evicted)

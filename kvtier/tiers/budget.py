@@ -100,6 +100,8 @@ class Budget:
         Raises :class:`~kvtier.tiers.policy.NoRoom` (nothing removed) when
         evicting every unpinned key would not be enough.
         """
+        if need <= self.free:
+            return []
         sizes, pins = self._sizes, self._pins
         victims = plan_eviction(
             need,

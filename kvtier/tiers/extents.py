@@ -53,7 +53,8 @@ class ExtentAllocator:
 
     def block_size(self, size: int) -> int:
         """The bytes a request of ``size`` occupies (whole pages, at least one)."""
-        return max(1, -(-size // self.page)) * self.page
+        page = self.page
+        return max(1, -(-size // page)) * page
 
     def alloc(self, size: int) -> int:
         """The offset of an extent of at least ``size`` bytes; raises :class:`OutOfArena`."""

@@ -172,7 +172,7 @@ class RamTier(LocalTier):
             self.drop_staged(value)
             return False, []
         length = len(value)
-        if length > self.capacity:
+        if length > self.budget.capacity:
             raise ValueTooLargeError(
                 f"value of {length} bytes is larger than the RAM tier ({self.capacity} bytes)"
             )
