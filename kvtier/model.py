@@ -131,20 +131,18 @@ class ConnId:
 class CacheService(Protocol):
     """The verbs the server calls; the core's ``Service`` implements them.
 
-    Two calling conventions: ``try_*`` answers now or returns None when the
-    answer needs I/O, in which case the server awaits the async verb of the
-    same name; ``get`` returns its answer now, or the awaitable that gives it
-    (the keys already checked, pinned and located). Verbs without an async
-    form never wait.
+    Two calling conventions: ``lookup`` and ``get`` return their answer now,
+    or the awaitable that gives it (the request already checked and its keys
+    located, the loads it needs started); ``try_delete`` answers now or
+    returns None when the answer needs I/O, in which case the server awaits
+    ``delete``. Verbs with neither form never wait.
     """
 
     limits: Limits
 
-    def try_lookup(self, req: Lookup) -> LookupReply | None: ...
-
-    async def lookup(
+    def lookup(
         self, req: Lookup, cutoff: asyncio.Future[None] | None = None
-    ) -> LookupReply: ...
+    ) -> LookupReply | Awaitable[LookupReply]: ...
 
     def get(
         self, keys: Sequence[bytes]

@@ -15,7 +15,7 @@ from kvtier.config import DiskConfig
 from kvtier.core.service import Service
 from kvtier.daemon import Daemon
 from kvtier.errors import TierError
-from kvtier.model import Limits, Lookup
+from kvtier.model import Limits, Lookup, LookupReply
 from kvtier.tiers.disk import HEADER, DiskTier
 from kvtier.tiers.ram import RamTier
 from tests.helpers import running_daemon
@@ -165,11 +165,11 @@ async def test_unscanned_keys_read_retry_then_hit(tmp_path: Path) -> None:
     async with asyncio.TaskGroup() as tasks:
         service.start(tasks.create_task)
         scheduler = tasks.create_task(service.scheduler.run())
-        reply = service.try_lookup(Lookup([b"old", b"new"]))
-        assert reply is not None and reply.states == [State.RETRY, State.RETRY]
+        reply = service.lookup(Lookup([b"old", b"new"]))
+        assert isinstance(reply, LookupReply) and reply.states == [State.RETRY, State.RETRY]
         await disk.rebuild_index()
-        reply = service.try_lookup(Lookup([b"old", b"new"]))
-        assert reply is not None and reply.states == [State.HIT, State.MISS]
+        reply = service.lookup(Lookup([b"old", b"new"]))
+        assert isinstance(reply, LookupReply) and reply.states == [State.HIT, State.MISS]
         service.scheduler.stop()
         await scheduler
         service.close()

@@ -16,8 +16,8 @@ from tests import pathcount
 from tests.s3server import S3Server, s3_server
 
 #: (calls, files) at most
-DISK_GET = (96, 19)
-S3_LOOKUP = (211, 25)
+DISK_GET = (92, 19)
+S3_LOOKUP = (208, 25)
 
 
 @pytest.fixture(scope="module")

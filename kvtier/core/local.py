@@ -44,11 +44,10 @@ class LocalView:
     def __repr__(self) -> str:
         return f"<LocalView source={self._source}>"
 
-    def try_lookup(self, req: Lookup) -> LookupReply | None:
-        return self._service.try_lookup(req, local=True)
-
-    async def lookup(self, req: Lookup, cutoff: asyncio.Future[None] | None = None) -> LookupReply:
-        return await self._service.lookup(req, cutoff, local=True)
+    def lookup(
+        self, req: Lookup, cutoff: asyncio.Future[None] | None = None
+    ) -> LookupReply | Awaitable[LookupReply]:
+        return self._service.lookup(req, cutoff, local=True)
 
     def get(self, keys: Sequence[bytes]) -> list[Buffer | None] | Awaitable[list[Buffer | None]]:
         return self._service.get(keys, local=True)

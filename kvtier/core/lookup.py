@@ -1,201 +1,125 @@
-"""Evaluating one lookup: each key's state from where it is, then the prefix answer.
+"""A lookup's decision: each key's state from where it is, and what to start. Pure.
 
-For each key the :class:`~kvtier.core.locate.Locator` says where it is and
-this module acts on it: a remote PRESENT verdict starts a promotion (the key
-reads PENDING), a remote tier with neither verdict nor probe gets one
-(RETRY), usable disk hits start loading into RAM ahead of the GET. The
-reader-side PENDING bound (:mod:`~kvtier.core.deferral`) then truncates the
-prefix. Keeps the bytearray fast path: with no remote tier, no pending
-write and a complete disk index, states are membership tests at C speed.
+:func:`plan_lookup` turns the :class:`~kvtier.core.locate.Location` of every
+key into its state (HIT, PENDING, RETRY, MISS) and a :class:`LookupPlan`
+that names the work the answer needs, without doing any of it: the remote
+tiers to probe for a key no tier has answered for (RETRY), the remote hits
+to promote into RAM (PENDING until they land), the disk hits a GET will
+want next (prefetch). The service starts that work, then reads the prefix
+answer. The same locations always give the same plan.
 
-Imports the core's pure modules, the tiers and the shared records.
+Invariants: a key whose tiers are all still unknown reads RETRY while some
+probe of it is (or is about to be) in flight, and MISS only once every tier
+has answered; once shutdown has begun no work is planned, so a key that
+would need a probe reads MISS (or RETRY while the disk index is scanned);
+``settles[i]`` is set for every PENDING or RETRY key whose settling is
+already known (a write, a probe in flight, the index scan) and left None
+where the planned work will supply it. Imports the core's pure maps and the
+shared records.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.core.counts import CoreCounters
-from kvtier.core.deferral import DeferralTracker
-from kvtier.core.locate import Location, Locator, Where
-from kvtier.core.pending import Reservation, ReservationTable
-from kvtier.core.prefix import prefix_answer
+from kvtier.core.locate import Location, Where
 from kvtier.core.probes import Verdict
-from kvtier.core.remotes import RemoteProbes, RemoteSlot
-from kvtier.model import HIT, MISS, PENDING, RETRY, STATE_NAMES, Lookup, LookupMode, LookupReply
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.ram import RamTier
+from kvtier.model import HIT, MISS, PENDING, RETRY, LookupMode
 
 #: probes a waiting lookup has seen, by (remote tier index, key)
 SeenProbes = dict[tuple[int, bytes], asyncio.Future[Verdict]]
 
 
-class LookupEvaluator:
-    def __init__(
-        self,
-        *,
-        ram: RamTier,
-        disk: DiskTier | None,
-        pending: ReservationTable,
-        locator: Locator,
-        probing: RemoteProbes,
-        deferrals: DeferralTracker,
-        counters: CoreCounters,
-        remote_hit_reads_hit: bool,
-        promote_on_lookup: bool,
-        promote_remote: Callable[[RemoteSlot, bytes, float], Reservation],
-        promote_from_disk: Callable[[bytes, float], Reservation],
-        closing: Callable[[], bool],
-    ) -> None:
-        self.ram = ram
-        self.disk = disk
-        self._pending = pending
-        self.locator = locator
-        self.probing = probing
-        self.remotes = probing.slots
-        self.deferrals = deferrals
-        self.counters = counters
-        self._remote_hit_reads_hit = remote_hit_reads_hit
-        self._promote_on_lookup = promote_on_lookup
-        self._promote_remote = promote_remote
-        self._promote_from_disk = promote_from_disk
-        self._closing_now = closing
-        self._state_counters = {
-            state: counters.lookup_keys.bind(name) for state, name in STATE_NAMES.items()
-        }
+@dataclass(slots=True)
+class LookupPlan:
+    """The states of a lookup's keys, and the work they need started."""
 
-    def __repr__(self) -> str:
-        return f"<LookupEvaluator {self.locator!r}>"
+    states: bytearray
+    #: per key, what settles it (a write's ``done``, a probe's future, the index scan)
+    settles: list[asyncio.Future[Any] | None]
+    #: (key index, remote tier index): probes to start
+    probe: list[tuple[int, int]] = field(default_factory=list)
+    #: (key index, remote tier index): remote hits to load into RAM
+    promote: list[tuple[int, int]] = field(default_factory=list)
+    #: key indices of disk hits with no load into RAM under way
+    on_disk: list[int] = field(default_factory=list)
+    #: (key index, remote tier index, its future): probes in flight the keys join
+    joins: list[tuple[int, int, asyncio.Future[Verdict]]] = field(default_factory=list)
+    #: per remote tier: keys a kept verdict answered
+    cached: list[int] = field(default_factory=list)
 
-    def evaluate(
-        self,
-        req: Lookup,
-        now: float,
-        seen: SeenProbes | None,
-    ) -> tuple[LookupReply, list[asyncio.Future[Any]], float | None]:
-        """States of ``req.keys`` now; with ``seen`` (a waiting lookup) also the
-        futures whose settling can change the answer."""
-        keys = req.keys
-        disk = self.disk
-        disk_only: list[int] = []  # indices of HITs that are on disk but not in RAM
-        futures: list[asyncio.Future[Any] | None] = []
-        if not self.remotes and not self._pending and (disk is None or not disk.scanning):
-            # The fast path. HIT is 1 and MISS is 0: membership tests map
-            # straight onto states.
-            states = bytearray(map(self.ram.resident().__contains__, keys))
-            if disk is not None and states.count(MISS):
-                on_disk = disk.contains
-                for i in range(len(states)):
-                    if not states[i] and on_disk(keys[i]):
-                        states[i] = HIT
-                        disk_only.append(i)
-        else:
-            states = bytearray(len(keys))
-            locate = self.locator.locate
-            for i, key in enumerate(keys):
-                loc = locate(key, now, seen)
-                if loc.where is Where.DISK and loc.reservation is None:
-                    disk_only.append(i)
-                states[i], fut = self._state(key, loc, now, seen)
-                futures.append(fut)
-        bound_at: float | None = None
-        if req.max_pending_wait > 0:
-            result = self.deferrals.observe(
-                req.request_tag, keys, states, req.max_pending_wait, now
-            )
-            if result.ends_deferral is not None:
-                self.counters.lookup_deferred_seconds.observe(result.ends_deferral)
-            if result.expired_index is not None:
-                # Past the reader's bound: a MISS for this request, never a hit.
-                states[result.expired_index] = MISS
-                if result.newly_expired:
-                    self.counters.lookup_pending_expired.inc()
-            bound_at = result.expires_at
-        window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
-        hits, defer = prefix_answer(states, window)
-        # A HIT is a read to come: the eviction policy hears of it (later,
-        # before the next write, so the reply does not wait for it).
-        self.ram.touch_later(keys, len(keys) if req.mode == LookupMode.KEYS else hits)
-        if disk_only and self._promote_on_lookup:
-            # Start loading the usable disk hits into RAM: the GET comes next.
-            limit = hits if req.mode != LookupMode.KEYS else len(keys)
-            pending = self._pending
-            for i in disk_only:
-                if i >= limit:
-                    break
-                # A key listed twice is loaded once: the first start is pending.
-                if states[i] == HIT and keys[i] not in pending:
-                    self._promote_from_disk(keys[i], now)
-        collected: list[asyncio.Future[Any]] = []
-        if seen is not None and futures:
-            # Wait only on keys that can still change the answer: in prefix
-            # mode, those before the first MISS.
-            stop = len(states)
-            if req.mode == LookupMode.PREFIX:
-                first_miss = states.find(MISS)
-                stop = first_miss if first_miss >= 0 else stop
-            for i, fut in enumerate(futures[:stop]):
-                if fut is not None and states[i] in (PENDING, RETRY):
-                    collected.append(fut)
-        return LookupReply(bytes(states), hits, defer), collected, bound_at
 
-    def _state(
-        self,
-        key: bytes,
-        loc: Location,
-        now: float,
-        seen: SeenProbes | None,
-    ) -> tuple[int, asyncio.Future[Any] | None]:
-        """Act on where ``key`` is for a lookup: its state, and what settles it."""
+def plan_lookup(
+    locations: Sequence[Location],
+    *,
+    remotes: int,
+    remote_hit_reads_hit: bool,
+    closing: bool,
+    scan: asyncio.Future[None] | None,
+) -> LookupPlan:
+    """The plan for keys at ``locations`` (``remotes``: how many remote tiers;
+    ``scan``: the disk index scan while it runs)."""
+    n = len(locations)
+    plan = LookupPlan(bytearray(n), [None] * n, cached=[0] * remotes)
+    states, settles = plan.states, plan.settles
+    for i, loc in enumerate(locations):
         where = loc.where
-        if where is Where.RAM or where is Where.DISK:
-            return HIT, None
+        if where is Where.RAM:
+            states[i] = HIT
+            continue
+        if where is Where.DISK:
+            states[i] = HIT
+            if loc.reservation is None:
+                plan.on_disk.append(i)
+            continue
         if where is Where.PENDING:
-            return PENDING, loc.settles
+            states[i], settles[i] = PENDING, loc.settles
+            continue
         if where is Where.REMOTE:
-            slot = self.remotes[loc.remote]
-            slot.cached.value += 1
-            if self._remote_hit_reads_hit:
-                return HIT, None
-            return PENDING, self._promote_remote(slot, key, now).done
-        self._count_cached(loc)
+            plan.cached[loc.remote] += 1
+            if remote_hit_reads_hit:
+                states[i] = HIT
+            else:
+                states[i] = PENDING
+                plan.promote.append((i, loc.remote))
+            continue
+        busy = (*loc.unprobed, *(t for t, _ in loc.inflight))
+        for t in range(remotes):
+            if t not in busy:
+                plan.cached[t] += 1  # a kept verdict answered for this tier
         if where is Where.PROBING:
-            settles = loc.settles
-            for i, fut in loc.inflight:
-                self.remotes[i].joined.value += 1
-                if seen is not None:
-                    seen[(i, key)] = fut
-            if not self._closing_now():  # no new backend work once shutdown has begun
-                for i in loc.unprobed:
-                    probe = self.probing.begin(self.remotes[i], key)
-                    if seen is not None:
-                        seen[(i, key)] = probe.future
-                    settles = settles or probe.future
-            if settles is not None:
-                return RETRY, settles
-            if self.disk is not None and self.disk.scanning:
-                return RETRY, self.disk.scan_done
-            return MISS, None
-        if where is Where.SCANNING:
+            plan.joins.extend((i, t, fut) for t, fut in loc.inflight)
+            settles[i] = loc.settles
+            if not closing:  # no new backend work once shutdown has begun
+                plan.probe.extend((i, t) for t in loc.unprobed)
+            if settles[i] is not None or (loc.unprobed and not closing):
+                states[i] = RETRY
+            elif scan is not None:
+                states[i], settles[i] = RETRY, scan
+            else:
+                states[i] = MISS
+        elif where is Where.SCANNING:
             # Not indexed yet is not absent: the disk may still hold it.
-            return RETRY, loc.settles
-        return MISS, None
+            states[i], settles[i] = RETRY, loc.settles
+        else:
+            states[i] = MISS
+    return plan
 
-    def _count_cached(self, loc: Location) -> None:
-        """Count the remote tiers whose kept verdict answered for this key."""
-        if not loc.unprobed and not loc.inflight:  # every tier answered (ABSENT, SCANNING)
-            for slot in self.remotes:
-                slot.cached.value += 1
-            return
-        busy = set(loc.unprobed).union(i for i, _ in loc.inflight)
-        for slot in self.remotes:
-            if slot.index not in busy:
-                slot.cached.value += 1
 
-    def count(self, raw: bytes) -> None:
-        for state, cell in self._state_counters.items():
-            n = raw.count(state)
-            if n:
-                cell.value += n
+def waits_for(
+    states: bytearray, settles: Sequence[asyncio.Future[Any] | None], mode: LookupMode
+) -> list[asyncio.Future[Any]]:
+    """What a waiting lookup waits on: the settling of the keys that can still
+    change the answer (in prefix mode, those before the first MISS)."""
+    stop = len(states)
+    if mode == LookupMode.PREFIX:
+        first_miss = states.find(MISS)
+        stop = first_miss if first_miss >= 0 else stop
+    return [
+        fut
+        for i, fut in enumerate(settles[:stop])
+        if fut is not None and states[i] in (PENDING, RETRY)
+    ]

@@ -47,6 +47,8 @@ class RemoteSlot:
         self.started = counters.probes.bind(tier.name, ProbeUse.STARTED.value)
         self.joined = counters.probes.bind(tier.name, ProbeUse.JOINED.value)
         self.cached = counters.probes.bind(tier.name, ProbeUse.CACHED.value)
+        self.verdicts = {v: counters.probe_verdicts.bind(tier.name, v.value) for v in Verdict}
+        self.batch_size = counters.probe_batch_size.bind(tier.name)
 
     def __repr__(self) -> str:
         return f"<RemoteSlot {self.name} {self.probes!r}>"
@@ -114,7 +116,7 @@ class RemoteProbes:
             probes = [p for p in (slot.probes.inflight(k) for k in keys) if p is not None]
             if not probes:
                 return  # every key was invalidated before its batch left
-            self._counters.probe_batch_size.observe(len(probes), slot.name)
+            slot.batch_size.observe(len(probes))
             self._task(self._run(slot, probes))
 
         return dispatch
@@ -183,7 +185,7 @@ class RemoteProbes:
         for i, probe in enumerate(batch.probes):
             verdict = verdicts[i] if verdicts is not None else Verdict.ERROR
             owned = slot.probes.complete(probe, verdict, now)
-            counters.probe_verdicts.inc(slot.name, verdict.value)
+            slot.verdicts[verdict].value += 1
             if not owned:
                 counters.probe_superseded.inc(slot.name)
             elif verdict is Verdict.PRESENT:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -27,8 +28,9 @@ from kvtier.core import limits as check
 from kvtier.core.counts import CoreCounters, MapSizes, Promoted
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.locate import Location, Locator, Where
-from kvtier.core.lookup import LookupEvaluator, SeenProbes
+from kvtier.core.lookup import LookupPlan, SeenProbes, plan_lookup, waits_for
 from kvtier.core.pending import End, Promotion, Reservation
+from kvtier.core.prefix import prefix_answer
 from kvtier.core.probes import Verdict
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer, write_durably
 from kvtier.core.remotes import RemoteProbes, RemoteSlot
@@ -36,10 +38,14 @@ from kvtier.core.scheduler import Scheduler
 from kvtier.core.writes import PendingWrites
 from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLargeError
 from kvtier.model import (
+    HIT,
+    MISS,
+    STATE_NAMES,
     Buffer,
     ConnId,
     Limits,
     Lookup,
+    LookupMode,
     LookupReply,
     PutStatus,
     Reserve,
@@ -79,11 +85,19 @@ class Service:
         self.scheduler = scheduler or Scheduler(
             batch_window=self.cfg.probe_batch_window, max_batch=self.cfg.probe_max_batch
         )
+        #: the clock every deadline and TTL is read on
+        self._now = self.scheduler.now
         self._spawn: Spawn | None = None
+        #: shutdown has begun: waits end, no new backend work starts
+        self.closing = False
         #: background work in flight (probes, promotions, writes), in the daemon's task group
         self.tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
         self.pending = PendingWrites(ram, self.scheduler, self.counters)
+        #: LOOKUP's answers counted by state, bound once
+        self._state_counters = {
+            state: self.counters.lookup_keys.bind(name) for state, name in STATE_NAMES.items()
+        }
         self.deferrals = DeferralTracker(self.cfg.request_state_ttl, self.cfg.max_request_states)
         self.probing = RemoteProbes(
             [spec.tier for spec in remotes],
@@ -100,12 +114,10 @@ class Service:
         self.locator = Locator(
             ram.resident(), disk, self.pending.table, [s.probes for s in self.remotes]
         )
-        self.evaluator = self._evaluator(self.locator)
         # Requests from peer daemons see the local tiers only: with no remote
         # tier to consult, no key is ever REMOTE or PROBING, so nothing is
         # forwarded and two daemons can never bounce a probe.
         self.local_locator = Locator(ram.resident(), disk, self.pending.table, [])
-        self.local_evaluator = self._evaluator(self.local_locator)
         writers = [spec.writer(self._invalidate) for spec in remotes]
         if disk is not None:
             policy = WritePolicy(self.disk_cfg.write_policy)
@@ -115,7 +127,7 @@ class Service:
             [w for w in writers if w.policy is not WritePolicy.NONE or w.local],
             self.counters,
             self._task,
-            self._closing_now,
+            lambda: self.closing,
             hold=lambda _key, value: ram.hold(value),
             let_go=lambda _key, value: ram.let_go(value),
         )
@@ -126,22 +138,6 @@ class Service:
         }
         # A demoted block must outlive its arena slot, which is reused at once.
         ram.keep_evicted = any(w.policy is WritePolicy.WRITE_BACK for w in self.propagation.writers)
-
-    def _evaluator(self, locator: Locator) -> LookupEvaluator:
-        return LookupEvaluator(
-            ram=self.ram,
-            disk=self.disk,
-            pending=self.pending.table,
-            locator=locator,
-            probing=self.probing,
-            deferrals=self.deferrals,
-            counters=self.counters,
-            remote_hit_reads_hit=self.cfg.remote_hit == "hit",
-            promote_on_lookup=self.disk_cfg.promote_on_lookup,
-            promote_remote=self._promote,
-            promote_from_disk=self._promote_from_disk,
-            closing=self._closing_now,
-        )
 
     def __repr__(self) -> str:
         return (
@@ -159,6 +155,7 @@ class Service:
 
     def begin_shutdown(self) -> None:
         """Wake every waiting lookup and GET so that it answers now."""
+        self.closing = True
         if self._closing is not None and not self._closing.done():
             self._closing.set_result(None)
 
@@ -171,7 +168,7 @@ class Service:
         now = self.scheduler.now()
         self.probing.expire(now)
         self.deferrals.expire(now)
-        if self.disk is not None and self.disk.fsync == "batch" and not self._closing_now():
+        if self.disk is not None and self.disk.fsync == "batch" and not self.closing:
             self._task(self._sync_disk())
 
     async def _sync_disk(self) -> None:
@@ -180,12 +177,6 @@ class Service:
             await self.disk.sync()
         except OSError as exc:
             log.warning("disk: periodic sync failed: %s", exc)
-
-    def _now(self) -> float:
-        return self.scheduler.now()
-
-    def _closing_now(self) -> bool:
-        return self._closing is not None and self._closing.done()
 
     def _task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         if self._spawn is None:
@@ -198,44 +189,154 @@ class Service:
 
     # ------------------------------------------------------------ LOOKUP
 
-    def try_lookup(self, req: Lookup, *, local: bool = False) -> LookupReply | None:
-        """The answer now; None when the request asks to wait (``wait > 0``).
+    def lookup(
+        self, req: Lookup, cutoff: asyncio.Future[None] | None = None, *, local: bool = False
+    ) -> LookupReply | Awaitable[LookupReply]:
+        """The states of ``req.keys`` and the prefix answer: now, or (with
+        ``wait``, while some key can still settle) the awaitable that answers
+        once all settled, ``wait`` passes, ``cutoff`` resolves (the caller
+        stopped listening) or shutdown begins.
 
         ``local``: answer from the local tiers only (a peer's request)."""
         check.check_lookup(self.limits, req)
-        if req.wait > 0:
-            return None
-        evaluator = self.local_evaluator if local else self.evaluator
-        reply, _, _ = evaluator.evaluate(req, self._now(), None)
-        evaluator.count(reply.raw_states)
-        return reply
+        locator = self.local_locator if local else self.locator
+        now = self._now()
+        # Probes a waiting lookup has seen end: a key whose probe failed is
+        # answered MISS rather than probed again in a loop.
+        seen: SeenProbes | None = {} if req.wait > 0 else None
+        reply, waits, bound_at = self._look(req, locator, now, seen)
+        if not waits or req.wait <= 0 or (bound_at is not None and now >= bound_at):
+            return self._answer(reply)
+        assert seen is not None
+        return self._wait_for_lookup(req, cutoff, locator, now + req.wait, seen, waits, bound_at)
 
-    async def lookup(
-        self, req: Lookup, cutoff: asyncio.Future[None] | None = None, *, local: bool = False
+    async def _wait_for_lookup(
+        self,
+        req: Lookup,
+        cutoff: asyncio.Future[None] | None,
+        locator: Locator,
+        deadline: float,
+        seen: SeenProbes,
+        waits: list[asyncio.Future[Any]],
+        bound_at: float | None,
     ) -> LookupReply:
-        """Re-evaluate whenever a key settles, until all settled, ``wait`` passes,
-        ``cutoff`` resolves (the caller stopped listening) or shutdown begins."""
-        check.check_lookup(self.limits, req)
-        evaluator = self.local_evaluator if local else self.evaluator
-        deadline = self._now() + req.wait
-        # Probes this lookup has already seen end: a key whose probe failed is
-        # answered MISS rather than probed again in a loop (errors are not kept
-        # as verdicts for long, possibly not at all).
-        seen: SeenProbes = {}
         while True:
             now = self._now()
-            reply, waits, bound_at = evaluator.evaluate(req, now, seen)
             until = deadline if bound_at is None else min(deadline, bound_at)
-            if not waits or now >= until or self._closing_now() or (cutoff and cutoff.done()):
-                evaluator.count(reply.raw_states)
-                return reply
-            if self._closing is not None:
-                waits.append(self._closing)
-            if cutoff is not None:
-                waits.append(cutoff)
-            # asyncio.wait never cancels what it waits on: shared probe and
-            # write futures survive this caller going away.
-            await asyncio.wait(waits, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)
+            if now < until and not self.closing and not (cutoff and cutoff.done()):
+                if self._closing is not None:
+                    waits.append(self._closing)
+                if cutoff is not None:
+                    waits.append(cutoff)
+                # asyncio.wait never cancels what it waits on: shared probe and
+                # write futures survive this caller going away.
+                await asyncio.wait(waits, timeout=until - now, return_when=FIRST_COMPLETED)
+                now = self._now()
+            reply, waits, bound_at = self._look(req, locator, now, seen)
+            until = deadline if bound_at is None else min(deadline, bound_at)
+            if not waits or now >= until or self.closing or (cutoff and cutoff.done()):
+                return self._answer(reply)
+
+    def _look(
+        self, req: Lookup, locator: Locator, now: float, seen: SeenProbes | None
+    ) -> tuple[LookupReply, list[asyncio.Future[Any]], float | None]:
+        """Answer ``req`` as things stand, starting the work its keys need;
+        with ``seen`` (a waiting lookup) also what can change the answer."""
+        keys = req.keys
+        disk = self.disk
+        slots = self.remotes if locator is self.locator else []
+        scan = disk.scan_done if disk is not None and disk.scanning else None
+        if not slots and not self.pending.table and scan is None:
+            # The fast path. HIT is 1 and MISS is 0: membership tests map
+            # straight onto states.
+            states = bytearray(map(self.ram.resident().__contains__, keys))
+            on_disk: list[int] = []
+            if disk is not None and states.count(MISS):
+                for i in range(len(states)):
+                    if not states[i] and disk.contains(keys[i]):
+                        states[i] = HIT
+                        on_disk.append(i)
+            settles: list[asyncio.Future[Any] | None] = []
+        else:
+            locate = locator.locate
+            locations = [locate(key, now, seen) for key in keys]
+            plan = plan_lookup(
+                locations,
+                remotes=len(slots),
+                remote_hit_reads_hit=self.cfg.remote_hit == "hit",
+                closing=self.closing,
+                scan=scan,
+            )
+            states, settles, on_disk = plan.states, plan.settles, plan.on_disk
+            for slot, n in zip(slots, plan.cached, strict=True):
+                slot.cached.value += n
+            if plan.joins or plan.probe or plan.promote:
+                self._start(plan, keys, slots, now, seen)
+        bound_at: float | None = None
+        if req.max_pending_wait > 0:
+            bound = req.max_pending_wait
+            result = self.deferrals.observe(req.request_tag, keys, states, bound, now)
+            if result.ends_deferral is not None:
+                self.counters.lookup_deferred_seconds.observe(result.ends_deferral)
+            if result.expired_index is not None:
+                # Past the reader's bound: a MISS for this request, never a hit.
+                states[result.expired_index] = MISS
+                if result.newly_expired:
+                    self.counters.lookup_pending_expired.inc()
+            bound_at = result.expires_at
+        window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
+        hits, defer = prefix_answer(states, window)
+        # A HIT is a read to come: the eviction policy hears of it (later,
+        # before the next write, so the reply does not wait for it).
+        self.ram.touch_later(keys, len(keys) if req.mode == LookupMode.KEYS else hits)
+        if on_disk and self.disk_cfg.promote_on_lookup:
+            # Start loading the usable disk hits into RAM: the GET comes next.
+            limit = hits if req.mode != LookupMode.KEYS else len(keys)
+            table = self.pending.table
+            for i in on_disk:
+                if i >= limit:
+                    break
+                # A key listed twice is loaded once: the first start is pending.
+                if states[i] == HIT and keys[i] not in table:
+                    self._promote_from_disk(keys[i], now)
+        waits = waits_for(states, settles, req.mode) if seen is not None and settles else []
+        return LookupReply(bytes(states), hits, defer), waits, bound_at
+
+    def _start(
+        self,
+        plan: LookupPlan,
+        keys: Sequence[bytes],
+        slots: Sequence[RemoteSlot],
+        now: float,
+        seen: SeenProbes | None,
+    ) -> None:
+        """Start what ``plan`` says the lookup needs: probes and promotions."""
+        settles = plan.settles
+        for i, t, fut in plan.joins:
+            slots[t].joined.value += 1
+            if seen is not None:
+                seen[(t, keys[i])] = fut
+        for i, t in plan.probe:
+            slot, key = slots[t], keys[i]
+            probe = slot.probes.inflight(key)  # a key listed twice is probed once
+            if probe is None:
+                probe = self.probing.begin(slot, key)
+            if settles[i] is None:
+                settles[i] = probe.future
+            if seen is not None:
+                seen[(t, key)] = probe.future
+        table = self.pending.table
+        for i, t in plan.promote:
+            res = table.get(keys[i]) or self._promote(slots[t], keys[i], now)
+            settles[i] = res.done
+
+    def _answer(self, reply: LookupReply) -> LookupReply:
+        raw = reply.raw_states
+        for state, cell in self._state_counters.items():
+            n = raw.count(state)
+            if n:
+                cell.value += n
+        return reply
 
     # ------------------------------------------------------------ promotions
 
@@ -244,7 +345,7 @@ class Service:
         finds it PENDING or HIT."""
         if (
             self.cfg.remote_hit == "promote"
-            and not self._closing_now()
+            and not self.closing
             and self.locator.locate(key, now).where is Where.REMOTE
         ):
             self._promote(slot, key, now)
@@ -414,7 +515,7 @@ class Service:
         block answers absent, which is kept), or wait for the disk index.
         Returns what to wait for; None when there is nothing to read."""
         where = loc.where
-        if where is Where.ABSENT or self._closing_now():
+        if where is Where.ABSENT or self.closing:
             return None
         if loc.reservation is not None:  # a write or a promotion is under way
             return loc.reservation.done
@@ -455,7 +556,7 @@ class Service:
         for _ in range(MAX_READ_ROUNDS):
             await self._until(settles)
             value = self.ram.pin(key)
-            if value is not None or self._closing_now():
+            if value is not None or self.closing:
                 return value
             now = self._now()
             step = self._read_step(key, locate(key, now), now)

@@ -20,11 +20,13 @@ Imports the wire, the shared records and the errors; never the core.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
 
 from kvtier import wire
 from kvtier.errors import (
@@ -66,11 +68,22 @@ class Reply:
 
 @dataclass(slots=True)
 class Later:
-    """A handler's answer that needs awaiting: the server runs it as a task."""
+    """A handler's answer that needs awaiting: the server runs it as a task.
 
-    reply: Awaitable[Reply]
+    ``answer`` is what the service returned to await (the verb's coroutine);
+    ``reply`` turns its result into the reply (absent: the result is one)."""
+
+    answer: Awaitable[Any]
+    reply: Callable[[Any], Reply] | None = None
     #: ends with the caller: cancelled when the connection goes (a waiting lookup)
     cancel_on_close: bool = False
+
+
+def _close_if_unstarted(answer: Awaitable[Any], _task: asyncio.Task[None]) -> None:
+    """A task cancelled before it ran never awaited the verb: close its
+    coroutine, so it is not reported as never awaited."""
+    if inspect.iscoroutine(answer) and inspect.getcoroutinestate(answer) == inspect.CORO_CREATED:
+        answer.close()
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -317,8 +330,9 @@ class Connection(asyncio.BufferedProtocol):
         self.inflight += 1
         self._update_reading()
         task = self.server.spawn(
-            self._finish(header.opcode, header.request_id, answer.reply, op_name, started)
+            self._finish(header.opcode, header.request_id, answer, op_name, started)
         )
+        task.add_done_callback(partial(_close_if_unstarted, answer.answer))
         if answer.cancel_on_close:
             # A waiting lookup only waits for its caller: when the caller goes,
             # so does it (the probes it joined are shared and carry on).
@@ -326,11 +340,12 @@ class Connection(asyncio.BufferedProtocol):
             task.add_done_callback(self._waiting.discard)
 
     async def _finish(
-        self, opcode: int, request_id: int, pending: Awaitable[Reply], op_name: str, started: float
+        self, opcode: int, request_id: int, later: Later, op_name: str, started: float
     ) -> None:
         try:
             try:
-                reply = await pending
+                result = await later.answer
+                reply = result if later.reply is None else later.reply(result)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -8,12 +8,13 @@ the service's async verb of the same name. The service is any
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
 from kvtier.errors import ForbiddenError, UnsupportedVersionError
-from kvtier.model import Buffer, CacheService, Leased, Lookup, PutStatus, SharedService
+from kvtier.model import Buffer, CacheService, Leased, LookupReply, PutStatus, SharedService
 from kvtier.server.connection import Later, Reply
 from kvtier.wire import Frame, Op
 
@@ -106,23 +107,17 @@ class Ops:
 
     def lookup(self, conn: Connection, frame: Frame) -> Reply | Later:
         req = wire.decode_lookup(frame.meta, self.max_batch)
-        reply = self.service.try_lookup(req)
-        if reply is not None:
+        reply = self.service.lookup(req, conn.eof)
+        if isinstance(reply, LookupReply):
             return Reply(wire.encode_lookup_reply(reply))
-        return Later(self._lookup_later(req, conn), cancel_on_close=True)
-
-    async def _lookup_later(self, req: Lookup, conn: Connection) -> Reply:
-        return Reply(wire.encode_lookup_reply(await self.service.lookup(req, conn.eof)))
+        return Later(reply, _lookup_reply, cancel_on_close=True)
 
     def get(self, conn: Connection, frame: Frame) -> Reply | Later:
         keys = self._only_keys(frame, "GET")
         values = self.service.get(keys)
         if isinstance(values, list):
             return self._get_reply(keys, values)
-        return Later(self._get_later(keys, values))
-
-    async def _get_later(self, keys: list[bytes], values: Awaitable[list[Buffer | None]]) -> Reply:
-        return self._get_reply(keys, await values)
+        return Later(values, partial(self._get_reply, keys))
 
     def _get_reply(self, keys: list[bytes], values: list[Buffer | None]) -> Reply:
         """The reply holds the pins until its frame is handed to the transport."""
@@ -203,16 +198,7 @@ class Ops:
         values = self.service.get(keys)
         if isinstance(values, list):
             return self._shared_reply(shared, conn, keys, values)
-        return Later(self._get_shared_later(shared, conn, keys, values))
-
-    async def _get_shared_later(
-        self,
-        shared: SharedService,
-        conn: Connection,
-        keys: list[bytes],
-        values: Awaitable[list[Buffer | None]],
-    ) -> Reply:
-        return self._shared_reply(shared, conn, keys, await values)
+        return Later(values, partial(self._shared_reply, shared, conn, keys))
 
     def _shared_reply(
         self,
@@ -265,3 +251,7 @@ class Ops:
         if end != len(frame.meta) or frame.data:
             raise wire.CodecError(f"{op} carries only a key list")
         return keys
+
+
+def _lookup_reply(reply: LookupReply) -> Reply:
+    return Reply(wire.encode_lookup_reply(reply))

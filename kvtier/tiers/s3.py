@@ -33,7 +33,7 @@ from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier.config import S3TierConfig
-from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
+from kvtier.counters import LATENCY_BUCKETS, Cell, Counts, HistogramCell, Histograms
 from kvtier.errors import TierError
 from kvtier.model import Buffer
 from kvtier.tiers.base import Tier, TierStats, block_checksum
@@ -117,6 +117,8 @@ class S3Tier(Tier):
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix
         self.counters = S3Counters()
+        #: per op: its request counts by outcome and its latency, bound on first use
+        self._cells: dict[str, tuple[dict[S3Outcome, Cell], HistogramCell]] = {}
         self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset)
         self._clock = clock
         #: S3 calls in flight at once
@@ -172,6 +174,9 @@ class S3Tier(Tier):
 
     async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
         requests = self.counters.requests
+        cells = self._cells.get(op)
+        if cells is None:
+            cells = self._cells[op] = ({}, self.counters.seconds.bind(op))
         if self._client is None:
             raise TierError(f"{self.name}: not open")
         if not self.breaker.allow(self._clock()):
@@ -217,8 +222,12 @@ class S3Tier(Tier):
                 self.breaker.abandon()
             else:
                 self.breaker.failure(self._clock())
-            requests.inc(op, outcome.value)
-            self.counters.seconds.observe(time.perf_counter() - started, op)
+            by_outcome, seconds = cells
+            cell = by_outcome.get(outcome)
+            if cell is None:
+                cell = by_outcome[outcome] = requests.bind(op, outcome.value)
+            cell.value += 1
+            seconds.observe(time.perf_counter() - started)
 
     def _count_retries(self, op: str, response: Any) -> None:
         retries = int(response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
