@@ -34,9 +34,9 @@ from kvtier.config import (
 )
 from kvtier.core.local import LocalView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
-from kvtier.core.scheduler import Scheduler
 from kvtier.core.service import Service
-from kvtier.core.shared import SharedBlocks
+from kvtier.core.shared.blocks import SharedBlocks
+from kvtier.core.timers.scheduler import Scheduler
 from kvtier.endpoint import start_metrics_server
 from kvtier.errors import ConfigError
 from kvtier.metrics import Metrics

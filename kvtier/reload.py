@@ -19,7 +19,7 @@ from typing import Any
 
 from kvtier.config import Config
 from kvtier.core.propagation import Writer
-from kvtier.core.shared import SharedBlocks
+from kvtier.core.shared.blocks import SharedBlocks
 
 log = logging.getLogger("kvtier.daemon")
 

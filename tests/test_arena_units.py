@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.core.leases import LeaseEnd, LeaseTable
+from kvtier.core.shared.leases import LeaseEnd, LeaseTable
 from kvtier.model import ConnId
 from kvtier.tiers.extents import ExtentAllocator, OutOfArena
 

@@ -23,8 +23,8 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvtier.core.pending import Reservation, ReservationTable
-from kvtier.core.probes import ProbeMap, Verdict
+from kvtier.core.probes.table import ProbeMap, Verdict
+from kvtier.core.writes.table import Reservation, ReservationTable
 
 
 class Where(enum.Enum):

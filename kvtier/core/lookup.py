@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.locate import Location, Where
-from kvtier.core.probes import Verdict
+from kvtier.core.probes.table import Verdict
 from kvtier.model import HIT, MISS, PENDING, RETRY, LookupMode
 
 #: probes a waiting lookup has seen, by (remote tier index, key)
@@ -86,15 +86,19 @@ def plan_lookup(
                 states[i] = PENDING
                 plan.promote.append((i, loc.remote))
             continue
-        busy = (*loc.unprobed, *(t for t, _ in loc.inflight))
+        # Every tier with neither a probe in flight nor one to start has a
+        # kept verdict that answered for this key.
+        unprobed, inflight = loc.unprobed, loc.inflight
         for t in range(remotes):
-            if t not in busy:
-                plan.cached[t] += 1  # a kept verdict answered for this tier
+            if t not in unprobed and not any(t == busy for busy, _ in inflight):
+                plan.cached[t] += 1
         if where is Where.PROBING:
-            plan.joins.extend((i, t, fut) for t, fut in loc.inflight)
+            for t, fut in inflight:
+                plan.joins.append((i, t, fut))
             settles[i] = loc.settles
             if not closing:  # no new backend work once shutdown has begun
-                plan.probe.extend((i, t) for t in loc.unprobed)
+                for t in unprobed:
+                    plan.probe.append((i, t))
             if settles[i] is not None or (loc.unprobed and not closing):
                 states[i] = RETRY
             elif scan is not None:

@@ -27,8 +27,6 @@ from typing import Any
 from kvtier.core.counts import CoreCounters, Dropped, Written
 from kvtier.model import Buffer
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.ram import RamTier
 
 log = logging.getLogger("kvtier.service")
 
@@ -161,26 +159,3 @@ class Propagation:
             self._let_go(key, value)
             if why is WriteReason.DEMOTION:
                 self._counters.demotions.inc(w.name, outcome.value)
-
-
-async def write_durably(
-    ram: RamTier, disk: DiskTier, keys: Sequence[bytes], values: Sequence[Buffer | None]
-) -> None:
-    """A durable PUT: return once the blocks are on disk (per its fsync policy).
-
-    What RAM holds under each key is written, held meanwhile; a value in the
-    shared arena that RAM no longer holds may be reused already, so only a
-    value of the caller's own memory stands in for it."""
-    held: list[tuple[bytes, Buffer]] = []
-    for key, value in zip(keys, values, strict=True):
-        kept = ram.peek(key)
-        if kept is None and value is not None and not ram.in_arena_memory(value):
-            kept = value
-        if kept is not None:
-            ram.hold(kept)
-            held.append((key, kept))
-    try:
-        await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
-    finally:
-        for _, v in held:
-            ram.let_go(v)

@@ -8,8 +8,8 @@ the same name then gives the complete answer. ``put``, ``reserve``,
 
 Every verb asks :class:`~kvtier.core.locate.Locator` where a key is and acts
 on the answer; no other code decides the order of the tiers. The two
-invariants live in :mod:`~kvtier.core.remotes` (probes are shared and always
-end) and :mod:`~kvtier.core.writes` (nothing is pending forever).
+invariants live in :mod:`~kvtier.core.probes.runner` (probes are shared and always
+end) and :mod:`~kvtier.core.writes.deadlines` (nothing is pending forever).
 
 Imports the core, the tiers, the shared records and the errors; never the
 wire, the server or metrics.
@@ -29,13 +29,13 @@ from kvtier.core.counts import CoreCounters, MapSizes, Promoted
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.locate import Location, Locator, Where
 from kvtier.core.lookup import LookupPlan, SeenProbes, plan_lookup, waits_for
-from kvtier.core.pending import End, Promotion, Reservation
 from kvtier.core.prefix import prefix_answer
-from kvtier.core.probes import Verdict
-from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer, write_durably
-from kvtier.core.remotes import RemoteProbes, RemoteSlot
-from kvtier.core.scheduler import Scheduler
-from kvtier.core.writes import PendingWrites
+from kvtier.core.probes.runner import RemoteProbes, RemoteSlot
+from kvtier.core.probes.table import Verdict
+from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
+from kvtier.core.timers.scheduler import Scheduler
+from kvtier.core.writes.deadlines import PendingWrites
+from kvtier.core.writes.table import End, Promotion, Reservation
 from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLargeError
 from kvtier.model import (
     HIT,
@@ -612,9 +612,27 @@ class Service:
         self.ram.drop_staged(value)
 
     async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        """Return once the blocks are on disk (per the disk's fsync policy)."""
-        if self.disk is not None:
-            await write_durably(self.ram, self.disk, keys, values)
+        """A durable PUT: return once the blocks are on disk (per its fsync policy).
+
+        What RAM holds under each key is written, held meanwhile; a value in
+        the shared arena that RAM no longer holds may be reused already, so
+        only a value of the caller's own memory stands in for it."""
+        disk, ram = self.disk, self.ram
+        if disk is None:
+            return
+        held: list[tuple[bytes, Buffer]] = []
+        for key, value in zip(keys, values, strict=True):
+            kept = ram.peek(key)
+            if kept is None and value is not None and not ram.in_arena_memory(value):
+                kept = value
+            if kept is not None:
+                ram.hold(kept)
+                held.append((key, kept))
+        try:
+            await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
+        finally:
+            for _, v in held:
+                ram.let_go(v)
 
     def _store_local(
         self, key: bytes, value: Buffer, promoted_from: str | None = None, copy: bool = False

@@ -6,7 +6,7 @@ the Unix socket (SCM_RIGHTS), which maps it read-only and reads blocks in
 place. Space is handed out by a :class:`~kvtier.tiers.extents.ExtentAllocator`;
 a :class:`Slot` names a block's bytes. The arena never decides what to
 evict: the tier's budget and eviction policy do, and free slots only when
-no lease holds them (:mod:`kvtier.core.leases`).
+no lease holds them (:mod:`kvtier.core.shared.leases`).
 
 Linux only (``memfd_create``); where it is missing the RAM tier keeps its
 blocks in process memory and clients use the socket path.

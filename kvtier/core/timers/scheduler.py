@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.core.timers import Timer, TimerHeap
+from kvtier.core.timers.heap import Timer, TimerHeap
 
 log = logging.getLogger("kvtier.scheduler")
 

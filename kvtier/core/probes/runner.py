@@ -28,8 +28,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from kvtier.core.counts import CoreCounters, ProbeFailure, ProbeUse
-from kvtier.core.probes import Probe, ProbeMap, Verdict
-from kvtier.core.scheduler import Scheduler
+from kvtier.core.probes.table import Probe, ProbeMap, Verdict
+from kvtier.core.timers.scheduler import Scheduler
 from kvtier.errors import TierError
 from kvtier.tiers.base import Tier
 

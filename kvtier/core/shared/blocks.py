@@ -25,8 +25,8 @@ from typing import Any
 
 import xxhash
 
-from kvtier.core.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.core.limits import check_sizes
+from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, NoCapacityError
 from kvtier.model import Buffer, ConnId, Leased, Limits, PutStatus
 from kvtier.tiers.arena import Arena, Slot

@@ -1,6 +1,6 @@
 """Pending writes in motion: the reservation table's acting half.
 
-:class:`PendingWrites` owns the pure :class:`~kvtier.core.pending.ReservationTable`,
+:class:`PendingWrites` owns the pure :class:`~kvtier.core.writes.table.ReservationTable`,
 arms one scheduler timer per pending key and gives back the RAM a
 reservation holds. Invariants (the second seed lesson):
 
@@ -21,8 +21,8 @@ import asyncio
 import logging
 
 from kvtier.core.counts import CoreCounters
-from kvtier.core.pending import End, Owner, Reservation, ReservationTable
-from kvtier.core.scheduler import Scheduler
+from kvtier.core.timers.scheduler import Scheduler
+from kvtier.core.writes.table import End, Owner, Reservation, ReservationTable
 from kvtier.model import ConnId
 from kvtier.tiers.ram import RamTier
 
