@@ -243,8 +243,8 @@ class Daemon:
             if scanning and self.config.disk.ready_after_scan:
                 ready = False
         if self.peer_tier is not None:
-            peers = self.peer_tier.stats().extra
-            details["peers"] = {"up": peers["peers_up"], "known": peers["peers"]}
+            peers = self.peer_tier.stats()
+            details["peers"] = {"up": peers.peers_up, "known": peers.peers}
         return not stopping, ready, details
 
     def reload(self) -> None:

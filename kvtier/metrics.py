@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -24,27 +23,14 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvtier.core.counts import CoreCounters, MapSizes
+from kvtier.core.shared.blocks import SharedStats
 from kvtier.counters import Counts, HistogramCell, Histograms
 from kvtier.server.server import ServerCounters
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import DiskStats, TierStats
 from kvtier.tiers.peer import PeerTier
 from kvtier.tiers.s3 import S3Tier
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-_DISK_COUNTERS = (
-    ("reads", "kvtier_disk_reads", "Blocks read from the disk tier"),
-    ("read_bytes", "kvtier_disk_read_bytes", "Value bytes read from the disk tier"),
-    ("writes", "kvtier_disk_writes", "Blocks written to the disk tier"),
-    ("written_bytes", "kvtier_disk_written_bytes", "Value bytes written to the disk tier"),
-    (
-        "corrupt_discarded",
-        "kvtier_disk_corrupt_blocks",
-        "Torn or corrupt block files discarded (never served)",
-    ),
-    ("enospc", "kvtier_disk_full_errors", "Writes that failed because the disk was full"),
-    ("write_errors", "kvtier_disk_write_errors", "Writes that failed for any reason"),
-)
 
 
 def _counter(
@@ -89,12 +75,12 @@ class _Sources:
     core: CoreCounters | None = None
     maps: Callable[[], MapSizes] | None = None
     tiers: Callable[[], Iterable[TierStats]] = lambda: ()
-    disk: Callable[[], TierStats] | None = None
+    disk: Callable[[], DiskStats] | None = None
     s3: list[S3Tier] = field(default_factory=list)
     peers: PeerTier | None = None
     peer_listener: ServerCounters | None = None
     peer_connections_open: Callable[[], int] = lambda: 0
-    shared: Callable[[], dict[str, Any]] | None = None
+    shared: Callable[[], SharedStats] | None = None
 
 
 class _Collector(Collector):
@@ -120,57 +106,53 @@ class _Collector(Collector):
         if s.shared is not None:
             yield from self._shared(s.shared())
 
-    def _shared(self, st: dict[str, Any]) -> Iterator[Metric]:
+    def _shared(self, st: SharedStats) -> Iterator[Metric]:
         leases = GaugeMetricFamily(
             "kvtier_shared_leases", "Leases held now on blocks read in place"
         )
-        leases.add_metric([], st["leases"])
+        leases.add_metric([], st.leases)
         yield leases
         ended = CounterMetricFamily(
             "kvtier_shared_leases_ended",
             "Leases ended, by how: released, closed (the client went away), revoked (deadline)",
             labels=["end"],
         )
-        for end, n in st["leases_ended"].items():
+        for end, n in st.leases_ended.items():
             ended.add_metric([end], n)
         yield ended
-        for name, key, doc in (
-            ("kvtier_shared_arena_bytes", "arena_bytes", "Size of the shared RAM arena"),
+        for name, doc, value in (
+            ("kvtier_shared_arena_bytes", "Size of the shared RAM arena", st.arena_bytes),
             (
                 "kvtier_shared_arena_allocated_bytes",
-                "arena_allocated_bytes",
                 "Arena bytes holding blocks (slot sizes)",
+                st.arena_allocated_bytes,
             ),
-            ("kvtier_shared_staging_bytes", "staging_bytes", "Size of the staging region"),
+            ("kvtier_shared_staging_bytes", "Size of the staging region", st.staging_bytes),
             (
                 "kvtier_shared_staging_allocated_bytes",
-                "staging_allocated_bytes",
                 "Staging bytes handed to clients now",
+                st.staging_allocated_bytes,
             ),
         ):
-            gauge = GaugeMetricFamily(name, doc)
-            gauge.add_metric([], st[key])
-            yield gauge
-        for name, key, doc in (
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
             (
                 "kvtier_shared_staging_expired",
-                "staging_expired",
                 "Staging rooms reclaimed after the staging timeout",
+                st.staging_expired,
             ),
             (
                 "kvtier_shared_commits_refused",
-                "commits_refused",
                 "COMMITs refused: wrong checksum or length, or not the client's room",
+                st.commits_refused,
             ),
             (
                 "kvtier_shared_leased_bytes",
-                "leased_bytes",
                 "Bytes of blocks leased to clients (read without crossing the socket)",
+                st.leased_bytes,
             ),
         ):
-            counter = CounterMetricFamily(name, doc)
-            counter.add_metric([], st[key])
-            yield counter
+            yield CounterMetricFamily(name, doc, value=value)
 
     def _server(self, c: ServerCounters) -> Iterator[Metric]:
         yield _counter("kvtier_requests", "Requests handled, by operation and outcome", c.requests)
@@ -373,24 +355,39 @@ class _Collector(Collector):
             evictions.add_metric([st.name], st.evictions)
         yield from (used, blocks, cap, evictions)
 
-    def _disk(self, st: TierStats) -> Iterator[Metric]:
-        for field_name, name, doc in _DISK_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=st.extra.get(field_name, 0))
-        total = st.extra.get("index_buckets_total", 1) or 1
+    def _disk(self, st: DiskStats) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("kvtier_disk_reads", "Blocks read from the disk tier", st.reads),
+            ("kvtier_disk_read_bytes", "Value bytes read from the disk tier", st.read_bytes),
+            ("kvtier_disk_writes", "Blocks written to the disk tier", st.writes),
+            ("kvtier_disk_written_bytes", "Value bytes written to the disk tier", st.written_bytes),
+            (
+                "kvtier_disk_corrupt_blocks",
+                "Torn or corrupt block files discarded (never served)",
+                st.corrupt_discarded,
+            ),
+            (
+                "kvtier_disk_full_errors",
+                "Writes that failed because the disk was full",
+                st.enospc,
+            ),
+            ("kvtier_disk_write_errors", "Writes that failed for any reason", st.write_errors),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(
             "kvtier_disk_index_rebuild_progress",
             "Fraction of the disk index rebuilt since start (1 = complete)",
-            value=st.extra.get("index_buckets_scanned", 0) / total,
+            value=st.index_buckets_scanned / (st.index_buckets_total or 1),
         )
         yield GaugeMetricFamily(
             "kvtier_disk_filesystem_free_bytes",
             "Free bytes (for unprivileged users) on the filesystem holding disk.path",
-            value=st.extra.get("filesystem_free_bytes", 0),
+            value=st.filesystem_free_bytes,
         )
         yield GaugeMetricFamily(
             "kvtier_disk_filesystem_size_bytes",
             "Size of the filesystem holding disk.path",
-            value=st.extra.get("filesystem_size_bytes", 0),
+            value=st.filesystem_size_bytes,
         )
 
     def _s3(self, tiers: list[S3Tier]) -> Iterator[Metric]:
@@ -471,10 +468,10 @@ class Metrics:
     def watch_tiers(self, stats: Callable[[], Iterable[TierStats]]) -> None:
         self._sources.tiers = stats
 
-    def watch_shared(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def watch_shared(self, stats: Callable[[], SharedStats]) -> None:
         self._sources.shared = stats
 
-    def watch_disk(self, stats: Callable[[], TierStats]) -> None:
+    def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self._sources.disk = stats
 
     def watch_s3(self, tier: S3Tier) -> None:

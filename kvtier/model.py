@@ -177,6 +177,12 @@ class CacheService(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+class StatsRecord(Protocol):
+    """A typed stats record that renders as a STATS reply section."""
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
 class SharedService(Protocol):
     """Leases and staging room for same-host clients; the core's ``SharedBlocks``."""
 
@@ -196,4 +202,4 @@ class SharedService(Protocol):
 
     def connection_closed(self, owner: ConnId) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> StatsRecord: ...

@@ -111,8 +111,7 @@ def test_capacity_is_never_exceeded_under_random_load(shared: bool) -> None:
     assert ram.budget.used == 0 and ram.budget.held == 0
     if ram.slots is not None:
         assert ram.slots.is_pristine(), ram.slots
-        arena_stats = ram.stats().extra
-        assert arena_stats["arena_allocated_bytes"] == 0
+        assert ram.stats().arena_allocated_bytes == 0
 
 
 def test_repr_shows_state() -> None:

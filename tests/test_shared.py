@@ -37,7 +37,7 @@ def block(seed: int, size: int = MiB) -> bytes:
 
 def shared_stats(d: Daemon) -> dict[str, Any]:
     assert d.shared is not None
-    return d.shared.stats()
+    return d.shared.stats().as_dict()
 
 
 def received_bytes(d: Daemon) -> float:
@@ -83,7 +83,7 @@ async def test_by_default_reads_use_shared_memory_and_writes_the_socket(daemon: 
         await c.put(b"k", block(7))  # over the socket, into its arena slot
         assert received_bytes(daemon) - before > MiB
         assert shared_stats(daemon)["staging_rooms"] == 0
-        assert daemon.ram.stats().extra["arena_allocated_bytes"] >= MiB
+        assert (daemon.ram.stats().arena_allocated_bytes or 0) >= MiB
         assert await c.get_many_into([b"k"], [bytearray(MiB)]) == [MiB]
         assert shared_stats(daemon)["leased_bytes"] == MiB
         await c.ping()
@@ -98,8 +98,7 @@ async def test_a_client_that_does_not_opt_in_works_unchanged(daemon: Daemon) -> 
         assert received_bytes(daemon) - before > MiB  # the block crossed the socket
         assert bytes(await c.get(b"k") or b"") == block(2)
         # ...and landed straight in the arena (received into its slot)
-        ram = daemon.ram.stats().extra
-        assert ram["arena_allocated_bytes"] >= MiB
+        assert (daemon.ram.stats().arena_allocated_bytes or 0) >= MiB
         with pytest.raises(ForbiddenError, match="not agreed at HELLO"):
             await c.request(Op.GET_SHARED, wire.encode_get_shared([], [b"k"]))
 
@@ -120,10 +119,11 @@ async def test_a_lease_pins_its_block_and_its_bytes(sock_dir: Path) -> None:
             await writer.put(b"held", block(4))  # a writer gets a new allocation
             assert bytes(await writer.get(b"held") or b"") == block(4)
             assert view == block(3)  # the reader's bytes did not change
-            allocated = d.ram.stats().extra["arena_allocated_bytes"]
+            allocated = d.ram.stats().arena_allocated_bytes
         await reader.ping()
         # the old block's slot was freed when the lease ended
-        assert d.ram.stats().extra["arena_allocated_bytes"] < allocated
+        assert allocated is not None
+        assert (d.ram.stats().arena_allocated_bytes or 0) < allocated
 
 
 async def test_a_lease_held_past_its_deadline_is_revoked_and_counted(daemon: Daemon) -> None:

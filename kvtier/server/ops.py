@@ -102,7 +102,7 @@ class Ops:
         stats = self.service.stats()
         stats["server"] = self._server_stats()
         if self.shared is not None:
-            stats["shared"] = self.shared.stats()
+            stats["shared"] = self.shared.stats().as_dict()
         return Reply(wire.encode_json(stats))
 
     def lookup(self, conn: Connection, frame: Frame) -> Reply | Later:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import xxhash
 
@@ -29,22 +29,62 @@ def block_checksum(key: bytes, value: Buffer) -> int:
 
 @dataclass(slots=True)
 class TierStats:
+    """What every tier reports; a tier with more to say returns a subclass
+    whose fields metrics read by name (never through string keys)."""
+
     name: str
     capacity_bytes: int
     used_bytes: int
     blocks: int
     evictions: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, int]:
-        """The STATS reply's entry for this tier."""
-        return {
-            "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self.used_bytes,
-            "blocks": self.blocks,
-            "evictions": self.evictions,
-            **self.extra,
-        }
+        """The STATS reply's entry for this tier: every field but the name
+        (fields a tier does not have, None, are left out)."""
+        out: dict[str, int] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and value is not None:
+                out[f.name] = value
+        return out
+
+
+@dataclass(slots=True)
+class RamStats(TierStats):
+    pinned: int = 0
+    reserved_bytes: int = 0
+    #: the shared arena (None without one)
+    arena_bytes: int | None = None
+    arena_allocated_bytes: int | None = None
+    arena_held_blocks: int | None = None
+
+
+@dataclass(slots=True)
+class DiskStats(TierStats):
+    reads: int = 0
+    read_bytes: int = 0
+    writes: int = 0
+    written_bytes: int = 0
+    corrupt_discarded: int = 0
+    enospc: int = 0
+    write_errors: int = 0
+    writes_in_flight: int = 0
+    index_buckets_scanned: int = 0
+    index_buckets_total: int = 0
+    filesystem_free_bytes: int = 0
+    filesystem_size_bytes: int = 0
+
+
+@dataclass(slots=True)
+class S3Stats(TierStats):
+    corrupt: int = 0
+    breaker_state: int = 0
+
+
+@dataclass(slots=True)
+class PeerStats(TierStats):
+    peers: int = 0
+    peers_up: int = 0
 
 
 class Tier(abc.ABC):

@@ -36,7 +36,7 @@ from kvtier.client.redial import Backoff, Redial
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.errors import KvtierError, TierError
 from kvtier.model import Buffer, LookupMode, State
-from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.base import PeerStats, Tier
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.peers import PeerPicker
 
@@ -261,10 +261,10 @@ class PeerTier(Tier):
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)  # blocks on peers are theirs to evict
 
-    def stats(self) -> TierStats:
+    def stats(self) -> PeerStats:
         peers = self.picker.peers()
         up = sum(p.up for p in peers)
-        return TierStats(self.name, 0, 0, 0, extra={"peers": len(peers), "peers_up": up})
+        return PeerStats(self.name, 0, 0, 0, peers=len(peers), peers_up=up)
 
     async def open(self) -> None:
         await self.refresh()

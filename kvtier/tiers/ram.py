@@ -25,7 +25,7 @@ from itertools import chain, islice
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.arena import Arena
-from kvtier.tiers.base import LocalTier, TierStats
+from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.extents import OutOfArena
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
@@ -292,25 +292,20 @@ class RamTier(LocalTier):
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.remove(k) for k in keys]
 
-    def stats(self) -> TierStats:
+    def stats(self) -> RamStats:
         b = self.budget
-        return TierStats(
+        st = RamStats(
             name=self.name,
             capacity_bytes=b.capacity,
             used_bytes=b.used,
             blocks=len(b),
             evictions=b.evictions,
-            extra=self._extra(),
+            pinned=b.pinned_count,
+            reserved_bytes=b.held,
         )
-
-    def _extra(self) -> dict[str, int]:
-        b = self.budget
-        extra = {"pinned": b.pinned_count, "reserved_bytes": b.held}
         if self.slots is not None:
             alloc = self.slots.arena.allocator
-            extra |= {
-                "arena_bytes": alloc.size,
-                "arena_allocated_bytes": alloc.allocated_bytes,
-                "arena_held_blocks": self.slots.held_count,
-            }
-        return extra
+            st.arena_bytes = alloc.size
+            st.arena_allocated_bytes = alloc.allocated_bytes
+            st.arena_held_blocks = self.slots.held_count
+        return st

@@ -36,7 +36,7 @@ from kvtier.config import S3TierConfig
 from kvtier.counters import LATENCY_BUCKETS, Cell, Counts, HistogramCell, Histograms
 from kvtier.errors import TierError
 from kvtier.model import Buffer
-from kvtier.tiers.base import Tier, TierStats, block_checksum
+from kvtier.tiers.base import S3Stats, Tier, block_checksum
 from kvtier.tiers.breaker import CircuitBreaker
 
 log = logging.getLogger("kvtier.s3")
@@ -308,16 +308,14 @@ class S3Tier(Tier):
         await asyncio.gather(*(self._delete(k) for k in keys))
         return [False] * len(keys)
 
-    def stats(self) -> TierStats:
-        return TierStats(
+    def stats(self) -> S3Stats:
+        return S3Stats(
             name=self.name,
             capacity_bytes=0,
             used_bytes=0,
             blocks=0,
-            extra={
-                "corrupt": int(self.counters.corrupt.value),
-                "breaker_state": int(self.breaker.state),
-            },
+            corrupt=int(self.counters.corrupt.value),
+            breaker_state=int(self.breaker.state),
         )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import xxhash
@@ -44,6 +44,27 @@ class Room:
     slot: Slot
     #: reclaimed when not committed to before this time
     deadline: float
+
+
+@dataclass(slots=True, frozen=True)
+class SharedStats:
+    """What shared memory is doing now; metrics reads the fields by name."""
+
+    leases: int
+    #: leases ended, by how (released, closed, revoked)
+    leases_ended: dict[str, int]
+    staging_rooms: int
+    staging_allocated_bytes: int
+    staging_bytes: int
+    staging_expired: int
+    commits_refused: int
+    leased_bytes: int
+    arena_bytes: int
+    arena_allocated_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The STATS reply's ``shared`` section."""
+        return asdict(self)
 
 
 class SharedBlocks:
@@ -211,17 +232,16 @@ class SharedBlocks:
         for offset in list(self._rooms):
             self._free_room(offset)
 
-    def stats(self) -> dict[str, Any]:
-        ended = self.leases.ended
-        return {
-            "leases": len(self.leases),
-            "leases_ended": {end.value: n for end, n in ended.items()},
-            "staging_rooms": len(self._rooms),
-            "staging_allocated_bytes": self.staging.allocator.allocated_bytes,
-            "staging_bytes": self.staging.size,
-            "staging_expired": self.rooms_expired,
-            "commits_refused": self.commits_refused,
-            "leased_bytes": self.leased_bytes,
-            "arena_bytes": self.slots.arena.size,
-            "arena_allocated_bytes": self.slots.arena.allocator.allocated_bytes,
-        }
+    def stats(self) -> SharedStats:
+        return SharedStats(
+            leases=len(self.leases),
+            leases_ended={end.value: n for end, n in self.leases.ended.items()},
+            staging_rooms=len(self._rooms),
+            staging_allocated_bytes=self.staging.allocator.allocated_bytes,
+            staging_bytes=self.staging.size,
+            staging_expired=self.rooms_expired,
+            commits_refused=self.commits_refused,
+            leased_bytes=self.leased_bytes,
+            arena_bytes=self.slots.arena.size,
+            arena_allocated_bytes=self.slots.arena.allocator.allocated_bytes,
+        )

@@ -41,7 +41,7 @@ from typing import Literal
 
 from kvtier.errors import TierError, ValueTooLargeError
 from kvtier.model import Buffer
-from kvtier.tiers.base import LocalTier, TierStats
+from kvtier.tiers.base import DiskStats, LocalTier
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.disk.format import SUFFIX, CorruptBlock, block_name, file_size
 from kvtier.tiers.disk.io import (
@@ -360,26 +360,24 @@ class DiskTier(LocalTier):
             return 0, 0
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
-    def stats(self) -> TierStats:
+    def stats(self) -> DiskStats:
         fs_free, fs_size = self.filesystem()
-        return TierStats(
+        return DiskStats(
             name=self.name,
             capacity_bytes=self.capacity,
             used_bytes=self.used_bytes,
             blocks=len(self.budget),
             evictions=self.evictions,
-            extra={
-                "reads": self.reads,
-                "read_bytes": self.read_bytes,
-                "writes": self.writes,
-                "written_bytes": self.written_bytes,
-                "corrupt_discarded": self.corrupt,
-                "enospc": self.enospc,
-                "write_errors": self.write_errors,
-                "writes_in_flight": len(self._writing),
-                "index_buckets_scanned": self.buckets_scanned,
-                "index_buckets_total": self.buckets_total,
-                "filesystem_free_bytes": fs_free,
-                "filesystem_size_bytes": fs_size,
-            },
+            reads=self.reads,
+            read_bytes=self.read_bytes,
+            writes=self.writes,
+            written_bytes=self.written_bytes,
+            corrupt_discarded=self.corrupt,
+            enospc=self.enospc,
+            write_errors=self.write_errors,
+            writes_in_flight=len(self._writing),
+            index_buckets_scanned=self.buckets_scanned,
+            index_buckets_total=self.buckets_total,
+            filesystem_free_bytes=fs_free,
+            filesystem_size_bytes=fs_size,
         )
