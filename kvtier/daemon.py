@@ -1,5 +1,5 @@
-"""The daemon: the one place that wires config, tiers, core, server and
-metrics together, and owns their lifetime (startup -> serve -> shutdown).
+"""The daemon: runs the parts :func:`~kvtier.build.build` made, and owns
+their lifetime: startup -> serve -> shutdown, and reload on SIGHUP.
 
 Every background task is created in the task group that :meth:`Daemon.run`
 owns; shutdown drains in-flight requests, cancels what is left, and waits
@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
+import socket
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,82 +24,23 @@ from aiohttp import web
 
 from kvtier import loops
 from kvtier._version import __version__
-from kvtier.config import (
-    Config,
-    LookupConfig,
-    PeerConfig,
-    RemoteTierConfig,
-    S3TierConfig,
-    split_address,
-)
-from kvtier.core.local import LocalView
-from kvtier.core.propagation import RemoteSpec, WritePolicy
-from kvtier.core.service import Service
-from kvtier.core.shared.blocks import SharedBlocks
-from kvtier.core.timers.scheduler import Scheduler
+from kvtier.build import PEER_TIER, Parts, build, handoff_path
+from kvtier.config import Config, split_address
+from kvtier.core.propagation import RemoteSpec
 from kvtier.endpoint import start_metrics_server
 from kvtier.errors import ConfigError
-from kvtier.metrics import Metrics
-from kvtier.model import Limits, Spawn
+from kvtier.model import Spawn
 from kvtier.reload import Live, apply
-from kvtier.server.gate import PeerGate
 from kvtier.server.handoff import Handoff
-from kvtier.server.server import Server
 from kvtier.server.sockets import PeerPolicy, bind_unix_socket
-from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import Tier
-from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.memory import MemoryRemoteTier
-from kvtier.tiers.peer import Peer, PeerCounters, PeerTier
 from kvtier.tiers.peers import RendezvousPicker
-from kvtier.tiers.policy import make_policy
-from kvtier.tiers.ram import RamTier
-from kvtier.tiers.s3 import S3Tier
-from kvtier.wire import SharedOffer
 
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
 
-
-#: the peer tier's name: labels its metrics and marks blocks peers pushed here
-PEER_TIER = "peers"
-
-
-def build_peer_tier(pc: PeerConfig, node_id: str) -> PeerTier:
-    """The peer tier over ``pc``'s members, ranked by rendezvous hashing."""
-    counters = PeerCounters()
-    tls = pc.client_tls()
-    token = pc.secret()
-    picker: RendezvousPicker[Peer]
-
-    def found_self(address: str) -> None:
-        picker.is_self(address)  # the peer object for it holds no connection
-
-    def make_peer(address: str) -> Peer:
-        return Peer(
-            address,
-            token=token,
-            tls=tls,
-            connect_timeout=pc.connect_timeout,
-            request_timeout=pc.request_timeout,
-            breaker=CircuitBreaker(pc.breaker_failures, pc.breaker_reset),
-            counters=counters,
-            node_id=node_id,
-            on_self=found_self,
-        )
-
-    picker = RendezvousPicker(
-        make_peer, members=pc.members, dns=pc.dns, self_address=pc.self_address()
-    )
-    return PeerTier(PEER_TIER, picker, counters)
-
-
-def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig) -> Tier:
-    if isinstance(tc, S3TierConfig):
-        return S3Tier(tc, probe_timeout=lookup.probe_timeout, load_timeout=lookup.load_timeout)
-    return MemoryRemoteTier(tc.name)
+__all__ = ["PEER_TIER", "READY_MESSAGE", "Daemon", "install_signal_handlers", "run", "serve"]
 
 
 class Daemon:
@@ -112,102 +53,26 @@ class Daemon:
         remote_tiers: Sequence[Tier | RemoteSpec] | None = None,
         reread: Callable[[], Config] | None = None,
     ) -> None:
-        """``remote_tiers`` replaces the configured remote tiers (tests and benchmarks
-        inject doubles, or real tiers built with a test clock); a bare tier gets
-        write policy none. ``reread`` builds the configuration again from its
-        sources, for :meth:`reload`."""
+        """``remote_tiers`` replaces the configured remote tiers (see
+        :func:`~kvtier.build.build`). ``reread`` builds the configuration
+        again from its sources, for :meth:`reload`."""
+        parts = build(config, remote_tiers=remote_tiers)
+        #: everything this daemon runs, built and wired
+        self.parts: Parts = parts
         self.config = config
         self._reread = reread
         self._spawn: Spawn | None = None
-        #: this run's identity, in every HELLO reply: a daemon that dials its
-        #: own address among the peers recognises itself by it
-        self.node_id = secrets.token_hex(8)
-        self.metrics = Metrics()
-        ram_bytes = config.ram.capacity_bytes()
-        shc = config.shared
-        #: RAM's blocks in a memory file same-host clients map (None: off or not Linux)
-        self.arena: Arena | None = None
-        self.staging: Arena | None = None
-        if shc.enabled and hasattr(os, "memfd_create"):
-            # A quarter more than the budget: blocks deleted or evicted while
-            # still read keep their slots until let go (pages cost nothing
-            # until written).
-            self.arena = Arena(ram_bytes + ram_bytes // 4, name="kvtier-ram")
-            self.staging = Arena(shc.staging_bytes, name="kvtier-staging")
-        self.ram = RamTier(
-            ram_bytes, make_policy(config.ram.policy), arena=self.arena, min_slot=shc.min_block
-        )
-        self.disk: DiskTier | None = None
-        if config.disk.enabled:
-            self.disk = DiskTier(
-                config.disk.path,
-                config.disk.capacity_bytes(),
-                fsync=config.disk.fsync,
-                io_threads=config.disk.io_threads,
-                policy=make_policy(config.disk.policy),
-            )
-            self.metrics.watch_disk(self.disk.stats)
-        if remote_tiers is None:
-            specs = [
-                RemoteSpec(
-                    build_remote_tier(tc, config.lookup),
-                    WritePolicy(tc.write_policy),
-                    tc.max_pending_write_bytes,
-                )
-                for tc in config.remote_tiers
-            ]
-        else:
-            specs = [t if isinstance(t, RemoteSpec) else RemoteSpec(t) for t in remote_tiers]
-        pc = config.peer
-        self.peer_tier: PeerTier | None = None
-        if pc.enabled:
-            # First among the remote tiers: a peer answers faster than S3.
-            self.peer_tier = build_peer_tier(pc, self.node_id)
-            push = WritePolicy.WRITE_THROUGH if pc.push == "owner" else WritePolicy.NONE
-            specs.insert(0, RemoteSpec(self.peer_tier, push, pc.max_pending_push_bytes))
-            self.metrics.watch_peers(self.peer_tier)
-        self.remote_tiers = [spec.tier for spec in specs]
-        for tier in self.remote_tiers:
-            if isinstance(tier, S3Tier):
-                self.metrics.watch_s3(tier)
-        self.scheduler = Scheduler(
-            batch_window=config.lookup.probe_batch_window,
-            max_batch=config.lookup.probe_max_batch,
-        )
-        self.service = Service(
-            Limits(
-                max_key_bytes=config.server.max_key_bytes,
-                max_batch=config.server.max_batch,
-                max_block_bytes=int(config.server.max_block_bytes),
-            ),
-            self.ram,
-            lookup=config.lookup,
-            disk=self.disk,
-            disk_cfg=config.disk,
-            remotes=specs,
-            scheduler=self.scheduler,
-        )
-        self.shared: SharedBlocks | None = None
+        # The parts by name.
+        self.node_id = parts.node_id
+        self.metrics = parts.metrics
+        self.arena, self.staging = parts.arena, parts.staging
+        self.ram, self.disk = parts.ram, parts.disk
+        self.peer_tier, self.remote_tiers = parts.peer_tier, parts.remote_tiers
+        self.scheduler, self.service, self.shared = parts.scheduler, parts.service, parts.shared
+        self.server, self.peer_server = parts.server, parts.peer_server
         self.handoff: Handoff | None = None
-        if self.staging is not None:
-            service = self.service
-            self.shared = SharedBlocks(
-                self.ram,
-                self.staging,
-                put=lambda keys, values: service.put(keys, values, copy=True),
-                unpin=service.unpin,
-                now=self.scheduler.now,
-                lease_timeout=shc.lease_timeout,
-                staging_timeout=shc.staging_timeout,
-                limits=service.limits,
-            )
-            self.metrics.watch_shared(self.shared.stats)
-        self.metrics.watch_core(self.service.counters, self.service.map_sizes)
-        self.metrics.watch_tiers(lambda: [t.stats() for t in self.service.tiers()])
-        #: every background task, all children of run()'s task group
+        #: every background task of the daemon's own, all children of run()'s task group
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.server: Server | None = None
-        self.peer_server: Server | None = None
         #: the peer port bound (``peer.listen`` may ask for port 0)
         self.peer_port: int | None = None
         self.socket_path: Path = config.server.socket_path
@@ -282,30 +147,8 @@ class Daemon:
         self._stop.set()
 
     async def run(self) -> None:
-        # Startup failures (socket in use, metrics port taken) raise plainly,
-        # before any background task exists.
-        if self.disk is not None:
-            self.disk.prepare()
-        opened: list[Tier] = []
-        sock = None
-        runner: web.AppRunner | None = None
-        try:
-            for tier in self.remote_tiers:
-                await tier.open()
-                opened.append(tier)
-            sock = bind_unix_socket(self.socket_path, self.config.server.socket_mode)
-            self._socket_ino = os.stat(self.socket_path).st_ino
-            self._bind_handoff()
-            runner = await self._start_metrics()
-        except BaseException:
-            if sock is not None:
-                sock.close()
-                self._remove_socket()
-            if self.handoff is not None:
-                self.handoff.close()
-            for tier in opened:
-                await tier.close()
-            raise
+        """Start, serve until :meth:`stop`, shut down."""
+        sock, runner = await self._startup()
         async with asyncio.TaskGroup() as tasks:
 
             def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -316,46 +159,64 @@ class Daemon:
 
             self._spawn = spawn
             scheduler_task = tasks.create_task(self.scheduler.run(), name="kvtier-scheduler")
-            self.service.start(tasks.create_task)  # the service keeps count of its own
-            peer_tier = self.peer_tier
-            if peer_tier is not None and self.config.peer.dns is not None:
-                self.scheduler.every(
-                    self.config.peer.dns_interval, lambda: spawn(peer_tier.refresh())
-                )
-            if self.disk is not None:
-                spawn(self.disk.rebuild_index())  # serves meanwhile: unscanned keys read RETRY
-            shared, handoff = self.shared, self.handoff
-            handoff_task = None
-            if shared is not None and handoff is not None:
-                # Serves until shutdown; not background work that settle() waits for.
-                handoff_task = tasks.create_task(handoff.serve(), name="kvtier-handoff")
-                self.scheduler.every(
-                    min(1.0, self.config.shared.lease_timeout / 4),
-                    lambda: shared.expire(self.scheduler.now()),
-                )
-            sc = self.config.server
-            self.server = server = Server(
-                self.service,
-                spawn,
-                max_frame=int(self.config.server.max_frame_bytes),
-                max_inflight=self.config.server.max_inflight_per_connection,
-                peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
-                node_id=self.node_id,
-                shared=self.shared,
-                shared_offer=self._shared_offer(),
-            )
-            self.metrics.watch_server(server.counters, lambda: len(server.connections))
             try:
-                await server.start(sock)
-                await self._start_peer_listener(spawn)
-                self._announce()
-                await self._stop.wait()
+                await self._serve(tasks, spawn, sock)
             finally:
-                if handoff_task is not None:
-                    handoff_task.cancel()
-                await self._shutdown(server, runner)
+                await self._shutdown(runner)
                 self.scheduler.stop()
                 await scheduler_task
+
+    async def _startup(self) -> tuple[socket.socket, web.AppRunner | None]:
+        """Open the tiers, bind the sockets and the metrics port. Failures (a
+        socket in use, a port taken) raise plainly, before any task exists,
+        and undo what was done."""
+        if self.disk is not None:
+            self.disk.prepare()
+        opened: list[Tier] = []
+        sock = None
+        try:
+            for tier in self.remote_tiers:
+                await tier.open()
+                opened.append(tier)
+            sock = bind_unix_socket(self.socket_path, self.config.server.socket_mode)
+            self._socket_ino = os.stat(self.socket_path).st_ino
+            self._bind_handoff()
+            return sock, await self._start_metrics()
+        except BaseException:
+            if sock is not None:
+                sock.close()
+                self._remove_socket()
+            if self.handoff is not None:
+                self.handoff.close()
+            for tier in opened:
+                await tier.close()
+            raise
+
+    async def _serve(self, tasks: asyncio.TaskGroup, spawn: Spawn, sock: socket.socket) -> None:
+        """Start the background work and the servers, then wait for :meth:`stop`."""
+        self.service.start(tasks.create_task)  # the service keeps count of its own
+        peer_tier = self.peer_tier
+        if peer_tier is not None and self.config.peer.dns is not None:
+            self.scheduler.every(self.config.peer.dns_interval, lambda: spawn(peer_tier.refresh()))
+        if self.disk is not None:
+            spawn(self.disk.rebuild_index())  # serves meanwhile: unscanned keys read RETRY
+        shared, handoff = self.shared, self.handoff
+        handoff_task = None
+        if shared is not None and handoff is not None:
+            # Serves until shutdown; not background work that settle() waits for.
+            handoff_task = tasks.create_task(handoff.serve(), name="kvtier-handoff")
+            self.scheduler.every(
+                min(1.0, self.config.shared.lease_timeout / 4),
+                lambda: shared.expire(self.scheduler.now()),
+            )
+        try:
+            await self.server.start(sock, spawn)
+            await self._start_peer_listener(spawn)
+            self._announce()
+            await self._stop.wait()
+        finally:
+            if handoff_task is not None:
+                handoff_task.cancel()
 
     def _bind_handoff(self) -> None:
         """The socket that hands the arena to same-host clients, beside the main one."""
@@ -363,7 +224,7 @@ class Daemon:
             return
         sc = self.config.server
         self.handoff = Handoff(
-            Path(f"{self.socket_path}.shm"),
+            Path(handoff_path(self.config)),
             arena_fd=self.arena.readonly_fd(),
             arena_bytes=self.arena.size,
             staging_fd=os.dup(self.staging.fd),
@@ -373,28 +234,13 @@ class Daemon:
         )
         self.handoff.bind()
 
-    def _shared_offer(self) -> SharedOffer | None:
-        if self.handoff is None or self.arena is None or self.staging is None:
-            return None
-        return SharedOffer(str(self.handoff.path), self.arena.size, self.staging.size)
-
     async def _start_peer_listener(self, spawn: Spawn) -> None:
-        pc = self.config.peer
-        if pc.listen is None:
+        pc, peers = self.config.peer, self.peer_server
+        if pc.listen is None or peers is None:
             return
         host, port = split_address(pc.listen)
-        sc = self.config.server
-        self.peer_server = peers = Server(
-            LocalView(self.service, source=PEER_TIER),
-            spawn,
-            max_frame=int(sc.max_frame_bytes),
-            max_inflight=sc.max_inflight_per_connection,
-            gate=PeerGate(pc.secret(), allow_delete=pc.allow_delete),
-            node_id=self.node_id,
-        )
-        self.metrics.watch_peer_listener(peers.counters, lambda: len(peers.connections))
         try:
-            self.peer_port = await peers.start_tcp(host, port, pc.server_tls())
+            self.peer_port = await peers.start_tcp(host, port, pc.server_tls(), spawn)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot listen for peers on {pc.listen}: {exc}") from exc
 
@@ -431,7 +277,7 @@ class Daemon:
         )
         self.ready.set()
 
-    async def _shutdown(self, server: Server, runner: web.AppRunner | None) -> None:
+    async def _shutdown(self, runner: web.AppRunner | None) -> None:
         log.info(
             "shutting down: draining in-flight requests (grace %.1fs)",
             self.config.server.shutdown_grace,
@@ -439,9 +285,9 @@ class Daemon:
         self.service.begin_shutdown()  # waiting lookups and GETs answer now
         grace = self.config.server.shutdown_grace
         if self.peer_server is not None:
-            await asyncio.gather(server.shutdown(grace), self.peer_server.shutdown(grace))
+            await asyncio.gather(self.server.shutdown(grace), self.peer_server.shutdown(grace))
         else:
-            await server.shutdown(grace)
+            await self.server.shutdown(grace)
         self._remove_socket()
         if self.handoff is not None:
             self.handoff.close()

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import socket
 import ssl
+from collections.abc import Coroutine
 from typing import Any
 
 from kvtier import wire
@@ -47,13 +48,17 @@ class ServerCounters:
         )
 
 
+def _not_started(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    coro.close()
+    raise RuntimeError("the server has not been started")
+
+
 class Server:
     """Accepts connections and routes frames to the op table."""
 
     def __init__(
         self,
         service: CacheService,
-        spawn: Spawn,
         *,
         max_frame: int,
         max_inflight: int,
@@ -64,7 +69,8 @@ class Server:
         shared: SharedService | None = None,
         shared_offer: wire.SharedOffer | None = None,
     ) -> None:
-        self.spawn = spawn
+        #: runs a request that needs awaiting; the task group's, from :meth:`start`
+        self.spawn: Spawn = _not_started
         self.max_frame = max_frame
         #: requests one connection may have running at once before reading pauses
         self.max_inflight = max_inflight
@@ -119,12 +125,17 @@ class Server:
 
     # -- lifecycle
 
-    async def start(self, sock: socket.socket) -> None:
+    async def start(self, sock: socket.socket, spawn: Spawn) -> None:
+        """Serve on ``sock`` (a bound Unix socket); ``spawn`` runs awaited requests."""
+        self.spawn = spawn
         loop = asyncio.get_running_loop()
         self._aserver = await loop.create_unix_server(self._new_connection, sock=sock)
 
-    async def start_tcp(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+    async def start_tcp(
+        self, host: str, port: int, tls: ssl.SSLContext | None, spawn: Spawn
+    ) -> int:
         """Listen on TCP (the peer port); returns the port bound (``port`` 0 picks one)."""
+        self.spawn = spawn
         loop = asyncio.get_running_loop()
         self._aserver = await loop.create_server(
             self._new_connection, host, port, ssl=tls, reuse_address=True

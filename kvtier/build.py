@@ -1,0 +1,262 @@
+"""Building a daemon: every part made from the configuration, nothing started.
+
+:func:`build` constructs the tiers, the core, the servers and the metrics
+and wires them together, in one place and in one order: it opens no
+socket, starts no task and touches no file (the disk's directory is made
+and scanned when the daemon starts). The :class:`Parts` it returns are what
+:class:`~kvtier.daemon.Daemon` runs. Every source of metrics is registered
+here, once.
+
+It may import every wing; only the daemon imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.config import (
+    Config,
+    LookupConfig,
+    PeerConfig,
+    RemoteTierConfig,
+    S3TierConfig,
+)
+from kvtier.core.local import LocalView
+from kvtier.core.propagation import RemoteSpec, WritePolicy
+from kvtier.core.service import Service
+from kvtier.core.shared.blocks import SharedBlocks
+from kvtier.core.timers.scheduler import Scheduler
+from kvtier.metrics import Metrics
+from kvtier.model import Limits
+from kvtier.server.gate import PeerGate
+from kvtier.server.server import Server
+from kvtier.server.sockets import PeerPolicy
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.base import Tier
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.memory import MemoryRemoteTier
+from kvtier.tiers.peer import Peer, PeerCounters, PeerTier
+from kvtier.tiers.peers import RendezvousPicker
+from kvtier.tiers.policy import make_policy
+from kvtier.tiers.ram import RamTier
+from kvtier.tiers.s3 import S3Tier
+from kvtier.wire import SharedOffer
+
+#: the peer tier's name: labels its metrics and marks blocks peers pushed here
+PEER_TIER = "peers"
+
+
+@dataclass(slots=True)
+class Parts:
+    """What one daemon is made of, built and wired, not started."""
+
+    config: Config
+    #: this run's identity, in every HELLO reply: a daemon that dials its own
+    #: address among the peers recognises itself by it
+    node_id: str
+    metrics: Metrics
+    #: RAM's blocks in a memory file same-host clients map (None: off or not Linux)
+    arena: Arena | None
+    #: the region clients write staged blocks into (None with no arena)
+    staging: Arena | None
+    ram: RamTier
+    disk: DiskTier | None
+    #: the peer tier, also first among ``remotes`` (None: peers off)
+    peer_tier: PeerTier | None
+    #: the remote tiers in the order they are asked, with their write policies
+    remotes: list[RemoteSpec]
+    #: the one scheduler loop: deadlines, probe batches, sweeps
+    scheduler: Scheduler
+    service: Service
+    #: leases and staging for same-host clients (None with no arena)
+    shared: SharedBlocks | None
+    #: the local socket's server
+    server: Server
+    #: the peer port's server (None unless ``peer.listen``)
+    peer_server: Server | None
+
+    def __repr__(self) -> str:
+        remotes = [spec.tier.name for spec in self.remotes]
+        return (
+            f"<Parts node={self.node_id} ram={self.ram.capacity} "
+            f"disk={self.disk is not None} remotes={remotes} shared={self.shared is not None} "
+            f"peer_port={self.peer_server is not None}>"
+        )
+
+    @property
+    def remote_tiers(self) -> list[Tier]:
+        return [spec.tier for spec in self.remotes]
+
+
+def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = None) -> Parts:
+    """Every part of a daemon for ``config``, wired and not started.
+
+    ``remote_tiers`` replaces the configured remote tiers (tests and
+    benchmarks inject doubles, or real tiers built with a test clock); a bare
+    tier gets write policy none."""
+    node_id = secrets.token_hex(8)
+    ram_bytes = config.ram.capacity_bytes()
+    shc, sc, pc = config.shared, config.server, config.peer
+    arena = staging = None
+    if shc.enabled and hasattr(os, "memfd_create"):
+        # A quarter more than the budget: blocks deleted or evicted while
+        # still read keep their slots until let go (pages cost nothing until
+        # written).
+        arena = Arena(ram_bytes + ram_bytes // 4, name="kvtier-ram")
+        staging = Arena(shc.staging_bytes, name="kvtier-staging")
+    ram = RamTier(ram_bytes, make_policy(config.ram.policy), arena=arena, min_slot=shc.min_block)
+    disk = None
+    if config.disk.enabled:
+        disk = DiskTier(
+            config.disk.path,
+            config.disk.capacity_bytes(),
+            fsync=config.disk.fsync,
+            io_threads=config.disk.io_threads,
+            policy=make_policy(config.disk.policy),
+        )
+    if remote_tiers is None:
+        remotes = [
+            RemoteSpec(
+                build_remote_tier(tc, config.lookup),
+                WritePolicy(tc.write_policy),
+                tc.max_pending_write_bytes,
+            )
+            for tc in config.remote_tiers
+        ]
+    else:
+        remotes = [t if isinstance(t, RemoteSpec) else RemoteSpec(t) for t in remote_tiers]
+    peer_tier = None
+    if pc.enabled:
+        # First among the remote tiers: a peer answers faster than S3.
+        peer_tier = build_peer_tier(pc, node_id)
+        push = WritePolicy.WRITE_THROUGH if pc.push == "owner" else WritePolicy.NONE
+        remotes.insert(0, RemoteSpec(peer_tier, push, pc.max_pending_push_bytes))
+    scheduler = Scheduler(
+        batch_window=config.lookup.probe_batch_window, max_batch=config.lookup.probe_max_batch
+    )
+    service = Service(
+        Limits(
+            max_key_bytes=sc.max_key_bytes,
+            max_batch=sc.max_batch,
+            max_block_bytes=int(sc.max_block_bytes),
+        ),
+        ram,
+        lookup=config.lookup,
+        disk=disk,
+        disk_cfg=config.disk,
+        remotes=remotes,
+        scheduler=scheduler,
+    )
+    shared = None
+    offer = None
+    if arena is not None and staging is not None:
+        shared = SharedBlocks(
+            ram,
+            staging,
+            put=lambda keys, values: service.put(keys, values, copy=True),
+            unpin=service.unpin,
+            now=scheduler.now,
+            lease_timeout=shc.lease_timeout,
+            staging_timeout=shc.staging_timeout,
+            limits=service.limits,
+        )
+        offer = SharedOffer(handoff_path(config), arena.size, staging.size)
+    server = Server(
+        service,
+        max_frame=int(sc.max_frame_bytes),
+        max_inflight=sc.max_inflight_per_connection,
+        peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
+        node_id=node_id,
+        shared=shared,
+        shared_offer=offer,
+    )
+    peer_server = None
+    if pc.listen is not None:
+        peer_server = Server(
+            LocalView(service, source=PEER_TIER),
+            max_frame=int(sc.max_frame_bytes),
+            max_inflight=sc.max_inflight_per_connection,
+            gate=PeerGate(pc.secret(), allow_delete=pc.allow_delete),
+            node_id=node_id,
+        )
+    parts = Parts(
+        config=config,
+        node_id=node_id,
+        metrics=Metrics(),
+        arena=arena,
+        staging=staging,
+        ram=ram,
+        disk=disk,
+        peer_tier=peer_tier,
+        remotes=remotes,
+        scheduler=scheduler,
+        service=service,
+        shared=shared,
+        server=server,
+        peer_server=peer_server,
+    )
+    _watch(parts)
+    return parts
+
+
+def _watch(parts: Parts) -> None:
+    """Register every source of metrics: the one place that does."""
+    m, server, peer_server = parts.metrics, parts.server, parts.peer_server
+    m.watch_server(server.counters, lambda: len(server.connections))
+    if peer_server is not None:
+        m.watch_peer_listener(peer_server.counters, lambda: len(peer_server.connections))
+    m.watch_core(parts.service.counters, parts.service.map_sizes)
+    m.watch_tiers(lambda: [t.stats() for t in parts.service.tiers()])
+    if parts.disk is not None:
+        m.watch_disk(parts.disk.stats)
+    if parts.peer_tier is not None:
+        m.watch_peers(parts.peer_tier)
+    for tier in parts.remote_tiers:
+        if isinstance(tier, S3Tier):
+            m.watch_s3(tier)
+    if parts.shared is not None:
+        m.watch_shared(parts.shared.stats)
+
+
+def handoff_path(config: Config) -> str:
+    """The socket beside the main one that hands the arena to same-host clients."""
+    return f"{config.server.socket_path}.shm"
+
+
+def build_peer_tier(pc: PeerConfig, node_id: str) -> PeerTier:
+    """The peer tier over ``pc``'s members, ranked by rendezvous hashing."""
+    counters = PeerCounters()
+    tls = pc.client_tls()
+    token = pc.secret()
+    picker: RendezvousPicker[Peer]
+
+    def found_self(address: str) -> None:
+        picker.is_self(address)  # the peer object for it holds no connection
+
+    def make_peer(address: str) -> Peer:
+        return Peer(
+            address,
+            token=token,
+            tls=tls,
+            connect_timeout=pc.connect_timeout,
+            request_timeout=pc.request_timeout,
+            breaker=CircuitBreaker(pc.breaker_failures, pc.breaker_reset),
+            counters=counters,
+            node_id=node_id,
+            on_self=found_self,
+        )
+
+    picker = RendezvousPicker(
+        make_peer, members=pc.members, dns=pc.dns, self_address=pc.self_address()
+    )
+    return PeerTier(PEER_TIER, picker, counters)
+
+
+def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig) -> Tier:
+    if isinstance(tc, S3TierConfig):
+        return S3Tier(tc, probe_timeout=lookup.probe_timeout, load_timeout=lookup.load_timeout)
+    return MemoryRemoteTier(tc.name)
