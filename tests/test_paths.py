@@ -15,9 +15,11 @@ import pytest
 from tests import pathcount
 from tests.s3server import S3Server, s3_server
 
-#: (calls, files) at most
-DISK_GET = (92, 19)
-S3_LOOKUP = (208, 25)
+#: (calls, files) at most. The LOOKUP's figure has a few calls of room: how
+#: often the scheduler loop wakes while the probe and the load run depends on
+#: timing (201 measured on an idle machine).
+DISK_GET = (88, 18)
+S3_LOOKUP = (210, 24)
 
 
 @pytest.fixture(scope="module")

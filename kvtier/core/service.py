@@ -21,6 +21,7 @@ import asyncio
 import logging
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
@@ -373,7 +374,7 @@ class Service:
     def _promote_from_disk(self, key: bytes, now: float) -> Reservation:
         disk = self.disk
         assert disk is not None
-        return self._start_promotion(disk.name, key, now, lambda: disk.read(key), None)
+        return self._start_promotion(disk.name, key, now, partial(disk.read, key), None)
 
     def _start_promotion(
         self,
@@ -422,7 +423,8 @@ class Service:
             if failed is not None and outcome in (Promoted.FAILED, Promoted.ABSENT):
                 failed()
             self._promoted[source][outcome].value += 1
-            self.pending.end(res, End.ABORTED)  # no-op when completed
+            if outcome is not Promoted.COMPLETED:  # a completed one ended with its store
+                self.pending.end(res, End.ABORTED)
 
     # ------------------------------------------------------------ RESERVE / ABORT / RELEASE
 
@@ -494,8 +496,7 @@ class Service:
 
         ``local``: from the local tiers only (a peer's request)."""
         check.check_keys(self.limits, keys)
-        pin = self.ram.pin
-        values = [pin(k) for k in keys]
+        values: list[Buffer | None] = list(map(self.ram.pin, keys))
         if None not in values:
             return values
         locate = (self.local_locator if local else self.locator).locate

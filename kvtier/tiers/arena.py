@@ -8,6 +8,21 @@ a :class:`Slot` names a block's bytes. The arena never decides what to
 evict: the tier's budget and eviction policy do, and free slots only when
 no lease holds them (:mod:`kvtier.core.shared.leases`).
 
+A block stored in the arena is one :class:`Slot` and one writable
+``memoryview`` of it; that view object *is* the block's value everywhere in
+the daemon, so its ``id`` names the slot. :class:`Slots` keeps the RAM
+tier's views and their holders: anything that keeps a value past the
+synchronous step (a reply still in the transport's buffer, a client's
+lease, a background write) *holds* it; the tier *retires* a value when the
+key is deleted or evicted. A view is *staged* between :meth:`Slots.stage`
+and :meth:`Slots.adopt` (a PUT body being received straight into the
+arena) or :meth:`Slots.drop_staged`.
+
+Invariants: a slot is freed exactly once, when it has been retired (or its
+staging dropped) and no holder is left; a held slot is never handed out
+again, so a reader's bytes never change under it; ``freed`` reports the
+bytes each free gives back so the budget can follow the arena.
+
 Linux only (``memfd_create``); where it is missing the RAM tier keeps its
 blocks in process memory and clients use the socket path.
 """
@@ -69,6 +84,110 @@ class Arena:
         with contextlib.suppress(BufferError):  # views still alive keep it mapped
             self.mapping.close()
         os.close(self.fd)
+
+
+class Slots:
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        #: every view handed out and not yet freed, by id: its slot and the view
+        self._live: dict[int, tuple[Slot, memoryview]] = {}
+        #: holders of each view beyond the tier itself, by id
+        self._refs: dict[int, int] = {}
+        #: retired views still held: freed when the last holder lets go
+        self._retired: set[int] = set()
+        #: views being filled by a PUT body, not yet a block
+        self._staged: set[int] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Slots live={len(self._live)} held={len(self._refs)} "
+            f"retired={len(self._retired)} staged={len(self._staged)} {self.arena.allocator!r}>"
+        )
+
+    def block_size(self, length: int) -> int:
+        """The arena bytes a value of ``length`` occupies."""
+        return self.arena.allocator.block_size(length)
+
+    @property
+    def held_count(self) -> int:
+        return len(self._refs)
+
+    @property
+    def retired_bytes(self) -> int:
+        return sum(self._live[i][0].size for i in self._retired)
+
+    def new(self, length: int) -> memoryview:
+        """A fresh view of ``length`` bytes; raises :class:`~kvtier.tiers.extents.OutOfArena`."""
+        slot = self.arena.allocate(length)
+        view = self.arena.view(slot)
+        self._live[id(view)] = (slot, view)
+        return view
+
+    def slot_of(self, value: object) -> Slot | None:
+        entry = self._live.get(id(value))
+        return entry[0] if entry is not None and entry[1] is value else None
+
+    # -- staging
+
+    def stage(self, length: int) -> memoryview:
+        view = self.new(length)
+        self._staged.add(id(view))
+        return view
+
+    def is_staged(self, value: object) -> bool:
+        return id(value) in self._staged and self.slot_of(value) is not None
+
+    def adopt(self, view: memoryview) -> None:
+        """A staged view becomes a stored block."""
+        self._staged.discard(id(view))
+
+    def drop_staged(self, view: memoryview) -> int:
+        """The PUT that staged ``view`` did not store it; returns the bytes freed."""
+        if id(view) not in self._staged:
+            return 0
+        self._staged.discard(id(view))
+        return self._free(id(view))
+
+    # -- holders
+
+    def hold(self, value: object) -> None:
+        """Keep ``value``'s slot from being reused (no-op for values not in the arena)."""
+        if self.slot_of(value) is not None:
+            vid = id(value)
+            self._refs[vid] = self._refs.get(vid, 0) + 1
+
+    def let_go(self, value: object) -> int:
+        """One holder is done; returns the bytes freed (the slot was retired and unheld)."""
+        vid = id(value)
+        n = self._refs.get(vid)
+        if n is None or self.slot_of(value) is None:
+            return 0
+        if n > 1:
+            self._refs[vid] = n - 1
+            return 0
+        del self._refs[vid]
+        return self._free(vid) if vid in self._retired else 0
+
+    def retire(self, value: object) -> int:
+        """The tier no longer stores ``value``: freed now unless held. Returns bytes freed."""
+        if self.slot_of(value) is None:
+            return 0
+        vid = id(value)
+        if vid in self._refs:
+            self._retired.add(vid)
+            return 0
+        return self._free(vid)
+
+    def _free(self, vid: int) -> int:
+        slot, _view = self._live.pop(vid)
+        self._retired.discard(vid)
+        self._refs.pop(vid, None)
+        self.arena.free(slot)
+        return slot.size
+
+    def is_pristine(self) -> bool:
+        """Nothing handed out at all: the arena's allocator is back to its start."""
+        return not self._live and self.arena.allocator.is_pristine()
 
 
 def map_readonly(fd: int, size: int) -> mmap.mmap:

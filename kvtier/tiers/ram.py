@@ -4,7 +4,7 @@ With an :class:`~kvtier.tiers.arena.Arena`, blocks of at least ``min_slot``
 bytes live in the shared arena (same-host clients read them in place) and
 are counted at their slot size; smaller ones, and any block when the arena
 is fragmented, stay ordinary Python objects. A value in the arena is freed
-only when no holder is left (:mod:`kvtier.tiers.slots`): a deleted or
+only when no holder is left (:class:`~kvtier.tiers.arena.Slots`): a deleted or
 evicted block that a reader still holds is freed when it lets go. Such
 blocks are outside the budget, as an evicted block a background write
 still holds always was; the arena is sized with room for them, and a
@@ -24,12 +24,11 @@ from itertools import chain, islice
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
-from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena import Arena, Slots
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.extents import OutOfArena
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
-from kvtier.tiers.slots import Slots
 
 #: lookups whose hits may wait to be shown to the policy (then they are applied)
 _MAX_DEFERRED_TOUCHES = 256
