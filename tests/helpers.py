@@ -97,8 +97,10 @@ class DaemonProcess:
         #: notified for every line of stderr (wait_for_line)
         self._line = threading.Condition()
 
-    def start(self, timeout: float = 30.0) -> DaemonProcess:
-        cmd = [
+    def start(self, timeout: float = 30.0, command: list[str] | None = None) -> DaemonProcess:
+        """Start ``kvtier serve`` (or ``command``, in a session of its own) and
+        wait for its ready line."""
+        cmd = command or [
             sys.executable,
             "-m",
             "kvtier",
@@ -112,7 +114,12 @@ class DaemonProcess:
             *self.args,
         ]
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, cwd=ROOT
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            cwd=ROOT,
+            start_new_session=command is not None,
         )
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()

@@ -140,22 +140,7 @@ def test_make_run_serves_and_ping_answers(sock_dir: Path) -> None:
     }
     proc = DaemonProcess(sock_dir, env=env)
     proc.socket_path = sock
-    # DaemonProcess starts `python -m kvtier serve`; here the README's command runs it.
-    from tests.helpers import ROOT
-
-    proc.proc = subprocess.Popen(
-        ["make", "-s", "run"],
-        cwd=ROOT,
-        env=proc.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    import threading
-
-    proc._reader = threading.Thread(target=proc._drain, daemon=True)
-    proc._reader.start()
-    assert proc._ready.wait(120), "\n".join(proc.lines)
+    proc.start(120, command=["make", "-s", "run"])  # the README's command
     ready = next(line for line in proc.lines if "kvtier ready" in line)
     assert f"disk={sock_dir / 'data'} (" in ready  # an empty disk tier is still a disk tier
     try:
