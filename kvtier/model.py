@@ -131,11 +131,9 @@ class ConnId:
 class CacheService(Protocol):
     """The verbs the server calls; the core's ``Service`` implements them.
 
-    Two calling conventions: ``lookup`` and ``get`` return their answer now,
-    or the awaitable that gives it (the request already checked and its keys
-    located, the loads it needs started); ``try_delete`` answers now or
-    returns None when the answer needs I/O, in which case the server awaits
-    ``delete``. Verbs with neither form never wait.
+    One calling convention: ``lookup``, ``get`` and ``delete`` return their
+    answer now, or the awaitable that gives it (the request already checked,
+    its keys located, the I/O it needs started). The other verbs never wait.
     """
 
     limits: Limits
@@ -162,9 +160,7 @@ class CacheService(Protocol):
         self, keys: Sequence[bytes], values: Sequence[Buffer | None]
     ) -> None: ...
 
-    def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None: ...
-
-    async def delete(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def delete(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]: ...
 
     def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]: ...
 

@@ -13,6 +13,7 @@ import pytest
 from kvtier import Client, PutStatus, State
 from kvtier.config import DiskConfig
 from kvtier.core.service import Service
+from kvtier.core.timers.scheduler import Scheduler
 from kvtier.daemon import Daemon
 from kvtier.errors import TierError
 from kvtier.model import Limits, Lookup, LookupReply
@@ -160,7 +161,11 @@ async def test_unscanned_keys_read_retry_then_hit(tmp_path: Path) -> None:
     disk = DiskTier(root, 1 << 20)
     disk.prepare()  # index not rebuilt yet
     service = Service(
-        Limits(256, 1000, 1 << 20), RamTier(1 << 20), disk=disk, disk_cfg=DiskConfig()
+        Limits(256, 1000, 1 << 20),
+        RamTier(1 << 20),
+        disk=disk,
+        disk_cfg=DiskConfig(),
+        scheduler=Scheduler(batch_window=0.001, max_batch=64),
     )
     async with asyncio.TaskGroup() as tasks:
         service.start(tasks.create_task)

@@ -15,7 +15,6 @@ import asyncio
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core import limits as check
 from kvtier.errors import ForbiddenError
 from kvtier.model import (
     Buffer,
@@ -69,13 +68,8 @@ class LocalView:
     async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         await self._service.make_durable(keys, values)
 
-    def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None:
-        check.check_keys(self.limits, keys)
-        return self._service.delete_local(keys)
-
-    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
-        check.check_keys(self.limits, keys)
-        return self._service.delete_local(keys)
+    def delete(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]:
+        return self._service.delete(keys, local=True)
 
     def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
         raise ForbiddenError("peers may not reserve blocks")

@@ -1,10 +1,11 @@
 """The cache service: the verbs (lookup, get, put, delete, reserve) over the tiers.
 
 The server decodes a request into a record of :mod:`kvtier.model`, calls
-one verb and encodes what it returns. One calling convention: ``try_*``
-answers now or returns None when the answer needs I/O; the async verb of
-the same name then gives the complete answer. ``put``, ``reserve``,
-``abort`` and ``release`` never wait.
+one verb and encodes what it returns. One calling convention: a verb checks
+its request, decides and starts what it needs synchronously, then returns
+its answer now, or the awaitable that gives it once the I/O it started is
+done (``lookup``, ``get``, ``delete``). ``put``, ``reserve``, ``abort`` and
+``release`` never wait.
 
 Every verb asks :class:`~kvtier.core.locate.Locator` where a key is and acts
 on the answer; no other code decides the order of the tiers. The two
@@ -74,7 +75,7 @@ class Service:
         disk: DiskTier | None = None,
         disk_cfg: DiskConfig | None = None,
         remotes: Sequence[RemoteSpec] = (),
-        scheduler: Scheduler | None = None,
+        scheduler: Scheduler,
         counters: CoreCounters | None = None,
     ) -> None:
         self.limits = limits
@@ -83,9 +84,8 @@ class Service:
         self.cfg = lookup if lookup is not None else LookupConfig()
         self.disk_cfg = disk_cfg if disk_cfg is not None else DiskConfig()
         self.counters = counters if counters is not None else CoreCounters()
-        self.scheduler = scheduler or Scheduler(
-            batch_window=self.cfg.probe_batch_window, max_batch=self.cfg.probe_max_batch
-        )
+        #: the one scheduler loop (built with the daemon's parts)
+        self.scheduler = scheduler
         #: the clock every deadline and TTL is read on
         self._now = self.scheduler.now
         self._spawn: Spawn | None = None
@@ -663,18 +663,19 @@ class Service:
             self._invalidate(victim)
         self.propagation.evicted(evicted)
 
-    def try_delete(self, keys: Sequence[bytes]) -> list[bool] | None:
-        """Delete from the local tiers now; None when remote tiers must be asked."""
+    def delete(
+        self, keys: Sequence[bytes], *, local: bool = False
+    ) -> list[bool] | Awaitable[list[bool]]:
+        """Delete ``keys`` from every tier: True where a tier held the key. The
+        local tiers answer now; with remote tiers, the awaitable that also asks
+        them. ``local``: the local tiers only (a peer's request)."""
         check.check_keys(self.limits, keys)
-        if self.remotes:
-            return None
-        return self.delete_local(keys)
+        deleted = self.delete_local(keys)
+        if local or not self.remotes:
+            return deleted
+        return self._delete_remote(keys, deleted)
 
-    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
-        check.check_keys(self.limits, keys)
-        out = self.delete_local(keys)
-        if not self.remotes:
-            return out
+    async def _delete_remote(self, keys: Sequence[bytes], deleted: list[bool]) -> list[bool]:
         results = await asyncio.gather(
             *(slot.tier.delete(keys) for slot in self.remotes), return_exceptions=True
         )
@@ -683,10 +684,10 @@ class Service:
                 if isinstance(result, asyncio.CancelledError):
                     raise result
                 raise TierError(f"{slot.name}: delete failed: {result}") from result
-            out = [a or bool(b) for a, b in zip(out, result, strict=True)]
+            deleted = [a or bool(b) for a, b in zip(deleted, result, strict=True)]
         for key in keys:
             self._invalidate(key)
-        return out
+        return deleted
 
     def delete_local(self, keys: Sequence[bytes]) -> list[bool]:
         """Delete from RAM and disk only."""

@@ -157,13 +157,10 @@ class Ops:
 
     def delete(self, conn: Connection, frame: Frame) -> Reply | Later:
         keys = self._only_keys(frame, "DELETE")
-        deleted = self.service.try_delete(keys)
-        if deleted is not None:
-            return Reply(wire.encode_delete_reply(deleted))
-        return Later(self._delete_later(keys))
-
-    async def _delete_later(self, keys: list[bytes]) -> Reply:
-        return Reply(wire.encode_delete_reply(await self.service.delete(keys)))
+        deleted = self.service.delete(keys)
+        if isinstance(deleted, list):
+            return _delete_reply(deleted)
+        return Later(deleted, _delete_reply)
 
     def reserve(self, conn: Connection, frame: Frame) -> Reply:
         if frame.data:
@@ -255,3 +252,7 @@ class Ops:
 
 def _lookup_reply(reply: LookupReply) -> Reply:
     return Reply(wire.encode_lookup_reply(reply))
+
+
+def _delete_reply(deleted: list[bool]) -> Reply:
+    return Reply(wire.encode_delete_reply(deleted))
