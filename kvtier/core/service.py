@@ -22,7 +22,6 @@ import asyncio
 import logging
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from functools import partial
 from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
@@ -93,6 +92,8 @@ class Service:
         self.closing = False
         #: background work in flight (probes, promotions, writes), in the daemon's task group
         self.tasks: set[asyncio.Task[None]] = set()
+        #: reads from the disk into RAM in flight, by key: every GET of the key joins one
+        self._disk_loads: dict[bytes, asyncio.Future[None]] = {}
         self._closing: asyncio.Future[None] | None = None
         self.pending = PendingWrites(ram, self.scheduler, self.counters)
         #: LOOKUP's answers counted by state, bound once
@@ -142,8 +143,8 @@ class Service:
 
     def __repr__(self) -> str:
         return (
-            f"<Service ram={self.ram!r} disk={self.disk!r} remotes={self.remotes!r} "
-            f"{self.pending!r} {self.deferrals!r}>"
+            f"<Service ram={self.ram!r} disk={self.disk!r} disk_loads={len(self._disk_loads)} "
+            f"remotes={self.remotes!r} {self.pending!r} {self.deferrals!r}>"
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -161,9 +162,13 @@ class Service:
             self._closing.set_result(None)
 
     def close(self) -> None:
-        """End every pending write and probe (waiters answered MISS)."""
+        """End every pending write, probe and disk read (waiters answered MISS)."""
         self.pending.end_all()
         self.probing.abandon_all()
+        loads, self._disk_loads = self._disk_loads, {}
+        for done in loads.values():  # a read whose task never ran
+            if not done.done():
+                done.set_result(None)
 
     def sweep(self) -> None:
         now = self.scheduler.now()
@@ -293,13 +298,11 @@ class Service:
         if on_disk and self.disk_cfg.promote_on_lookup:
             # Start loading the usable disk hits into RAM: the GET comes next.
             limit = hits if req.mode != LookupMode.KEYS else len(keys)
-            table = self.pending.table
             for i in on_disk:
                 if i >= limit:
                     break
-                # A key listed twice is loaded once: the first start is pending.
-                if states[i] == HIT and keys[i] not in table:
-                    self._promote_from_disk(keys[i], now)
+                if states[i] == HIT:  # not one the reader's bound expired
+                    self._load_from_disk(keys[i])  # a key listed twice is read once
         waits = waits_for(states, settles, req.mode) if seen is not None and settles else []
         return LookupReply(bytes(states), hits, defer), waits, bound_at
 
@@ -371,10 +374,42 @@ class Service:
 
         return self._start_promotion(slot.name, key, now, load, failed)
 
-    def _promote_from_disk(self, key: bytes, now: float) -> Reservation:
+    def _load_from_disk(self, key: bytes) -> asyncio.Future[None]:
+        """Read ``key`` from the disk into RAM, once for every reader: a GET
+        that finds a read of the key in flight joins it. A disk hit reads HIT
+        meanwhile (the block is readable now), so this is no pending write."""
+        done = self._disk_loads.get(key)
+        if done is None:
+            done = self._disk_loads[key] = asyncio.get_running_loop().create_future()
+            self._task(self._disk_load(key, done))
+        return done
+
+    async def _disk_load(self, key: bytes, done: asyncio.Future[None]) -> None:
         disk = self.disk
         assert disk is not None
-        return self._start_promotion(disk.name, key, now, partial(disk.read, key), None)
+        promoted = self._promoted[disk.name]
+        promoted[Promoted.STARTED].value += 1
+        outcome = Promoted.FAILED
+        try:
+            async with asyncio.timeout(self.cfg.load_timeout):
+                value = await disk.read(key)
+            if value is None:
+                outcome = Promoted.ABSENT
+            elif self._store_local(key, value, disk.name) is PutStatus.STORED:
+                outcome = Promoted.COMPLETED
+            else:
+                outcome = Promoted.SUPERSEDED  # a client stored it meanwhile
+        except asyncio.CancelledError:
+            outcome = Promoted.CANCELLED
+            raise
+        except Exception as exc:
+            log.warning("%s: loading key %s failed: %s", disk.name, key.hex(), exc)
+        finally:
+            promoted[outcome].value += 1
+            if self._disk_loads.get(key) is done:
+                del self._disk_loads[key]
+            if not done.done():
+                done.set_result(None)
 
     def _start_promotion(
         self,
@@ -510,8 +545,8 @@ class Service:
         return self._get_below(keys, values, below, locate)
 
     def _read_step(self, key: bytes, loc: Location, now: float) -> asyncio.Future[Any] | None:
-        """Act on where ``key`` is for a read: join the write or promotion in
-        flight, or start one from the disk or the remote tier that holds the
+        """Act on where ``key`` is for a read: join the write, promotion or
+        disk read in flight, or start one from the disk or the remote tier that holds the
         key (the first that may, while none has answered; a load of an absent
         block answers absent, which is kept), or wait for the disk index.
         Returns what to wait for; None when there is nothing to read."""
@@ -521,7 +556,7 @@ class Service:
         if loc.reservation is not None:  # a write or a promotion is under way
             return loc.reservation.done
         if where is Where.DISK:
-            return self._promote_from_disk(key, now).done
+            return self._load_from_disk(key)
         if where is Where.REMOTE:
             return self._promote(self.remotes[loc.remote], key, now).done
         if where is Where.PROBING:
