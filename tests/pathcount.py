@@ -3,8 +3,9 @@
 A daemon runs in a thread of its own, on its own event loop; a profiler
 (``sys.setprofile``, which sees only the thread it is set in) records every
 call of a Python function defined in a kvtier module while a request is
-measured, once the daemon has served one request of the same kind (so
-first-use set-up, such as a counter's first label, is not counted). The
+measured, once the daemon has served one request of the same kind for
+another key (so first-use set-up, such as a counter's first label, is not
+counted). The
 request is sent from the main thread, so the client's own
 calls are not counted. Counted: the op table and everything below it (core,
 tiers, codecs, the scheduler loop, background tasks the request starts).
@@ -62,7 +63,8 @@ TRANSPORT = frozenset(
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 
 KEY = bytes.fromhex("aa" * 32)
-ABSENT = bytes.fromhex("bb" * 32)
+#: read the same way just before the measured request: a warm daemon is measured
+WARM = bytes.fromhex("bb" * 32)
 VALUE = bytes(range(256)) * 1024  # 256 KiB
 
 
@@ -170,8 +172,9 @@ class ThreadedDaemon:
 
 
 async def _put(sock_dir: Path, durable: bool = False) -> None:
+    """Store the measured key and the warm-up one."""
     async with await Client.connect(sock_dir / "d.sock") as c:
-        await c.put(KEY, VALUE, durable=durable)
+        await c.put_many([WARM, KEY], [VALUE, VALUE], durable=durable)
 
 
 def _overrides(sock_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +203,8 @@ def disk_only_get(sock_dir: Path) -> PathCount:
 
         async def get() -> tuple[PathCount, bytes | None]:
             async with await Client.connect(sock_dir / "d.sock", shared=False) as c:
-                assert await c.get(ABSENT) is None  # a daemon that has served a GET
+                assert await c.get(WARM) == VALUE  # a daemon that has served such a GET
+                await c.ping()  # that GET's reply is out and its pins let go
                 count = daemon.measure()
                 value = await c.get(KEY)
                 await asyncio.to_thread(daemon.stop_measuring)
@@ -228,8 +232,10 @@ def s3_only_lookup(sock_dir: Path, s3_tier: dict[str, Any]) -> PathCount:
 
         async def lookups() -> tuple[PathCount, LookupReply, LookupReply]:
             async with await Client.connect(sock_dir / "d.sock", shared=False) as c:
-                # A daemon that has served a LOOKUP, and probed S3 once.
-                await c.lookup([ABSENT], mode=LookupMode.PREFIX, wait=10.0)
+                # A daemon that has served such a LOOKUP.
+                await c.lookup([WARM], mode=LookupMode.PREFIX)
+                warm = await c.lookup([WARM], mode=LookupMode.PREFIX, wait=10.0)
+                assert warm.prefix_hits == 1, warm
                 count = daemon.measure()
                 first = await c.lookup([KEY], mode=LookupMode.PREFIX)
                 settled = await c.lookup([KEY], mode=LookupMode.PREFIX, wait=10.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from kvtier.core.timers.heap import Timer, TimerHeap
@@ -105,12 +106,13 @@ class Scheduler:
         batch = self._batches[name]
         batch.keys.append(key)
         if len(batch.keys) >= self.max_batch:
+            self.cancel(batch.timer)
             self._flush(batch)
         elif batch.timer is None:
-            batch.timer = self.call_at(self.now() + self.batch_window, lambda: self._flush(batch))
+            batch.timer = self.call_at(self.now() + self.batch_window, partial(self._flush, batch))
 
     def _flush(self, batch: _Batch) -> None:
-        self.cancel(batch.timer)
+        """Send ``batch``'s keys (its window timer has fired, or been cancelled)."""
         batch.timer = None
         keys, batch.keys = batch.keys, []
         if keys:
