@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy
+from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy, SeenFilter
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import POLICIES, LRUPolicy, make_policy
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.s3fifo import S3FIFOPolicy
-from kvtier.tiers.seen import SeenFilter
 
 
 def k(i: int) -> bytes:

@@ -95,7 +95,8 @@ class Propagation:
         #: a background write keeps its value unchanged (RAM may evict it meanwhile)
         self._hold = hold
         self._let_go = let_go
-        self._local = {w.name for w in self.writers if w.local}
+        #: the local tiers: a block promoted from one of them flows nowhere
+        self.local = frozenset(w.name for w in self.writers if w.local)
         self._counters = counters
         self._task = task
         self._closing = closing
@@ -115,9 +116,7 @@ class Propagation:
                 # a remote tier is kept on the local disk as well.
                 reason = WriteReason.KEEP_LOCAL
                 wanted = (
-                    w.local
-                    and w.policy is not WritePolicy.NONE
-                    and promoted_from not in self._local
+                    w.local and w.policy is not WritePolicy.NONE and promoted_from not in self.local
                 )
             if wanted and not w.holds(key):
                 self._write_behind(w, key, value, reason)

@@ -674,7 +674,9 @@ class Service:
         self, key: bytes, value: Buffer, promoted_from: str | None = None, copy: bool = False
     ) -> PutStatus:
         """Store into RAM and complete a pending write of ``key``, if any."""
-        res = self.pending.claim(key)
+        res = self.pending.table.get(key)
+        if res is not None:
+            self.pending.claim(res)
         try:
             stored, evicted = self.ram.put(key, value, copy=copy)
         except KvtierError:
@@ -685,7 +687,7 @@ class Service:
             self.pending.end(res, End.COMPLETED)
         self._invalidate(key)
         self._evicted(evicted)
-        if stored:
+        if stored and promoted_from not in self.propagation.local:
             kept = self.ram.peek(key)
             assert kept is not None
             self.propagation.stored(key, kept, promoted_from)

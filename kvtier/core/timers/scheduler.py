@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -42,7 +43,9 @@ class Scheduler:
     ) -> None:
         self.batch_window = batch_window
         self.max_batch = max_batch
-        self._clock = clock
+        #: the clock every deadline is read on: the one given (tests), else the
+        #: monotonic clock; the loop's own timer only measures how long to sleep
+        self.now: Callable[[], float] = clock if clock is not None else time.monotonic
         self._timers = TimerHeap()
         self._batches: dict[str, _Batch] = {}
         self._wake: asyncio.Future[None] | None = None
@@ -57,11 +60,6 @@ class Scheduler:
     def __repr__(self) -> str:
         queued = sum(len(b.keys) for b in self._batches.values())
         return f"<Scheduler {self._timers!r} periodic={self._periodic} queued_probes={queued}>"
-
-    def now(self) -> float:
-        if self._clock is not None:
-            return self._clock()
-        return asyncio.get_running_loop().time()
 
     @property
     def timer_count(self) -> int:
@@ -151,7 +149,7 @@ class Scheduler:
             self._armed_for = deadline
             handle = None
             if deadline is not None:
-                handle = loop.call_at(deadline, self._deadline_reached)
+                handle = loop.call_later(max(0.0, deadline - self.now()), self._deadline_reached)
             try:
                 await self._wake
             finally:

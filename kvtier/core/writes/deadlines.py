@@ -47,13 +47,11 @@ class PendingWrites:
         res.timer = self._scheduler.call_at(res.deadline, lambda: self._expire(res))
         return res
 
-    def claim(self, key: bytes) -> Reservation | None:
-        """The pending write a store of ``key`` completes; its held RAM is given back."""
-        res = self.table.get(key)
-        if res is not None and res.size:
+    def claim(self, res: Reservation) -> None:
+        """A store is completing ``res``: the RAM it held is given back now."""
+        if res.size:
             self._ram.release(res.size)
             res.size = 0
-        return res
 
     def end(self, res: Reservation, how: End) -> bool:
         """End ``res`` (resolving its waiters); False if it had already ended."""

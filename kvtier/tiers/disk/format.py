@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from pathlib import Path
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
@@ -29,6 +30,12 @@ class CorruptBlock(Exception):
 
 def block_name(key: bytes) -> str:
     return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+
+def block_path(root: Path, key: bytes) -> Path:
+    """Where ``key``'s block lives under ``root``: a bucket of 256, then its name."""
+    name = block_name(key)
+    return root / name[:2] / (name + SUFFIX)
 
 
 def file_size(key: bytes, value_len: int) -> int:

@@ -29,6 +29,7 @@ from kvtier.tiers.disk.format import (
     TMP_MARK,
     CorruptBlock,
     block_name,
+    block_path,
     file_size,
     parse_header,
 )
@@ -71,8 +72,9 @@ def write_block(
         _fsync_dir(path.parent)
 
 
-def read_block(path: Path, key: bytes) -> memoryview:
-    with open(path, "rb") as fh:
+def read_block(root: Path, key: bytes) -> memoryview:
+    """``key``'s block under ``root`` (its path found here, off the event loop)."""
+    with open(block_path(root, key), "rb") as fh:
         data = fh.read()
     got_key, _value_len, digest = parse_header(data, len(data))
     if got_key != key:

@@ -43,7 +43,7 @@ from kvtier.errors import TierError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.base import DiskStats, LocalTier
 from kvtier.tiers.budget import Budget
-from kvtier.tiers.disk.format import SUFFIX, CorruptBlock, block_name, file_size
+from kvtier.tiers.disk.format import CorruptBlock, block_path, file_size
 from kvtier.tiers.disk.io import (
     read_block,
     scan_bucket,
@@ -111,8 +111,7 @@ class DiskTier(LocalTier):
     # -- paths
 
     def path_of(self, key: bytes) -> Path:
-        name = block_name(key)
-        return self.root / name[:2] / (name + SUFFIX)
+        return block_path(self.root, key)
 
     # -- start: the index is rebuilt while the daemon already serves
 
@@ -197,22 +196,22 @@ class DiskTier(LocalTier):
             return None
         self.budget.pin(key)
         self.budget.touch(key)
-        path = self.path_of(key)
         try:
             value = await asyncio.get_running_loop().run_in_executor(
-                self.executor, read_block, path, key
+                self.executor, read_block, self.root, key
             )
         except FileNotFoundError:
             self._forget(key)
             return None
         except CorruptBlock as exc:
+            path = self.path_of(key)
             log.warning("discarding corrupt block %s (%s): %s", key.hex(), path, exc)
             self.corrupt += 1
             self._forget(key)
             await asyncio.get_running_loop().run_in_executor(self.executor, unlink_all, [path])
             return None
         except OSError as exc:
-            raise TierError(f"disk: reading {path} failed: {exc}") from exc
+            raise TierError(f"disk: reading {self.path_of(key)} failed: {exc}") from exc
         finally:
             self.budget.unpin(key)
         self.reads += 1
