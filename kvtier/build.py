@@ -173,6 +173,11 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         node_id=node_id,
         shared=shared,
         shared_offer=offer,
+        # Who may connect is checked at accept; an allowed user still has a
+        # deadline for its first frame where the socket is shared.
+        handshake_timeout=sc.handshake_timeout
+        if sc.allowed_uids is not None or sc.allowed_gids is not None
+        else None,
     )
     peer_server = None
     if pc.listen is not None:
@@ -182,6 +187,8 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             max_inflight=sc.max_inflight_per_connection,
             gate=PeerGate(pc.secret(), allow_delete=pc.allow_delete),
             node_id=node_id,
+            handshake_timeout=pc.handshake_timeout,
+            max_unauthenticated=pc.max_unauthenticated,
         )
     parts = Parts(
         config=config,

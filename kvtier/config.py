@@ -85,6 +85,9 @@ class ServerConfig(Section):
     allowed_uids: list[int] | None = None
     #: groups allowed to connect (see allowed_uids)
     allowed_gids: list[int] | None = None
+    #: with allowed_uids or allowed_gids set: seconds a new connection has to
+    #: send its first frame before it is closed
+    handshake_timeout: float = Field(default=5.0, gt=0)
 
     @model_validator(mode="after")
     def _block_fits_frame(self) -> ServerConfig:

@@ -143,6 +143,12 @@ class PeerConfig(Section):
     breaker_reset: float = Field(default=2.0, gt=0)
     #: whether peers may DELETE blocks here
     allow_delete: bool = False
+    #: seconds a connection to the peer port has to complete an accepted HELLO
+    #: before it is closed
+    handshake_timeout: float = Field(default=5.0, gt=0)
+    #: connections to the peer port still before their HELLO, at most: past
+    #: it, the oldest is closed
+    max_unauthenticated: int = Field(default=64, ge=1)
 
     @model_validator(mode="after")
     def _complete(self) -> PeerConfig:

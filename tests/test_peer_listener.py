@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -190,3 +191,86 @@ def test_peering_is_off_by_default_and_never_without_a_token() -> None:
         load_config(None, {"peer": {"listen": "127.0.0.1:7070"}})
     with pytest.raises(ConfigError, match="expected host:port"):
         load_config(None, {"peer": {"members": ["nohost"], "token": "t"}})
+
+
+# ---------------------------------------------------------------- strangers on the port
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closed the connection (EOF or reset) within 30 s."""
+    try:
+        async with asyncio.timeout(30):
+            return await reader.read(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_connections_that_never_authenticate_are_closed_at_the_handshake_deadline(
+    sock_dir: Path,
+) -> None:
+    async with running_daemon(
+        sock_dir,
+        peer={"listen": "127.0.0.1:0", "token": TOKEN, "handshake_timeout": 0.3},
+        disk={"enabled": False},
+    ) as d:
+        assert d.peer_port is not None
+        silent = [await asyncio.open_connection("127.0.0.1", d.peer_port) for _ in range(5)]
+        # Half a header, then nothing: still not a HELLO.
+        partial_reader, partial_writer = await asyncio.open_connection("127.0.0.1", d.peer_port)
+        partial_writer.write(wire.HEADER.pack(wire.MAGIC, 1, Op.HELLO, 0, 0, 1, 10, 0)[:6])
+        await partial_writer.drain()
+        async with await peer(d) as c:  # an authenticated peer is never timed out
+            closed = await asyncio.gather(
+                *(_closed_by_server(r) for r, _ in silent), _closed_by_server(partial_reader)
+            )
+            assert all(closed)
+            assert refused(d, "handshake_timeout") == 6
+            assert await c.ping(b"still here") == b"still here"
+        assert d.peer_server is not None and d.peer_server.unauthenticated_count == 0
+        for _, w in [*silent, (partial_reader, partial_writer)]:
+            w.close()
+        text = d.metrics.render().decode()
+        assert 'kvtier_peer_listener_refused_total{reason="handshake_timeout"} 6.0' in text
+
+
+async def test_past_max_unauthenticated_the_oldest_waiting_connection_is_dropped(
+    sock_dir: Path,
+) -> None:
+    async with running_daemon(
+        sock_dir,
+        peer={
+            "listen": "127.0.0.1:0",
+            "token": TOKEN,
+            "handshake_timeout": 60.0,  # only the cap closes connections here
+            "max_unauthenticated": 3,
+        },
+        disk={"enabled": False},
+    ) as d:
+        assert d.peer_port is not None and d.peer_server is not None
+        conns = []
+        for _ in range(5):
+            conns.append(await asyncio.open_connection("127.0.0.1", d.peer_port))
+        await wait_until(lambda: refused(d, "unauthenticated_limit") == 2)
+        # The two oldest were dropped; the three newest still wait for a HELLO.
+        assert await _closed_by_server(conns[0][0]) and await _closed_by_server(conns[1][0])
+        assert d.peer_server.unauthenticated_count == 3
+        async with await peer(d) as c:  # a new peer still gets in (the oldest waiting goes)
+            assert await c.ping(b"in") == b"in"
+        assert refused(d, "unauthenticated_limit") == 3
+        assert await _closed_by_server(conns[2][0])
+        for _, w in conns:
+            w.close()
+
+
+async def test_the_local_socket_gives_a_first_frame_deadline_where_uids_are_listed(
+    sock_dir: Path,
+) -> None:
+    async with running_daemon(
+        sock_dir, server={"allowed_uids": [os.getuid()], "handshake_timeout": 0.3}
+    ) as d:
+        reader, writer = await asyncio.open_unix_connection(str(d.socket_path))
+        async with await Client.connect(d.socket_path) as c:  # sends HELLO at once
+            assert await _closed_by_server(reader)
+            assert d.server.counters.connections_refused.value("handshake_timeout") == 1
+            assert await c.ping(b"ok") == b"ok"
+        writer.close()

@@ -111,6 +111,8 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = False
         #: whether the peer gate (if any) has admitted this connection
         self.admitted = server.gate is None
+        #: whether its handshake deadline (if any) no longer applies
+        self._handshaken = server.handshake_timeout is None and server.max_unauthenticated is None
         self._eof = False
         #: waiting lookups, cancelled when the connection goes
         self._waiting: set[asyncio.Task[None]] = set()
@@ -157,11 +159,24 @@ class Connection(asyncio.BufferedProtocol):
         assert gate is not None
         refusal = gate.admit(frame)
         if refusal is None:
-            self.admitted = True
+            self.admitted = self._handshaken = True
             self.reader.max_frame = self.server.max_frame
+            self.server.authenticated(self)
             return True
         self._refuse_peer(refusal, frame.header.opcode, frame.header.request_id)
         return False
+
+    def handshake_failed(self, refusal: Refusal) -> None:
+        """No accepted HELLO (or first frame) in time, or too many connections
+        wait for theirs: count it and drop the connection at once (a client
+        that sends nothing may read nothing either)."""
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        log.warning("connection #%d closed: %s", self.conn_id.value, refusal.value)
+        self.server.counters.connections_refused.inc(refusal.value)
+        self.reader.discard()
+        transport.abort()
 
     def _refuse_peer(self, refusal: Refusal, opcode: int = 0, request_id: int = 0) -> None:
         """Count it, say why in one error frame, close before reading more."""
@@ -217,6 +232,9 @@ class Connection(asyncio.BufferedProtocol):
                 return
             self._fatal(0, 0, ErrorCode.MALFORMED, f"{exc}; closing the connection")
             return
+        if frames and not self._handshaken and self.admitted:
+            self._handshaken = True  # a first frame in time (local socket)
+            self.server.authenticated(self)
         for frame in frames:
             if not self.admitted and not self._admit(frame):
                 return  # refused and closing: nothing more of it is read

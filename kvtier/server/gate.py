@@ -30,6 +30,8 @@ class Refusal(enum.Enum):
     MALFORMED = "malformed_hello"
     NO_TOKEN = "no_token"
     BAD_TOKEN = "bad_token"
+    HANDSHAKE_TIMEOUT = "handshake_timeout"  # no accepted HELLO (first frame) in time
+    UNAUTHENTICATED_LIMIT = "unauthenticated_limit"  # the oldest of too many waiting
 
 
 class PeerGate:

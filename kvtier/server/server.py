@@ -22,7 +22,7 @@ from kvtier._version import __version__
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.model import CacheService, SharedService, Spawn
 from kvtier.server.connection import Connection
-from kvtier.server.gate import PeerGate
+from kvtier.server.gate import PeerGate, Refusal
 from kvtier.server.ops import Ops
 from kvtier.server.sockets import PeerPolicy
 
@@ -68,7 +68,13 @@ class Server:
         node_id: str = "",
         shared: SharedService | None = None,
         shared_offer: wire.SharedOffer | None = None,
+        handshake_timeout: float | None = None,
+        max_unauthenticated: int | None = None,
     ) -> None:
+        """``handshake_timeout``: seconds a new connection has to be admitted
+        by the gate (or, without one, to send its first frame) before it is
+        closed; None: no deadline. ``max_unauthenticated``: connections
+        waiting for that at most; past it, the oldest is closed."""
         #: runs a request that needs awaiting; the task group's, from :meth:`start`
         self.spawn: Spawn = _not_started
         self.max_frame = max_frame
@@ -80,6 +86,10 @@ class Server:
         #: the peer listener's token check and op list; None on the local socket
         self.gate = gate
         self.counters = ServerCounters()
+        self.handshake_timeout = handshake_timeout
+        self.max_unauthenticated = max_unauthenticated
+        #: connections not admitted yet, oldest first, and their deadline timers
+        self._unauthenticated: dict[Connection, asyncio.TimerHandle | None] = {}
         self.ops = Ops(
             service,
             max_frame=max_frame,
@@ -150,6 +160,29 @@ class Server:
     def connection_opened(self, conn: Connection) -> None:
         self.connections.add(conn)
         self.counters.connections.value += 1
+        if self.handshake_timeout is None and self.max_unauthenticated is None:
+            return
+        timer = None
+        if self.handshake_timeout is not None:
+            timer = asyncio.get_running_loop().call_later(
+                self.handshake_timeout, conn.handshake_failed, Refusal.HANDSHAKE_TIMEOUT
+            )
+        self._unauthenticated[conn] = timer
+        if self.max_unauthenticated is not None:
+            while len(self._unauthenticated) > self.max_unauthenticated:
+                oldest = next(iter(self._unauthenticated))
+                self.authenticated(oldest)
+                oldest.handshake_failed(Refusal.UNAUTHENTICATED_LIMIT)
+
+    def authenticated(self, conn: Connection) -> None:
+        """``conn`` is past its handshake (or gone): its deadline no longer applies."""
+        timer = self._unauthenticated.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+
+    @property
+    def unauthenticated_count(self) -> int:
+        return len(self._unauthenticated)
 
     def connection_ended(self, conn: Connection) -> None:
         """The client sent EOF: whatever it owned and can no longer complete ends now."""
@@ -161,6 +194,7 @@ class Server:
             self._shared.connection_closed(conn.conn_id)
 
     def connection_closed(self, conn: Connection) -> None:
+        self.authenticated(conn)
         self.connections.discard(conn)
         self._busy_at_shutdown.discard(conn)
         self._owner_gone(conn)
