@@ -76,6 +76,9 @@ class ServerConfig(Section):
     max_inflight_per_connection: int = Field(default=1024, ge=1)
     #: seconds to finish in-flight requests on SIGTERM or SIGINT
     shutdown_grace: float = Field(default=10.0, ge=0)
+    #: seconds background work (probes, loads, writes) gets to end once
+    #: cancelled at shutdown; a task still running then is abandoned and logged
+    shutdown_task_timeout: float = Field(default=5.0, gt=0)
     #: the socket file's mode: 0600 (the daemon's user only) or, for engines
     #: running as another user of a shared group, 0660; written as "0660" or 432
     socket_mode: SocketMode = 0o600

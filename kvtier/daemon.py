@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from kvtier.model import Spawn
 from kvtier.reload import Live, apply
 from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy, bind_unix_socket
+from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Tier
 from kvtier.tiers.peers import RendezvousPicker
 
@@ -71,8 +72,8 @@ class Daemon:
         self.scheduler, self.service, self.shared = parts.scheduler, parts.service, parts.shared
         self.server, self.peer_server = parts.server, parts.peer_server
         self.handoff: Handoff | None = None
-        #: every background task of the daemon's own, all children of run()'s task group
-        self._tasks: set[asyncio.Task[Any]] = set()
+        #: every background task: waiting requests, probes, loads, writes
+        self.background = TaskSet()
         #: the peer port bound (``peer.listen`` may ask for port 0)
         self.peer_port: int | None = None
         self.socket_path: Path = config.server.socket_path
@@ -87,10 +88,7 @@ class Daemon:
 
     async def settle(self) -> None:
         """Wait until the background work started so far (writes, loads, probes) is done."""
-        while pending := [
-            t for t in (*self._tasks, *self.service.tasks) if t is not asyncio.current_task()
-        ]:
-            await asyncio.wait(pending)
+        await self.background.settle()
 
     def health(self) -> tuple[bool, bool, dict[str, Any]]:
         """(alive, ready, details) for the probes on the metrics port.
@@ -149,15 +147,8 @@ class Daemon:
     async def run(self) -> None:
         """Start, serve until :meth:`stop`, shut down."""
         sock, runner = await self._startup()
-        async with asyncio.TaskGroup() as tasks:
-
-            def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-                task = tasks.create_task(coro)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-                return task
-
-            self._spawn = spawn
+        async with asyncio.TaskGroup() as tasks:  # the daemon's own long-lived tasks
+            spawn = self._spawn = self.background.spawn
             scheduler_task = tasks.create_task(self.scheduler.run(), name="kvtier-scheduler")
             try:
                 await self._serve(tasks, spawn, sock)
@@ -194,7 +185,7 @@ class Daemon:
 
     async def _serve(self, tasks: asyncio.TaskGroup, spawn: Spawn, sock: socket.socket) -> None:
         """Start the background work and the servers, then wait for :meth:`stop`."""
-        self.service.start(tasks.create_task)  # the service keeps count of its own
+        self.service.start(spawn)
         peer_tier = self.peer_tier
         if peer_tier is not None and self.config.peer.dns is not None:
             self.scheduler.every(self.config.peer.dns_interval, lambda: spawn(peer_tier.refresh()))
@@ -292,12 +283,9 @@ class Daemon:
         if self.handoff is not None:
             self.handoff.close()
         # Probes and promotions still running are cut short; each resolves
-        # its waiters in its own finally.
-        running = [*self._tasks, *self.service.tasks]
-        for task in running:
-            task.cancel()
-        if running:
-            await asyncio.wait(running)
+        # its waiters in its own finally. One that ignores its cancellation is
+        # abandoned after a bound (and logged), never waited for forever.
+        await self.background.stop(self.config.server.shutdown_task_timeout)
         self.service.close()
         if self.shared is not None:
             self.shared.close()

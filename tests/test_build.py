@@ -48,7 +48,7 @@ def test_build_wires_every_part_and_starts_nothing(tmp_path: Path) -> None:
     # Nothing started: no socket, no data directory, no thread, no task.
     assert not (tmp_path / "d.sock").exists() and not (tmp_path / "data").exists()
     assert threading.active_count() == threads
-    assert parts.service.tasks == set() and parts.scheduler.deadline_count == 0
+    assert parts.scheduler.deadline_count == 0 and parts.scheduler.timer_count == 0
     # One scheduler, shared by the service and what it owns.
     assert parts.service.scheduler is parts.scheduler
     # The peer tier comes first among the remote tiers, pushing to owners.

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from kvtier import Client, State, wire
+from kvtier.config import load_config
 from kvtier.daemon import Daemon
 from kvtier.model import Lookup, Reserve
+from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import Op
 from tests.helpers import running_daemon
 
@@ -172,3 +176,74 @@ def test_peer_policy_defaults() -> None:
     assert shared.allows(me) and not shared.allows(other) and not shared.allows(None)
     listed = PeerPolicy.for_socket(0o660, None, [4242])
     assert listed.allows(other) and not listed.allows(me)
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+class StubbornTier(MemoryRemoteTier):
+    """A backend whose lookup ignores cancellation until released."""
+
+    def __init__(self) -> None:
+        super().__init__("stubborn")
+        self.release = asyncio.Event()
+
+    async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        self.lookup_started.set()
+        while True:
+            try:
+                await self.release.wait()
+                return [False] * len(keys)
+            except asyncio.CancelledError:
+                continue  # the misbehaviour under test
+
+
+async def test_shutdown_abandons_a_task_that_ignores_cancellation(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = StubbornTier()
+    config = load_config(
+        None,
+        {
+            "server": {"socket_path": sock_dir / "d.sock", "shutdown_task_timeout": 0.2},
+            "metrics": {"enabled": False},
+            "disk": {"enabled": False},
+            "lookup": {"probe_timeout": 60.0},
+        },
+    )
+    daemon = Daemon(config, remote_tiers=[tier])
+    run = asyncio.create_task(daemon.run())
+    await daemon.ready.wait()
+    try:
+        async with await Client.connect(daemon.socket_path) as c:
+            assert (await c.lookup([K])).states == [State.RETRY]
+        await tier.lookup_started.wait()
+        daemon.stop()
+        await asyncio.wait_for(run, 30)  # returns although the probe never ends
+        assert daemon.background.abandoned == 1
+        assert "abandoned background task" in caplog.text
+        assert not daemon.socket_path.exists()
+    finally:
+        tier.release.set()  # let the abandoned task end before the test's loop closes
+        await asyncio.sleep(0)  # allow-sleep: one loop turn for the released task
+
+
+def test_the_process_exits_although_a_task_ignores_cancellation() -> None:
+    code = (
+        "import asyncio\n"
+        "from kvtier import loops\n"
+        "async def stubborn():\n"
+        "    while True:\n"
+        "        try:\n"
+        "            await asyncio.Event().wait()\n"
+        "        except asyncio.CancelledError:\n"
+        "            pass\n"
+        "async def main():\n"
+        "    asyncio.get_running_loop().create_task(stubborn())\n"
+        "    await asyncio.sleep(0)\n"
+        "    return 'done'\n"
+        "print(loops.run(main()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"

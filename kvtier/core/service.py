@@ -90,8 +90,6 @@ class Service:
         self._spawn: Spawn | None = None
         #: shutdown has begun: waits end, no new backend work starts
         self.closing = False
-        #: background work in flight (probes, promotions, writes), in the daemon's task group
-        self.tasks: set[asyncio.Task[None]] = set()
         #: reads from the disk into RAM in flight, by key: every GET of the key joins one
         self._disk_loads: dict[bytes, asyncio.Future[None]] = {}
         self._closing: asyncio.Future[None] | None = None
@@ -189,8 +187,6 @@ class Service:
             coro.close()
             raise RuntimeError("service not started")
         task: asyncio.Task[None] = self._spawn(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
         return task
 
     # ------------------------------------------------------------ LOOKUP
