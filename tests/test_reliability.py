@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import Client, State, wire
+from kvtier import Client, PutStatus, ReserveStatus, State, wire
 from kvtier.config import load_config
 from kvtier.daemon import Daemon
 from kvtier.model import Lookup, Reserve
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import Op
-from tests.helpers import running_daemon
+from tests.helpers import running_daemon, wait_until
 
 K = b"k" * 32
 OTHER = b"o" * 32
@@ -247,3 +247,71 @@ def test_the_process_exits_although_a_task_ignores_cancellation() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "done"
+
+
+# ---------------------------------------------------------------- accounting
+
+MIB = 1 << 20
+
+
+def ram_bytes(d: Daemon) -> tuple[int, int]:
+    """(reserved_bytes, used_bytes) of the RAM tier."""
+    st = d.ram.stats()
+    return st.reserved_bytes, st.used_bytes
+
+
+async def _stall_mid_body(d: Daemon, key: bytes) -> tuple[Raw, bytes]:
+    """RESERVE ``key`` (1 MiB) and start its PUT on a raw connection, stopping
+    halfway through the body; returns the connection and the rest of the frame."""
+    raw = await Raw.open(d.socket_path)
+    raw.send(Op.RESERVE, 1, wire.encode_reserve(Reserve([key], [MIB], 0.0)))
+    assert wire.decode_status_bytes((await raw.recv()).meta) == [ReserveStatus.GRANTED]
+    assert ram_bytes(d)[0] == MIB
+    meta, data = wire.encode_put([key], [bytes([7]) * MIB])
+    frame = wire.pack_header(Op.PUT, 2, len(meta), MIB) + meta + b"".join(bytes(p) for p in data)
+    half = len(frame) - MIB // 2
+    before = d.server.counters.received_bytes.value
+    raw.writer.write(frame[:half])
+    await raw.writer.drain()
+    await wait_until(lambda: d.server.counters.received_bytes.value - before >= half)
+    return raw, frame[half:]
+
+
+async def test_a_reserved_put_received_in_place_is_counted_once(daemon: Daemon) -> None:
+    assert daemon.arena is not None  # the body lands straight in its arena slot
+    # stalled mid-body: the reservation's room became the slot, not a second one
+    raw, rest = await _stall_mid_body(daemon, K)
+    assert ram_bytes(daemon) == (MIB, 0)
+    # completed: the block is used, nothing reserved
+    raw.writer.write(rest)
+    reply = await raw.recv()
+    assert reply.header.status == 0
+    assert wire.decode_put_reply(reply.meta) == [PutStatus.STORED]
+    assert ram_bytes(daemon) == (0, MIB)
+    await raw.close()
+    # aborted: the writer goes away mid-body; its reservation and slot are freed
+    raw, _ = await _stall_mid_body(daemon, OTHER)
+    assert ram_bytes(daemon) == (MIB, MIB)
+    await raw.close()
+    await wait_until(lambda: daemon.service.map_sizes().pending_writes == 0)
+    await wait_until(lambda: ram_bytes(daemon) == (0, MIB))
+
+
+async def test_a_reserved_put_through_staging_is_counted_once(daemon: Daemon) -> None:
+    async with await Client.connect(daemon.socket_path, stage_writes=True) as c:
+        assert c.shared
+        await c.reserve([K], [MIB])
+        assert ram_bytes(daemon) == (MIB, 0)
+        # staged, not committed: the staging region is not RAM's budget
+        frame = await c.request(Op.STAGE, wire.encode_u64(MIB))
+        offset = wire.decode_u64(frame.meta, "STAGE")
+        assert ram_bytes(daemon) == (MIB, 0)
+        # completed
+        assert await c.put(K, bytes([3]) * MIB) == PutStatus.STORED
+        assert ram_bytes(daemon) == (0, MIB)
+        # aborted before its commit
+        await c.reserve([OTHER], [MIB])
+        assert ram_bytes(daemon) == (MIB, MIB)
+        assert await c.abort([OTHER]) == [True]
+        assert ram_bytes(daemon) == (0, MIB)
+        await c.request(Op.UNSTAGE, wire.encode_u64(offset))

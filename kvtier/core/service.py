@@ -633,9 +633,16 @@ class Service:
         """Room in RAM's shared arena to receive a PUT body of ``length`` bytes
         for ``key`` in place; None when it must be received into a buffer of
         its own (or ``key`` is resident: the body will not be kept). Give it
-        back with :meth:`drop_staged` unless a PUT stores it."""
+        back with :meth:`drop_staged` unless a PUT stores it.
+
+        A reservation of ``key`` that holds room gives it up here: the slot
+        the body lands in is that room, so the block is counted once from
+        RESERVE to the last byte of its PUT."""
         if self.ram.contains(key):
             return None
+        res = self.pending.table.get(key)
+        if res is not None and res.size:
+            self.pending.claim(res)
         view, evicted = self.ram.stage(length)
         self._evicted(evicted)
         return view
