@@ -154,7 +154,8 @@ class DiskConfig(Section):
     #: (the daemon serves meanwhile; blocks not yet scanned read RETRY)
     ready_after_scan: bool = False
     #: background writes (write-through, demotions) beyond this many bytes in
-    #: flight are dropped and counted rather than queued without bound
+    #: flight are dropped and counted rather than queued without bound; each
+    #: write counts its block plus 8 KiB, what the write itself costs in memory
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     #: eviction policy: "harc" (ARC with a long frequency history, see
     #: docs/eviction.md), "lru", "arc", "s3fifo"

@@ -67,7 +67,8 @@ class S3TierConfig(Section):
     #: how blocks reach the tier: write-through (every PUT, in the background), write-back (RAM
     #: evictions), none
     write_policy: WritePolicy = "write-through"
-    #: background writes beyond this many bytes in flight are dropped and counted
+    #: background writes beyond this many bytes in flight are dropped and
+    #: counted; each counts its block plus 8 KiB (the write's own memory)
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     #: consecutive failures that open the circuit breaker
     breaker_failures: int = Field(default=5, ge=1)
@@ -131,7 +132,8 @@ class PeerConfig(Section):
     #: "owner": a block stored here is also pushed to its owner in the
     #: background; "none": blocks stay where they were stored
     push: Literal["owner", "none"] = "owner"
-    #: pushes beyond this many bytes in flight are dropped and counted
+    #: pushes beyond this many bytes in flight are dropped and counted; each
+    #: counts its block plus 8 KiB (the push's own memory)
     max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     #: seconds to connect and authenticate (HELLO) to a peer
     connect_timeout: float = Field(default=1.0, gt=0)

@@ -128,7 +128,7 @@ async def test_pushes_past_the_backlog_are_dropped_not_queued(sock_dir: Path) ->
             peer={
                 "members": [f"127.0.0.1:{port}"],
                 "token": TOKEN,
-                "max_pending_push_bytes": 1000,
+                "max_pending_push_bytes": 10_000,
                 "connect_timeout": 5.0,
             },
             disk={"enabled": False},
@@ -139,7 +139,8 @@ async def test_pushes_past_the_backlog_are_dropped_not_queued(sock_dir: Path) ->
                 # The PUT never waits for the push.
                 await c.put(f"p{i}".encode(), b"x" * 600)
         dropped = d.service.counters.writes_dropped.value("peers", "backlog")
-        assert dropped == 4  # one 600-byte push in flight fills the 1000-byte backlog
+        # One 600-byte push in flight (600 + WRITE_OVERHEAD bytes) fills the backlog.
+        assert dropped == 4
         assert all(d.ram.contains(f"p{i}".encode()) for i in range(5))
 
 

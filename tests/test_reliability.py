@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import Client, PutStatus, ReserveStatus, State, wire
+from kvtier import BlockingClient, Client, PutStatus, ReserveStatus, State, wire
 from kvtier.config import load_config
 from kvtier.daemon import Daemon
 from kvtier.model import Lookup, Reserve
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import Op
-from tests.helpers import running_daemon, wait_until
+from tests.helpers import DaemonProcess, metric_value, rss_bytes, running_daemon, wait_until
 
 K = b"k" * 32
 OTHER = b"o" * 32
@@ -315,3 +315,39 @@ async def test_a_reserved_put_through_staging_is_counted_once(daemon: Daemon) ->
         assert await c.abort([OTHER]) == [True]
         assert ram_bytes(daemon) == (0, MIB)
         await c.request(Op.UNSTAGE, wire.encode_u64(offset))
+
+
+# ---------------------------------------------------------------- memory
+
+#: what the daemon may hold beyond RAM's capacity and the write backlog while
+#: small blocks stream in: the RAM tier's bookkeeping per block and allocator slack
+RSS_SLACK = 32 * MIB
+
+
+def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
+    ram, backlog = 16 * MIB, 16 * MIB
+    proc = DaemonProcess(
+        sock_dir,
+        "--ram-capacity",
+        str(ram),
+        "--disk-capacity",
+        "4GiB",
+        env={"KVTIER_DISK__MAX_PENDING_WRITE_BYTES": str(backlog)},
+    ).start()
+    try:
+        base = peak = rss_bytes(proc.pid)
+        with BlockingClient(proc.socket_path, shared=False) as c:
+            for start in range(0, 200_000, 500):
+                keys = [i.to_bytes(32, "big") for i in range(start, start + 500)]
+                c.put_many(keys, [bytes([i % 251]) * 1024 for i in range(500)])
+                peak = max(peak, rss_bytes(proc.pid))
+            assert c.stats()["tiers"]["ram"]["used_bytes"] <= ram
+        assert peak - base <= ram + backlog + RSS_SLACK, (
+            f"RSS grew by {(peak - base) / MIB:.0f} MiB"
+        )
+        dropped = metric_value(
+            proc.scrape(), "kvtier_tier_writes_dropped_total", 'cause="backlog",tier="disk"'
+        )
+        assert dropped > 0  # past the backlog writes are dropped, never queued
+    finally:
+        assert proc.stop() == 0

@@ -11,8 +11,10 @@ A block promoted from a remote tier is also kept on the local disk unless
 its policy is ``none``; a block promoted from a tier is never written back
 to that tier. Background writes are bounded per tier: past
 ``max_pending`` bytes in flight a write is dropped and counted, never
-queued without bound. A value is held (its RAM bytes unchanged) while
-its write runs. Imports the tiers' interface and the core's counters.
+queued without bound; each write counts its block's bytes plus
+``WRITE_OVERHEAD``, what it costs the daemon besides, so the bound holds
+for memory with blocks of any size. A value is held (its RAM bytes
+unchanged) while its write runs. Imports the tiers' interface and the core's counters.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class WriteReason(enum.Enum):
     WRITE_THROUGH = "write-through"  # a client stored it
     DEMOTION = "demotion"  # RAM evicted it
     KEEP_LOCAL = "keep-local"  # promoted from a remote tier, kept on disk too
+
+
+#: daemon memory one background write in flight costs besides its block
+#: (its task, coroutines, the executor's work item), measured at ~8 KB; every
+#: write counts it against its tier's ``max_pending`` bytes
+WRITE_OVERHEAD = 8 * 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,7 +137,9 @@ class Propagation:
                     self._write_behind(w, key, value, WriteReason.DEMOTION)
 
     def _write_behind(self, w: Writer, key: bytes, value: Buffer, why: WriteReason) -> None:
-        size = len(value)
+        # What a write in flight really costs the daemon: its bytes and the
+        # memory of the write itself, so small blocks cannot pile up unbounded.
+        size = len(value) + WRITE_OVERHEAD
         if self._closing() or w.pending + size > w.max_pending:
             self._counters.writes_dropped.inc(w.name, Dropped.BACKLOG.value)
             return
