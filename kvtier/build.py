@@ -260,7 +260,7 @@ def build_peer_tier(pc: PeerConfig, node_id: str) -> PeerTier:
     picker = RendezvousPicker(
         make_peer, members=pc.members, dns=pc.dns, self_address=pc.self_address()
     )
-    return PeerTier(PEER_TIER, picker, counters)
+    return PeerTier(PEER_TIER, picker, counters, replicas=pc.replicas)
 
 
 def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig) -> Tier:

@@ -129,9 +129,12 @@ class PeerConfig(Section):
     tls_key: Path | None = None
     #: the CA that signs every peer's certificate (mutual TLS)
     tls_ca: Path | None = None
-    #: "owner": a block stored here is also pushed to its owner in the
+    #: "owner": a block stored here is also pushed to its owners in the
     #: background; "none": blocks stay where they were stored
     push: Literal["owner", "none"] = "owner"
+    #: live nodes that own each key: a block is pushed to each of them, and a
+    #: lookup asks them all at once (it survives replicas - 1 lost nodes)
+    replicas: int = Field(default=2, ge=1, le=8)
     #: pushes beyond this many bytes in flight are dropped and counted; each
     #: counts its block plus 8 KiB (the push's own memory)
     max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)

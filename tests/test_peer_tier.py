@@ -37,16 +37,19 @@ def test_the_picker_skips_itself_and_down_peers() -> None:
     for n in range(2000):
         key = f"k{n}".encode()
         first = ranked(key, names)[0].decode()
-        picked = picker.pick(key)
-        assert (picked is None) if first == members[0] else (picked.address == first)  # type: ignore[union-attr]
+        picked = picker.owners(key, 1)
+        assert picked == [] if first == members[0] else [p.address for p in picked] == [first]
     # A down peer's keys go to the next name in their ranking.
     down = picker.peers()[0]
     down.down = True
     for n in range(2000):
         key = f"k{n}".encode()
         order = [r.decode() for r in ranked(key, names) if r.decode() != down.address]
-        picked = picker.pick(key)
-        assert (picked is None) if order[0] == members[0] else picked.address == order[0]  # type: ignore[union-attr]
+        picked = picker.owners(key, 1)
+        assert picked == [] if order[0] == members[0] else [p.address for p in picked] == [order[0]]
+        # Two replicas: the first two live names, this daemon left out.
+        two = [p.address for p in picker.owners(key, 2)]
+        assert two == [a for a in order[:2] if a != members[0]]
 
 
 def test_a_member_list_change_keeps_the_peers_still_listed() -> None:
@@ -63,7 +66,7 @@ def test_a_member_list_change_keeps_the_peers_still_listed() -> None:
 
 def test_no_peers_owns_every_key() -> None:
     picker: NoPeers[FakeNode] = NoPeers()
-    assert picker.pick(b"k") is None and picker.peers() == []
+    assert picker.owners(b"k", 2) == [] and picker.peers() == []
 
 
 async def test_dns_members_are_what_the_name_resolves_to() -> None:

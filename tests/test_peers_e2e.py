@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier import BlockingClient, Client, State
-from kvtier.tiers.rendezvous import owner
+from kvtier.tiers.rendezvous import owner, ranked
 from tests.helpers import DaemonProcess, metric_value, short_tmpdir
 
 TOKEN = "e2e-peer-token"
@@ -29,7 +29,8 @@ def free_port() -> int:
 class Fleet:
     """N daemons that list each other as peers."""
 
-    def __init__(self, n: int, **lookup: float | str) -> None:
+    def __init__(self, n: int, replicas: int = 1, **lookup: float | str) -> None:
+        self.replicas = replicas
         self.ports = [free_port() for _ in range(n)]
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.dirs = [short_tmpdir() for _ in range(n)]
@@ -46,6 +47,7 @@ class Fleet:
         config.write_text(
             f'[peer]\nlisten = "{self.addresses[i]}"\nmembers = [{members}]\n'
             f'token = "{TOKEN}"\nbreaker_reset = 0.3\nrequest_timeout = 3.0\n'
+            f"replicas = {self.replicas}\n"
             f"[lookup]\n{lookup}\n"
         )
         return DaemonProcess(
@@ -58,6 +60,19 @@ class Fleet:
             if owner(key, [a.encode() for a in self.addresses]) == self.addresses[i].encode():
                 return key
         raise AssertionError("no key found")
+
+    def keys_ranked(self, order: list[int], tag: str, count: int) -> list[bytes]:
+        """Keys whose rendezvous ranking starts with the daemons ``order``."""
+        names = [a.encode() for a in self.addresses]
+        want = [self.addresses[i].encode() for i in order]
+        keys = []
+        for n in range(100_000):
+            key = f"{tag}-{n}".encode()
+            if ranked(key, names)[: len(want)] == want:
+                keys.append(key)
+                if len(keys) == count:
+                    return keys
+        raise AssertionError("no keys found")
 
     def peer_requests(self, i: int, op: str) -> float:
         text = self.daemons[i].scrape()
@@ -137,7 +152,7 @@ def test_32_concurrent_lookups_send_one_lookup_and_one_transfer_to_the_owner(
 def test_sigkill_mid_transfer_answers_miss_in_time_and_the_peer_rejoins() -> None:
     # "hit": a probed block reads HIT and is fetched by the GET, so the
     # transfer can be caught in flight.
-    fleet = Fleet(2, remote_hit="hit", pending_deadline=10.0)
+    fleet = Fleet(2, remote_hit="hit", pending_deadline=10.0)  # one replica
     try:
         a, c = fleet.daemons
         key = fleet.key_owned_by(0, "kill")
@@ -170,6 +185,54 @@ def test_sigkill_mid_transfer_answers_miss_in_time_and_the_peer_rejoins() -> Non
                 assert time.monotonic() < deadline, "A was not used again"
                 time.sleep(0.2)  # allow-sleep: C's breaker reset and verdict TTL must pass
             assert bytes(cc.get(again) or b"") == b"back"
+    finally:
+        fleet.stop()
+
+
+def test_a_hung_owner_costs_nothing_while_the_second_owner_holds_the_block() -> None:
+    fleet = Fleet(3, replicas=2)
+    try:
+        a, b, c = fleet.daemons
+        # B owns these keys, A comes second: a PUT on A keeps them on A and
+        # pushes them to B.
+        keys = fleet.keys_ranked([1, 0], "hung-owner", 4)
+        b.send_signal(signal.SIGSTOP)  # B hangs: connected, never answering
+        try:
+            with client(a) as ca:
+                ca.put_many(keys, [k * 100 for k in keys])
+            with client(c) as cc:
+                # C asks both owners at once; A answers, B's silence costs nothing.
+                assert cc.lookup(keys, wait=10.0).states == [State.HIT] * 4
+                assert [bytes(v or b"") for v in cc.get_many(keys)] == [k * 100 for k in keys]
+        finally:
+            b.send_signal(signal.SIGCONT)
+        # Back: B has the blocks A pushed to it meanwhile (the owner's replica).
+        with client(b) as cb:
+            assert cb.lookup(keys, wait=10.0).states == [State.HIT] * 4
+    finally:
+        fleet.stop()
+
+
+def test_two_replicas_put_each_block_on_its_two_owners() -> None:
+    fleet = Fleet(3, replicas=2)
+    try:
+        a, b, c = fleet.daemons
+        # Owned by B then C: stored on A, pushed to both.
+        keys = fleet.keys_ranked([1, 2], "two-owners", 3)
+        with client(a) as ca:
+            ca.put_many(keys, [b"r" * 4096] * 3)
+        for d in (b, c):
+            deadline = time.monotonic() + 15
+            # Each scrape is a round trip to the daemon: the loop is paced by them.
+            while metric_value(d.scrape(), "kvtier_tier_blocks", 'tier="ram"') < 3:
+                assert time.monotonic() < deadline, "the pushes never arrived"
+            with client(d) as cd:  # held locally: no peer is asked
+                assert cd.lookup(keys).states == [State.HIT] * 3
+        for i in (1, 2):  # A counts each push once its owner has answered
+            sample = f'direction="out",peer="{fleet.addresses[i]}"'
+            deadline = time.monotonic() + 15
+            while metric_value(a.scrape(), "kvtier_peer_bytes_total", sample) < 3 * 4096:
+                assert time.monotonic() < deadline, "the pushes were not counted"
     finally:
         fleet.stop()
 

@@ -1,15 +1,22 @@
 """The peer tier: kvtier daemons on other nodes, reached over their peer port.
 
-A key's owner among the peers is named by the picker
-(:mod:`kvtier.tiers.peers`); the tier asks only that peer:
+A key's owners are the first ``replicas`` live members of its rendezvous
+ranking, named by the picker (:mod:`kvtier.tiers.peers`); this daemon, when
+one of them, keeps its own copy and is never asked. The tier asks only
+owners:
 
 * ``batch_lookup`` - the core batches probes per tick into one call; here
-  they split by owner into one LOOKUP per peer, run concurrently. HIT and
-  PENDING at the owner read present. Keys this daemon owns, or whose owner
-  is down with no live fallback, read absent without a request.
-* ``batch_load`` - one GET to each owner.
-* ``batch_store`` - the push of a block stored here to its owner (the core
-  runs it in the background, bounded, as for any write-through tier).
+  they split by owner into one LOOKUP per peer, all at once. HIT and
+  PENDING at an owner read present, and a key is present as soon as one
+  owner says so (the others are not waited for: a hung owner costs
+  nothing while another holds the block); absent once every owner has
+  answered or failed. Keys with no live owner but this daemon read absent
+  without a request.
+* ``batch_load`` - one GET per owner, starting with the owner that said it
+  has the block, then the others in rank order until one delivers.
+* ``batch_store`` - the push of a block stored here to each of its owners
+  (the core runs it in the background, bounded, as for any write-through
+  tier).
 
 Each :class:`Peer` keeps one connection, opened on first use and reopened
 after a failure with exponential backoff (50 ms doubling to 5 s); a circuit
@@ -28,6 +35,7 @@ import enum
 import logging
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -205,58 +213,139 @@ class Peer:
 
 
 class PeerTier(Tier):
-    def __init__(self, name: str, picker: PeerPicker[Peer], counters: PeerCounters) -> None:
+    def __init__(
+        self,
+        name: str,
+        picker: PeerPicker[Peer],
+        counters: PeerCounters,
+        *,
+        replicas: int = 1,
+        max_hints: int = 65536,
+    ) -> None:
         self.name = name
         self.picker = picker
         self.counters = counters
+        #: how many live nodes own each key (pushed to, asked in rank order)
+        self.replicas = replicas
+        #: the peer that last said it holds a key: asked first when loading it
+        self._hints: OrderedDict[bytes, Peer] = OrderedDict()
+        self._max_hints = max_hints
 
     def __repr__(self) -> str:
-        return f"<PeerTier {self.name} {self.picker!r}>"
+        return (
+            f"<PeerTier {self.name} replicas={self.replicas} hints={len(self._hints)} "
+            f"{self.picker!r}>"
+        )
 
-    def _by_owner(self, keys: Sequence[bytes]) -> dict[Peer, list[int]]:
-        groups: dict[Peer, list[int]] = {}
-        for i, key in enumerate(keys):
-            peer = self.picker.pick(key)
-            if peer is not None:
-                groups.setdefault(peer, []).append(i)
-        return groups
+    def _hint(self, key: bytes, peer: Peer) -> None:
+        hints = self._hints
+        hints[key] = peer
+        hints.move_to_end(key)
+        if len(hints) > self._max_hints:
+            hints.popitem(last=False)
 
     async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Ask each key's owners at once; a key is present as soon as one of
+        them says so, absent once all have answered or failed. A hung owner
+        therefore costs nothing while another owner holds the block."""
         found = [False] * len(keys)
-        groups = self._by_owner(keys)
-        answers = await asyncio.gather(
-            *(peer.lookup([keys[i] for i in idx]) for peer, idx in groups.items()),
-            return_exceptions=True,
-        )
-        for (peer, idx), answer in zip(groups.items(), answers, strict=True):
-            if isinstance(answer, BaseException):
-                if not isinstance(answer, Exception):
-                    raise answer  # cancellation and the like are never swallowed
-                log.debug("%s: lookup at %s failed: %s", self.name, peer.address, answer)
-                continue  # those keys read absent; the breaker counts the failure
-            for i, present in zip(idx, answer, strict=True):
-                found[i] = present
+        #: owners asked and not answered yet, per key
+        waiting = [0] * len(keys)
+        groups: dict[Peer, list[int]] = {}
+        for i, key in enumerate(keys):
+            for peer in self.picker.owners(key, self.replicas):
+                groups.setdefault(peer, []).append(i)
+                waiting[i] += 1
+        asks = {
+            asyncio.ensure_future(peer.lookup([keys[i] for i in idx])): (peer, idx)
+            for peer, idx in groups.items()
+        }
+        undecided = sum(1 for n in waiting if n)
+        try:
+            pending = set(asks)
+            while pending and undecided:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for ask in done:
+                    peer, idx = asks[ask]
+                    answers: list[bool] = [False] * len(idx)
+                    if ask.exception() is None:
+                        answers = ask.result()
+                    else:
+                        log.debug(
+                            "%s: lookup at %s failed: %s", self.name, peer.address, ask.exception()
+                        )
+                    for i, present in zip(idx, answers, strict=True):
+                        if not waiting[i]:
+                            continue  # already found at another owner
+                        if present:
+                            found[i] = True
+                            self._hint(keys[i], peer)
+                            waiting[i] = 0
+                        else:
+                            waiting[i] -= 1
+                        if not waiting[i]:
+                            undecided -= 1
+        finally:
+            for ask in asks:
+                ask.cancel()  # owners still silent are not waited for
         return found
 
     async def batch_load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """Each block from the owner that said it has it, then from the others
+        in rank order, until one delivers it."""
         values: list[Buffer | None] = [None] * len(keys)
-        groups = self._by_owner(keys)
-        loaded = await asyncio.gather(
-            *(peer.load([keys[i] for i in idx]) for peer, idx in groups.items())
-        )
-        for idx, got in zip(groups.values(), loaded, strict=True):
-            for i, value in zip(idx, got, strict=True):
-                values[i] = value
+        candidates: list[list[Peer]] = []
+        for key in keys:
+            owners = self.picker.owners(key, self.replicas)
+            hinted = self._hints.get(key)
+            if hinted is not None and not hinted.is_down():
+                owners = [hinted, *(p for p in owners if p is not hinted)]
+            candidates.append(owners)
+        left = [i for i in range(len(keys)) if candidates[i]]
+        failure: Exception | None = None
+        while left:
+            groups: dict[Peer, list[int]] = {}
+            for i in left:
+                groups.setdefault(candidates[i].pop(0), []).append(i)
+            loaded = await asyncio.gather(
+                *(peer.load([keys[i] for i in idx]) for peer, idx in groups.items()),
+                return_exceptions=True,
+            )
+            left = []
+            for idx, got in zip(groups.values(), loaded, strict=True):
+                if isinstance(got, BaseException):
+                    if not isinstance(got, Exception):
+                        raise got
+                    failure = got
+                    got = [None] * len(idx)
+                for i, value in zip(idx, got, strict=True):
+                    if value is not None:
+                        values[i] = value
+                    elif candidates[i]:
+                        left.append(i)
+        if failure is not None and all(v is None for v in values):
+            raise failure  # nothing came: the load failed, as the core counts it
         return values
 
     async def batch_store(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
-        groups = self._by_owner(keys)
-        await asyncio.gather(
+        """Push each block to its other owners (this daemon, if one, keeps its own)."""
+        groups: dict[Peer, list[int]] = {}
+        for i, key in enumerate(keys):
+            for peer in self.picker.owners(key, self.replicas):
+                groups.setdefault(peer, []).append(i)
+        results = await asyncio.gather(
             *(
                 peer.store([keys[i] for i in idx], [values[i] for i in idx])
                 for peer, idx in groups.items()
-            )
+            ),
+            return_exceptions=True,
         )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for error in errors:
+            if not isinstance(error, Exception):
+                raise error
+        if errors and len(errors) == len(results):
+            raise errors[0]  # reached no owner: the push failed
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)  # blocks on peers are theirs to evict

@@ -1,15 +1,15 @@
 """Who the peers are and which one owns a key: a picker, and its null object.
 
 :class:`PeerPicker` is the interface the peer tier asks (groupcache's
-``PeerPicker`` shape): ``pick(key)`` names the live peer that owns ``key``,
-or None when this daemon owns it or there is no one to ask.
-:class:`NoPeers` always answers None.
+``PeerPicker`` shape): ``owners(key, count)`` names the live peers among the
+``count`` live nodes that own ``key`` (its replicas), in rank order, this
+daemon excluded. :class:`NoPeers` always answers none.
 
 :class:`RendezvousPicker` holds the member addresses (a static list, or
 what a DNS name resolves to, refreshed by :meth:`RendezvousPicker.resolve`)
 and this daemon's own address when known. Every daemon ranks the same
 names the same way (:mod:`kvtier.tiers.rendezvous`), so they agree on each
-key's owner without talking. A peer that is down (its breaker open) is
+key's owners without talking. A peer that is down (its breaker open) is
 skipped: its keys go to the next name in their ranking.
 
 Invariants: this daemon's own address is never a peer to dial; it stays in
@@ -39,8 +39,9 @@ N = TypeVar("N", bound=Node)
 
 
 class PeerPicker(Protocol[N]):
-    def pick(self, key: bytes) -> N | None:
-        """The live peer that owns ``key``; None if this daemon owns it or none is live."""
+    def owners(self, key: bytes, count: int) -> list[N]:
+        """The live peers among the first ``count`` live nodes of ``key``'s
+        ranking, in rank order; this daemon fills its place and is left out."""
         ...
 
     def peers(self) -> list[N]:
@@ -58,8 +59,8 @@ class NoPeers(Generic[N]):
     def __repr__(self) -> str:
         return "<NoPeers>"
 
-    def pick(self, key: bytes) -> N | None:
-        return None
+    def owners(self, key: bytes, count: int) -> list[N]:
+        return []
 
     def peers(self) -> list[N]:
         return []
@@ -117,15 +118,21 @@ class RendezvousPicker(Generic[N]):
             names.add(self.self_address)
         self._names = sorted(n.encode() for n in names)
 
-    def pick(self, key: bytes) -> N | None:
+    def owners(self, key: bytes, count: int) -> list[N]:
         own = self.self_address.encode() if self.self_address is not None else None
+        out: list[N] = []
+        live = 0
         for name in rendezvous.ranked(key, self._names):
+            if live == count:
+                break
             if name == own:
-                return None
+                live += 1
+                continue
             peer = self._peers[name.decode()]
             if not peer.is_down():
-                return peer
-        return None
+                out.append(peer)
+                live += 1
+        return out
 
     def peers(self) -> list[N]:
         return list(self._peers.values())
