@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm bench-vllm lint typecheck imports unit bench bench-deps soak clean deploy-tools
+.PHONY: run test test-vllm bench-vllm lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -103,6 +103,14 @@ bench: bench-deps
 DURATION ?= 60
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak --duration $(DURATION)
+
+# Three daemons (disk, peers with two replicas, S3) under 16 verifying
+# clients while their nodes are stopped, killed and restarted and their peer
+# links slowed and cut; prints the report. SOAK_SECONDS (default 600); not
+# part of make test.
+SOAK_SECONDS ?= 600
+soak-fleet: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m benchmarks.soak_fleet
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info

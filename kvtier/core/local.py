@@ -65,8 +65,10 @@ class LocalView:
     def drop_staged(self, value: Buffer) -> None:
         self._service.drop_staged(value)
 
-    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        await self._service.make_durable(keys, values)
+    def make_durable(
+        self, keys: Sequence[bytes], values: Sequence[Buffer | None]
+    ) -> Awaitable[None]:
+        return self._service.make_durable(keys, values)
 
     def delete(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]:
         return self._service.delete(keys, local=True)

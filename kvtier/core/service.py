@@ -650,28 +650,45 @@ class Service:
     def drop_staged(self, value: Buffer) -> None:
         self.ram.drop_staged(value)
 
-    async def make_durable(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        """A durable PUT: return once the blocks are on disk (per its fsync policy).
+    def make_durable(
+        self, keys: Sequence[bytes], values: Sequence[Buffer | None]
+    ) -> Awaitable[None]:
+        """A durable PUT: the awaitable that returns once the blocks are on disk
+        (per its fsync policy); call it in the same step as the store.
 
-        What RAM holds under each key is written, held meanwhile; a value in
-        the shared arena that RAM no longer holds may be reused already, so
-        only a value of the caller's own memory stands in for it."""
+        What RAM holds under each key is held from now until written, so no
+        eviction between the store and the write can lose it; a value in the
+        shared arena that RAM no longer holds may be reused already, so only a
+        value of the caller's own memory stands in for it. A block found in
+        neither fails the request: durability is never acknowledged unmet."""
         disk, ram = self.disk, self.ram
-        if disk is None:
-            return
         held: list[tuple[bytes, Buffer]] = []
-        for key, value in zip(keys, values, strict=True):
-            kept = ram.peek(key)
-            if kept is None and value is not None and not ram.in_arena_memory(value):
-                kept = value
-            if kept is not None:
+        missing: list[bytes] = []
+        if disk is not None:
+            for key, value in zip(keys, values, strict=True):
+                kept = ram.peek(key)
+                if kept is None and value is not None and not ram.in_arena_memory(value):
+                    kept = value
+                if kept is None:
+                    missing.append(key)
+                    continue
                 ram.hold(kept)
                 held.append((key, kept))
+        return self._write_durably(held, missing)
+
+    async def _write_durably(self, held: list[tuple[bytes, Buffer]], missing: list[bytes]) -> None:
+        disk, ram = self.disk, self.ram
         try:
-            await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
+            if disk is not None:
+                await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
         finally:
             for _, v in held:
                 ram.let_go(v)
+        if missing:
+            raise TierError(
+                f"{len(missing)} block(s) left RAM before reaching the disk (first: "
+                f"{missing[0].hex()}); they are not durable, store them again"
+            )
 
     def _store_local(
         self, key: bytes, value: Buffer, promoted_from: str | None = None, copy: bool = False

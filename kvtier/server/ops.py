@@ -8,13 +8,13 @@ the service's async verb of the same name. The service is any
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
 from kvtier.errors import ForbiddenError, UnsupportedVersionError
-from kvtier.model import Buffer, CacheService, Leased, LookupReply, PutStatus, SharedService
+from kvtier.model import Buffer, CacheService, Leased, LookupReply, SharedService
 from kvtier.server.connection import Later, Reply
 from kvtier.wire import Frame, Op
 
@@ -146,13 +146,9 @@ class Ops:
         finally:
             self.service.drop_staged(frame.data)  # unless stored
         if frame.header.flags & wire.FLAG_DURABLE:
-            return Later(self._put_durable(keys, values, statuses))
-        return Reply(wire.encode_put_reply(statuses))
-
-    async def _put_durable(
-        self, keys: Sequence[bytes], values: Sequence[Buffer], statuses: list[PutStatus]
-    ) -> Reply:
-        await self.service.make_durable(keys, values)
+            # Held for the disk in this same step: nothing can evict them first.
+            durable = self.service.make_durable(keys, values)
+            return Later(durable, lambda _: Reply(wire.encode_put_reply(statuses)))
         return Reply(wire.encode_put_reply(statuses))
 
     def delete(self, conn: Connection, frame: Frame) -> Reply | Later:
@@ -231,11 +227,8 @@ class Ops:
         c = wire.decode_commit(frame.meta)
         status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
         if frame.header.flags & wire.FLAG_DURABLE:
-            return Later(self._commit_durable(c.key, status))
-        return Reply(wire.encode_put_reply([status]))
-
-    async def _commit_durable(self, key: bytes, status: PutStatus) -> Reply:
-        await self.service.make_durable([key], [None])
+            durable = self.service.make_durable([c.key], [None])
+            return Later(durable, lambda _: Reply(wire.encode_put_reply([status])))
         return Reply(wire.encode_put_reply([status]))
 
     def unstage(self, conn: Connection, frame: Frame) -> Reply:

@@ -1,0 +1,465 @@
+"""make soak-fleet: three daemons sharing blocks while their nodes fail.
+
+Three ``kvtier serve`` processes, each with a disk tier, peers with
+``replicas = 2`` and one S3 tier on a real S3-compatible server. Every
+daemon's peer port sits behind a small TCP proxy (its advertised address)
+that can add latency or cut every connection. Sixteen clients, spread over
+the nodes, write blocks (some durable) and read them back, verifying every
+byte: a block's bytes follow from its key. A driver injects one fault at a
+time: SIGSTOP then SIGCONT, SIGKILL then a restart over the same data
+directory, latency on a node's peer links, or every peer connection of a
+node cut. The clients of a node pause while their own daemon is stopped
+or dead (its engine would be down with it); every other request must
+succeed.
+
+The report: operations, wrong bytes (must be 0), client errors other than
+a miss (must be 0), blocks acknowledged durable and then lost (must be 0),
+p99 lookup latency during faults, how long after each fault lookups of the
+affected keys settle (no RETRY or PENDING left), and each daemon's RSS and
+maps once idle (maps 0). Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvtier import Client, State, loops
+from kvtier.errors import KvtierError
+from kvtier.model import LookupMode
+from kvtier.tiers.rendezvous import owner
+from tests.helpers import DaemonProcess, rss_bytes
+from tests.s3server import S3Server
+
+TOKEN = "soak-fleet-peer-token"
+NODES = 3
+CLIENTS = 16
+
+
+def value_of(key: bytes) -> bytes:
+    """The one right value for ``key``: its size and bytes follow from the key."""
+    digest = hashlib.sha256(key).digest()
+    size = 4096 + int.from_bytes(digest[:3], "big") % (32 * 1024)
+    return (digest * (size // 32 + 1))[:size]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class LinkProxy:
+    """A TCP proxy in front of one daemon's peer port: adds latency, cuts links."""
+
+    def __init__(self, port: int, upstream: int) -> None:
+        self.port, self.upstream = port, upstream
+        self.delay = 0.0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+        )
+        self._writers -= {writer, up_writer}
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(256 * 1024):
+                if self.delay:
+                    await asyncio.sleep(self.delay)  # allow-sleep: the injected link latency
+                writer.write(data)
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    def cut(self) -> None:
+        """Drop every connection through the proxy (peers reconnect)."""
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self.cut()
+        if self._handlers:  # each ends once its cut connections read EOF
+            await asyncio.wait(self._handlers, timeout=5)
+
+
+@dataclass
+class Report:
+    seconds: float = 0.0
+    puts: int = 0
+    durable_puts: int = 0
+    lookups: int = 0
+    gets_verified: int = 0
+    gets_missed: int = 0
+    wrong_bytes: int = 0
+    client_errors: dict[str, int] = field(default_factory=dict)
+    durable_lost: int = 0
+    faults: list[dict[str, object]] = field(default_factory=list)
+    lookup_p99_ms_faults: float = 0.0
+    lookup_p99_ms_calm: float = 0.0
+    nodes_after: list[dict[str, object]] = field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        out = []
+        if self.wrong_bytes:
+            out.append(f"{self.wrong_bytes} GET(s) returned wrong bytes")
+        if self.client_errors:
+            out.append(f"client errors other than a miss: {self.client_errors}")
+        if self.durable_lost:
+            out.append(f"{self.durable_lost} durable block(s) lost")
+        for node in self.nodes_after:
+            if node.get("disk_evictions"):
+                out.append(
+                    f"node {node['node']} evicted from its disk: durable blocks may have gone "
+                    "by capacity; give the disks more room"
+                )
+            maps = node.get("maps")
+            if isinstance(maps, dict) and any(
+                maps.get(k) for k in ("probes_inflight", "reservations", "request_states", "timers")
+            ):
+                out.append(f"node {node['node']} maps did not drain: {maps}")
+        return out
+
+
+class Fleet:
+    def __init__(self, root: Path, s3: S3Server, bucket: str) -> None:
+        self.root = root
+        self.ports = [free_port() for _ in range(NODES)]  # the daemons' own peer ports
+        self.links = [LinkProxy(free_port(), p) for p in self.ports]
+        self.addresses = [f"127.0.0.1:{link.port}" for link in self.links]
+        self.tier = s3.tier_config(bucket, breaker_failures=5, breaker_reset=2.0)
+        self.procs: list[DaemonProcess] = []
+
+    def config(self, i: int) -> Path:
+        d = self.root / f"node{i}"
+        d.mkdir(exist_ok=True)
+        members = ", ".join(json.dumps(a) for a in self.addresses)
+        path = d / "kvtier.toml"
+        path.write_text(
+            "[server]\nshutdown_grace = 10.0\n"
+            '[disk]\ncapacity = "16GiB"\n'
+            "[lookup]\nprobe_timeout = 1.0\nload_timeout = 3.0\npending_deadline = 5.0\n"
+            "request_state_ttl = 5.0\n"
+            f'[peer]\nlisten = "127.0.0.1:{self.ports[i]}"\nadvertise = "{self.addresses[i]}"\n'
+            f'members = [{members}]\ntoken = "{TOKEN}"\nreplicas = 2\n'
+            "connect_timeout = 0.5\nrequest_timeout = 1.0\nbreaker_reset = 1.0\n"
+            "[[remote_tiers]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.tier.items())
+        )
+        return path
+
+    def start(self, i: int) -> DaemonProcess:
+        return DaemonProcess(
+            self.root / f"node{i}", "--config", str(self.config(i)), "--ram-capacity", "64MiB"
+        ).start(60)
+
+    def owner_of(self, key: bytes) -> int:
+        name = owner(key, [a.encode() for a in self.addresses])
+        assert name is not None
+        return self.addresses.index(name.decode())
+
+
+class Soak:
+    def __init__(self, fleet: Fleet, seconds: float, seed: int) -> None:
+        self.fleet = fleet
+        self.until = time.monotonic() + seconds
+        self.rng = random.Random(seed)
+        self.report = Report()
+        self.keys: list[bytes] = []
+        #: durable PUTs acknowledged, by key: the node that acknowledged it
+        self.durable: dict[bytes, int] = {}
+        #: nodes whose daemon is stopped or dead: their clients pause
+        self.down: set[int] = set()
+        #: requests in flight per node (the driver waits for 0 before a fault)
+        self.busy = [0] * NODES
+        self.idle = [asyncio.Event() for _ in range(NODES)]
+        self.fault_on = False
+        self.latencies: list[tuple[bool, float]] = []
+        #: durable blocks lost, by the node that acknowledged them
+        self.lost_on: dict[int, int] = {}
+
+    def running(self) -> bool:
+        return time.monotonic() < self.until
+
+    def _error(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        self.report.client_errors[name] = self.report.client_errors.get(name, 0) + 1
+
+    async def client(self, n: int) -> None:
+        node = n % NODES
+        rng = random.Random(self.rng.random())
+        client: Client | None = None
+        while self.running():
+            if node in self.down:
+                if client is not None:
+                    client.drop()
+                    client = None
+                await asyncio.sleep(0.05)  # allow-sleep: the node's engine waits out its daemon
+                continue
+            self.busy[node] += 1
+            self.idle[node].clear()
+            try:
+                if client is None or client.closed:
+                    client = await Client.connect(self.fleet.procs[node].socket_path, timeout=10.0)
+                if rng.random() < 0.4 or len(self.keys) < 50:
+                    await self._write(client, node, rng)
+                else:
+                    await self._read(client, rng)
+            except KvtierError as exc:
+                self._error(exc)
+                client = None
+            finally:
+                self.busy[node] -= 1
+                if not self.busy[node]:
+                    self.idle[node].set()
+        if client is not None:
+            await client.close()
+
+    async def _write(self, c: Client, node: int, rng: random.Random) -> None:
+        keys = [rng.randbytes(32) for _ in range(rng.randrange(1, 6))]
+        durable = rng.random() < 0.2
+        await c.put_many(keys, [value_of(k) for k in keys], durable=durable)
+        self.report.puts += len(keys)
+        self.keys.extend(keys)
+        if durable:
+            self.report.durable_puts += len(keys)
+            for key in keys:
+                self.durable[key] = node
+        if len(self.keys) > 50_000:
+            del self.keys[:25_000]
+
+    async def _read(self, c: Client, rng: random.Random) -> None:
+        chain = [rng.choice(self.keys) for _ in range(rng.randrange(1, 8))]
+        started = time.monotonic()
+        reply = await c.lookup(chain, mode=LookupMode.PREFIX, wait=rng.choice([0.0, 0.5]))
+        self.latencies.append((self.fault_on, time.monotonic() - started))
+        self.report.lookups += 1
+        values = await c.get_many(chain[: max(1, reply.prefix_hits)])
+        for key, value in zip(chain, values, strict=False):
+            if value is None:
+                self.report.gets_missed += 1
+            elif value != value_of(key):
+                self.report.wrong_bytes += 1
+            else:
+                self.report.gets_verified += 1
+
+    async def _quiesce(self, node: int) -> None:
+        """Stop ``node``'s clients from starting requests and wait for theirs to end."""
+        self.down.add(node)
+        if self.busy[node]:
+            await self.idle[node].wait()
+
+    async def driver(self) -> None:
+        fleet = self.fleet
+        while self.running():
+            await asyncio.sleep(self.rng.uniform(8, 15))  # allow-sleep: calm between faults
+            if not self.running():
+                break
+            node = self.rng.randrange(NODES)
+            kind = self.rng.choice(["sigstop", "sigkill", "latency", "cut"])
+            affected = [k for k in self.keys[-5000:] if fleet.owner_of(k) == node][:64]
+            self.fault_on = True
+            started = time.monotonic()
+            proc = fleet.procs[node]
+            if kind == "sigstop":
+                await self._quiesce(node)
+                proc.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(self.rng.uniform(2, 6))  # allow-sleep: the fault's length
+                proc.send_signal(signal.SIGCONT)
+                self.down.discard(node)
+            elif kind == "sigkill":
+                await self._quiesce(node)
+                proc.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(proc.wait)
+                await asyncio.sleep(self.rng.uniform(1, 4))  # allow-sleep: the node stays down
+                fleet.procs[node] = await asyncio.to_thread(fleet.start, node)
+                self.down.discard(node)
+            elif kind == "latency":
+                fleet.links[node].delay = self.rng.uniform(0.05, 0.3)
+                await asyncio.sleep(self.rng.uniform(4, 8))  # allow-sleep: the fault's length
+                fleet.links[node].delay = 0.0
+            else:
+                fleet.links[node].cut()
+            ended = time.monotonic()
+            self.fault_on = False
+            settle, hits = await self._settle(node, affected)
+            self.report.faults.append(
+                {
+                    "kind": kind,
+                    "node": node,
+                    "seconds": round(ended - started, 2),
+                    "affected_keys": len(affected),
+                    "settled_after_s": settle,
+                    "affected_hits": hits,
+                }
+            )
+
+    async def _settle(self, node: int, keys: list[bytes]) -> tuple[float, int]:
+        """Seconds until another node answers ``keys`` with no RETRY or PENDING."""
+        if not keys:
+            return 0.0, 0
+        other = (node + 1) % NODES
+        started = time.monotonic()
+        async with await Client.connect(self.fleet.procs[other].socket_path) as c:
+            while True:
+                states = (await c.lookup(keys)).states
+                if State.RETRY not in states and State.PENDING not in states:
+                    return round(time.monotonic() - started, 2), states.count(State.HIT)
+                if time.monotonic() - started > 60:
+                    return -1.0, states.count(State.HIT)
+                await asyncio.sleep(0.05)  # allow-sleep: polling as an engine's scheduler does
+
+    async def verify_durable(self) -> None:
+        """Every durable block is still served, with its bytes, by the node that took it."""
+        by_node: dict[int, list[bytes]] = {}
+        for key, node in self.durable.items():
+            by_node.setdefault(node, []).append(key)
+        for node, keys in by_node.items():
+            async with await Client.connect(self.fleet.procs[node].socket_path) as c:
+                for i in range(0, len(keys), 200):
+                    chunk = keys[i : i + 200]
+                    await c.lookup(chunk, wait=10.0)
+                    for key, value in zip(chunk, await c.get_many(chunk), strict=True):
+                        if value is None:
+                            self.report.durable_lost += 1
+                            self.lost_on[node] = self.lost_on.get(node, 0) + 1
+                        elif value != value_of(key):
+                            self.report.wrong_bytes += 1
+
+    async def run(self) -> Report:
+        for link in self.fleet.links:
+            await link.start()
+        started = time.monotonic()
+        try:
+            await asyncio.gather(*(self.client(n) for n in range(CLIENTS)), self.driver())
+            self.report.seconds = round(time.monotonic() - started, 1)
+            await self.verify_durable()
+            await self._idle_stats()
+        finally:
+            for link in self.fleet.links:
+                await link.close()
+        during = [t for f, t in self.latencies if f]
+        calm = [t for f, t in self.latencies if not f]
+        if len(during) >= 2:
+            self.report.lookup_p99_ms_faults = round(
+                statistics.quantiles(during, n=100)[98] * 1000, 1
+            )
+        if len(calm) >= 2:
+            self.report.lookup_p99_ms_calm = round(statistics.quantiles(calm, n=100)[98] * 1000, 1)
+        return self.report
+
+    async def _idle_stats(self) -> None:
+        for i, proc in enumerate(self.fleet.procs):
+            maps: dict[str, int] = {}
+            async with await Client.connect(proc.socket_path) as c:
+                for _ in range(200):  # request states and probes age out after their TTLs
+                    stats = await c.stats()
+                    maps = {k: v for k, v in stats["maps"].items() if k != "verdicts"}
+                    if not any(maps.values()):
+                        break
+                    await asyncio.sleep(0.1)  # allow-sleep: TTLs pass in real time
+            disk = stats["tiers"]["disk"]
+            self.report.nodes_after.append(
+                {
+                    "node": i,
+                    "rss_mb": round(rss_bytes(proc.pid) / 2**20),
+                    "maps": maps,
+                    "disk_blocks": disk["blocks"],
+                    "disk_evictions": disk["evictions"],
+                }
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", "600"))
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="kvt-fleet-", dir="/tmp") as tmp:
+        s3 = S3Server()
+        fleet = Fleet(Path(tmp), s3, s3.new_bucket())
+        try:
+            fleet.procs = [fleet.start(i) for i in range(NODES)]
+            soak = Soak(fleet, args.seconds, args.seed)
+            report = loops.run(soak.run())
+        finally:
+            for proc in fleet.procs:
+                with contextlib.suppress(Exception):
+                    proc.stop()
+            s3.close()
+    faults = report.faults
+    settles = [f["settled_after_s"] for f in faults if isinstance(f["settled_after_s"], float)]
+    print(
+        f"soak-fleet {report.seconds:.0f}s, {NODES} daemons, {CLIENTS} clients: "
+        f"{report.puts} blocks put ({report.durable_puts} durable), {report.lookups} lookups, "
+        f"{report.gets_verified} GETs verified byte for byte, {report.gets_missed} misses, "
+        f"{report.wrong_bytes} wrong; client errors {report.client_errors or 0}; "
+        f"durable blocks lost {report.durable_lost}"
+    )
+    print(
+        f"{len(faults)} faults: "
+        + ", ".join(
+            f"{k} x{sum(1 for f in faults if f['kind'] == k)}"
+            for k in ("sigstop", "sigkill", "latency", "cut")
+        )
+        + f"; lookup p99 {report.lookup_p99_ms_faults} ms during faults, "
+        f"{report.lookup_p99_ms_calm} ms otherwise; affected keys settled after "
+        f"{max(settles) if settles else 0:.2f} s at most "
+        f"(median {statistics.median(settles) if settles else 0:.2f} s)"
+    )
+    for node in report.nodes_after:
+        print(
+            f"node {node['node']}: RSS {node['rss_mb']} MB, maps {node['maps']}, "
+            f"disk {node['disk_blocks']} blocks, {node['disk_evictions']} evicted"
+        )
+    if report.durable_lost:
+        print(f"durable blocks lost, by the node that acknowledged them: {soak.lost_on}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(report), indent=2))
+    failures = report.failures()
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
