@@ -202,7 +202,12 @@ class RamTier(LocalTier):
     def _admit_heap(self, key: bytes, value: Buffer, *, copy: bool) -> list[tuple[bytes, Buffer]]:
         size = len(value)
         evicted = self._make_room(size)
-        self._values[key] = bytes(value) if copy else value
+        # A view into a larger buffer (one block of a batched PUT's frame)
+        # would keep the whole frame alive for as long as the block stays:
+        # the block gets bytes of its own, so RAM holds what it counts.
+        if copy or (isinstance(value, memoryview) and _is_slice(value)):
+            value = bytes(value)
+        self._values[key] = value
         self.budget.admit(key, size)
         return evicted
 
@@ -308,3 +313,9 @@ class RamTier(LocalTier):
             st.arena_allocated_bytes = alloc.allocated_bytes
             st.arena_held_blocks = self.slots.held_count
         return st
+
+
+def _is_slice(view: memoryview) -> bool:
+    """Whether ``view`` shows only part of the buffer it comes from."""
+    base = view.obj
+    return base is not None and memoryview(base).nbytes != view.nbytes
