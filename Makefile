@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm bench-vllm lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: run test test-vllm test-lmcache bench-vllm lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,27 @@ test-vllm: $(VLLM_STAMP)
 bench-vllm: $(VLLM_STAMP)
 	VLLM_TARGET_DEVICE=cpu KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(VLLM_VENV)/bin/python -m benchmarks.vllm
 
+# LMCache's remote-connector machinery on CPU, in a venv of its own
+# (.venv-lmcache, ~1.6 GB): kvtier's connector built by LMCache's own
+# CreateConnector over its LocalCPUBackend, against a daemon from the main venv.
+LMCACHE_VENV  := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
+
+$(LMCACHE_STAMP): tests/lmcache/requirements.txt pyproject.toml | $(STAMP)
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LMCACHE_VENV)/bin/pip install --quiet torch==2.13.0
+	$(LMCACHE_VENV)/bin/pip install --quiet --no-deps lmcache==0.5.6
+	echo "torch==2.13.0" > $(LMCACHE_VENV)/constraints.txt
+	$(LMCACHE_VENV)/bin/pip install --quiet -r tests/lmcache/requirements.txt -c $(LMCACHE_VENV)/constraints.txt
+	$(LMCACHE_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(LMCACHE_STAMP)
+
+test-lmcache: $(LMCACHE_STAMP)
+	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier \
+	  $(LMCACHE_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
+	  --rootdir . --confcutdir tests/lmcache --timeout 300 tests/lmcache
+
 BENCH_STAMP := $(VENV)/.bench-installed
 
 $(BENCH_STAMP): pyproject.toml | $(STAMP)
@@ -113,4 +134,4 @@ soak-fleet: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m benchmarks.soak_fleet
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -23,5 +23,6 @@ async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
         yield d
 
 
-#: tests/vllm run in their own venv (make test-vllm), where vLLM is installed
-collect_ignore = ["vllm"]
+#: tests/vllm and tests/lmcache run in venvs of their own (make test-vllm,
+#: make test-lmcache), where the engine is installed
+collect_ignore = ["vllm", "lmcache"]
