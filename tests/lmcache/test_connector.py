@@ -25,7 +25,9 @@ CHUNK = 256
 KV_SHAPE = (2, 2, CHUNK, 4, 64)
 
 
-def engine(socket: Path, namespace: str = "") -> tuple[LMCacheEngineConfig, LocalCPUBackend]:
+def engine(
+    socket: Path, namespace: str = "", kv_shape: tuple[int, int, int, int, int] = KV_SHAPE
+) -> tuple[LMCacheEngineConfig, LocalCPUBackend]:
     """An engine's LMCache config naming kvtier as its remote plugin, and its CPU backend."""
     extra = {
         "remote_storage_plugin.kvtier.module_path": "kvtier.integrations.lmcache",
@@ -49,7 +51,7 @@ def engine(socket: Path, namespace: str = "") -> tuple[LMCacheEngineConfig, Loca
         worker_id=0,
         local_worker_id=0,
         kv_dtype=torch.float16,
-        kv_shape=KV_SHAPE,
+        kv_shape=kv_shape,
         chunk_size=CHUNK,
     )
     return config, LocalCPUBackend(config, metadata)

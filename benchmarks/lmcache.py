@@ -1,0 +1,106 @@
+"""make bench-lmcache: loads and stores through kvtier's LMCache connector.
+
+Runs in .venv-lmcache. For chunks of 256 KiB to 2 MiB (64 MiB per run,
+median of 5 runs after a warm-up), in one run: GB/s of ``batched_get`` and
+``batched_put`` through LMCache's own ``CreateConnector`` over its
+``LocalCPUBackend`` (chunks land in, and leave from, the ``MemoryObj``s
+LMCache allocates; a daemon on a Unix socket), and of a plain memcpy of the
+same bytes into the same kind of buffers (the ceiling). Prints the figures
+and the ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.storage_backend.connector import CreateConnector
+
+from tests.lmcache.conftest import start_daemon, stop_daemon
+from tests.lmcache.test_connector import KV_SHAPE, engine
+
+TOTAL = 64 * 1024 * 1024
+RUNS = 5
+KiB, MiB = 1024, 1024 * 1024
+BATCH = 16
+
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def measure(chunk: int, socket: Path, loop: asyncio.AbstractEventLoop) -> dict[str, float]:
+    # (layers, K and V, tokens, kv heads, head size) of float16: ``chunk`` bytes
+    layers, kv, tokens, _, head = KV_SHAPE
+    heads = chunk // (layers * kv * tokens * head * 2)
+    config, backend = engine(socket, kv_shape=(layers, kv, tokens, heads, head))
+    conn = CreateConnector("plugin://kvtier", loop, backend, config, plugin_name="kvtier")
+    ours = conn.getWrappedConnector()
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    count = TOTAL // chunk
+    keys = [CacheEngineKey("bench", 1, 0, chunk * 1000 + i, torch.float16) for i in range(count)]
+    objs = [backend.allocate(ours.meta_shapes, ours.meta_dtypes, ours.meta_fmt) for _ in keys]
+    for obj in objs:
+        memoryview(obj.byte_array).cast("B")[:] = os.urandom(64) * (chunk // 64)
+    puts, gets, copies = [], [], []
+    dests = [bytearray(chunk) for _ in range(BATCH)]
+    for attempt in range(RUNS + 1):
+        started = time.perf_counter()
+        for i in range(0, count, BATCH):
+            run(conn.batched_put(keys[i : i + BATCH], objs[i : i + BATCH]))
+        put_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for i in range(0, count, BATCH):
+            for got in run(conn.batched_get(keys[i : i + BATCH])):
+                got.ref_count_down()
+        get_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for i in range(0, count, BATCH):
+            for j, obj in enumerate(objs[i : i + BATCH]):
+                dests[j][:] = memoryview(obj.byte_array).cast("B")
+        copy_s = time.perf_counter() - started
+        if attempt:  # the first run warms up
+            puts.append(put_s)
+            gets.append(get_s)
+            copies.append(copy_s)
+    for obj in objs:
+        obj.ref_count_down()
+    run(conn.close())
+    return {"get": gbps(TOTAL, gets), "put": gbps(TOTAL, puts), "memcpy": gbps(TOTAL, copies)}
+
+
+def main() -> int:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    with tempfile.TemporaryDirectory(prefix="kvt-bench-lmc-", dir="/tmp") as tmp:
+        daemon = start_daemon(Path(tmp))
+        try:
+            print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy")
+            for chunk in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
+                r = measure(chunk, daemon.socket_path, loop)
+                print(
+                    f"{chunk // KiB:5d} KiB {r['get']:8.2f}  {r['put']:8.2f}  {r['memcpy']:11.2f}"
+                    f"  {r['get'] / r['memcpy']:9.2f}x  {r['put'] / r['memcpy']:9.2f}x"
+                )
+        finally:
+            stop_daemon(daemon)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
