@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm test-lmcache bench-vllm bench-lmcache lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: run test test-vllm test-lmcache bench-vllm bench-lmcache bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +96,9 @@ test-lmcache: $(LMCACHE_STAMP)
 	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier \
 	  $(LMCACHE_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
 	  --rootdir . --confcutdir tests/lmcache --timeout 300 tests/lmcache
+
+# Every engine integration's loads and stores against memcpy of the same bytes.
+bench-engines: bench-vllm bench-lmcache
 
 # Loads and stores through the LMCache connector vs memcpy of the same bytes.
 bench-lmcache: $(LMCACHE_STAMP)

@@ -1,12 +1,12 @@
-"""make bench-vllm: loads through the kvtier vLLM tier into the primary rows.
+"""make bench-vllm: loads and stores through the kvtier vLLM tier and the primary rows.
 
 Runs in .venv-vllm. For 256 KiB to 2 MiB blocks (64 MiB per run, median of
 5 runs after a warm-up), in one run: GB/s of KvtierTier loads (vLLM's
 TransferJob into the rows of a primary region, through a daemon on a Unix
-socket); of reading the same bytes from files in the page cache into the
-rows (the stand-in for vLLM's own fs tier, which needs a full OffloadingSpec
-and reads with O_DIRECT); and of a plain memcpy of the same bytes (the
-ceiling). Prints the figures and the ratios.
+socket) and of stores out of those rows (fresh keys each run); of reading
+the same bytes from files in the page cache into the rows (the stand-in
+for vLLM's own fs tier, which needs a full OffloadingSpec and reads with
+O_DIRECT); and of a plain memcpy of the same bytes (the ceiling). Prints the figures and the ratios.
 """
 
 from __future__ import annotations
@@ -92,6 +92,17 @@ def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
         assert result.success and np.array_equal(region[n:], src)
         if run:
             kvtier.append(elapsed)
+
+    stores: list[float] = []
+    for run in range(RUNS + 1):  # fresh keys each run: every block is stored anew
+        fresh = [make_offload_key((run * n + i + 1).to_bytes(16, "big"), 1) for i in range(n)]
+        t = time.perf_counter()
+        tier.submit_store(TransferJob(100 + run, fresh, np.arange(n), False, ReqContext("s")))
+        tier.drain_jobs()
+        elapsed = time.perf_counter() - t
+        assert all(r.success for r in tier.get_finished_jobs())
+        if run:
+            stores.append(elapsed)
     tier.shutdown()
 
     files = tmp / f"files-{block}"
@@ -115,6 +126,7 @@ def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
             copy.append(time.perf_counter() - t)
     return {
         "kvtier": gbps(TOTAL, kvtier),
+        "kvtier_store": gbps(TOTAL, stores),
         "page_cache_files": gbps(TOTAL, page_cache),
         "memcpy": gbps(TOTAL, copy),
     }
@@ -127,7 +139,8 @@ def main() -> int:
         try:
             print(
                 f"{'block':>8}  {'kvtier tier':>12}  {'page-cache files':>16}  {'memcpy':>8}"
-                f"  {'kvtier/files':>12}  {'kvtier/memcpy':>13}"
+                f"  {'kvtier/files':>12}  {'kvtier/memcpy':>13}  {'stores':>10}"
+                f"  {'stores/memcpy':>13}"
             )
             for block in (256 * KiB, 1 * MiB, 2 * MiB):
                 r = bench(block, sock, tmp)
@@ -135,7 +148,8 @@ def main() -> int:
                 print(
                     f"{label:>8}  {r['kvtier']:>9.2f} GB/s  {r['page_cache_files']:>11.2f} GB/s"
                     f"  {r['memcpy']:>5.2f} GB/s  {r['kvtier'] / r['page_cache_files']:>12.2f}"
-                    f"  {r['kvtier'] / r['memcpy']:>13.2f}"
+                    f"  {r['kvtier'] / r['memcpy']:>13.2f}  {r['kvtier_store']:>5.2f} GB/s"
+                    f"  {r['kvtier_store'] / r['memcpy']:>13.2f}"
                 )
         finally:
             proc.terminate()
