@@ -32,10 +32,11 @@ from tests.helpers import DaemonProcess, rss_bytes
 from tests.s3server import S3Server
 
 
-def value_of(key: bytes) -> bytes:
-    """The one right value for ``key``: its size and bytes follow from the key."""
+def value_of(key: bytes, smallest: int = 1024, spread: int = 512 * 1024) -> bytes:
+    """The one right value for ``key``: its size (``smallest`` plus up to
+    ``spread`` bytes) and its bytes follow from the key."""
     digest = hashlib.sha256(key).digest()
-    size = 1024 + int.from_bytes(digest[:3], "big") % (512 * 1024)
+    size = smallest + int.from_bytes(digest[:3], "big") % spread
     return (digest * (size // 32 + 1))[:size]
 
 

@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import random
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,11 +36,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks import soak
 from kvtier import Client, State, loops
 from kvtier.errors import KvtierError
 from kvtier.model import LookupMode
 from kvtier.tiers.rendezvous import owner
-from tests.helpers import DaemonProcess, rss_bytes
+from tests.helpers import DaemonProcess, free_port, rss_bytes
 from tests.s3server import S3Server
 
 TOKEN = "soak-fleet-peer-token"
@@ -51,17 +50,8 @@ CLIENTS = 16
 
 
 def value_of(key: bytes) -> bytes:
-    """The one right value for ``key``: its size and bytes follow from the key."""
-    digest = hashlib.sha256(key).digest()
-    size = 4096 + int.from_bytes(digest[:3], "big") % (32 * 1024)
-    return (digest * (size // 32 + 1))[:size]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """The one right value for ``key``: 4 KiB to 36 KiB, following from the key."""
+    return soak.value_of(key, smallest=4096, spread=32 * 1024)
 
 
 class LinkProxy:

@@ -26,6 +26,14 @@ from kvtier.tiers.base import Tier
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def short_tmpdir() -> Path:
     """A short directory: Unix socket paths are limited to ~107 bytes."""
     return Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import signal
-import socket
 import time
 from collections.abc import Iterator
 
@@ -14,16 +13,9 @@ import pytest
 
 from kvtier import BlockingClient, Client, State
 from kvtier.tiers.rendezvous import owner, ranked
-from tests.helpers import DaemonProcess, metric_value, short_tmpdir
+from tests.helpers import DaemonProcess, free_port, metric_value, short_tmpdir
 
 TOKEN = "e2e-peer-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Fleet:
@@ -90,6 +82,14 @@ def fleet() -> Iterator[Fleet]:
         yield f
     finally:
         f.stop()
+
+
+def until_metric(d: DaemonProcess, name: str, labels: str, at_least: float, what: str) -> None:
+    """Scrape ``d`` until a sample reaches ``at_least`` (15 s at most); each
+    scrape is a round trip to the daemon, so the loop is paced by them."""
+    deadline = time.monotonic() + 15
+    while metric_value(d.scrape(), name, labels) < at_least:
+        assert time.monotonic() < deadline, what
 
 
 def client(d: DaemonProcess) -> BlockingClient:
@@ -222,17 +222,12 @@ def test_two_replicas_put_each_block_on_its_two_owners() -> None:
         with client(a) as ca:
             ca.put_many(keys, [b"r" * 4096] * 3)
         for d in (b, c):
-            deadline = time.monotonic() + 15
-            # Each scrape is a round trip to the daemon: the loop is paced by them.
-            while metric_value(d.scrape(), "kvtier_tier_blocks", 'tier="ram"') < 3:
-                assert time.monotonic() < deadline, "the pushes never arrived"
+            until_metric(d, "kvtier_tier_blocks", 'tier="ram"', 3, "the pushes never arrived")
             with client(d) as cd:  # held locally: no peer is asked
                 assert cd.lookup(keys).states == [State.HIT] * 3
         for i in (1, 2):  # A counts each push once its owner has answered
             sample = f'direction="out",peer="{fleet.addresses[i]}"'
-            deadline = time.monotonic() + 15
-            while metric_value(a.scrape(), "kvtier_peer_bytes_total", sample) < 3 * 4096:
-                assert time.monotonic() < deadline, "the pushes were not counted"
+            until_metric(a, "kvtier_peer_bytes_total", sample, 3 * 4096, "pushes not counted")
     finally:
         fleet.stop()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 from tests.s3server import CREDENTIALS, S3Server, s3_server
 
 DOC = ROOT / "docs" / "walkthrough.md"
@@ -22,13 +21,6 @@ DOC = ROOT / "docs" / "walkthrough.md"
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
     yield from s3_server()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_the_walkthrough_runs_as_written(s3: S3Server, tmp_path: Path) -> None:

@@ -9,87 +9,28 @@ installed and kvtier only as a client; the daemon is the main venv's
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import re
 import shutil
-import subprocess
 import tempfile
 import threading
-import urllib.request
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.enginedaemon import EngineDaemon, start
+
 T = TypeVar("T")
 
-
-@dataclass
-class Daemon:
-    socket_path: Path
-    metrics_url: str
-    proc: subprocess.Popen[bytes]
-    args: list[str]
-
-    def stats(self) -> dict[str, Any]:
-        out = subprocess.run(
-            [_serve(), "stats", "--json", "--socket", str(self.socket_path)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        )
-        result: dict[str, Any] = json.loads(out.stdout)
-        return result
-
-    def metric(self, name: str) -> float:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
-            text = resp.read().decode()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.split("{")[0].split(" ")[0] == name
-        )
-
-
-def _serve() -> str:
-    return os.environ.get("KVTIER_SERVE", str(ROOT / ".venv" / "bin" / "kvtier"))
+Daemon = EngineDaemon
 
 
 def start_daemon(tmp: Path) -> Daemon:
-    args = [
-        _serve(),
-        "serve",
-        "--socket",
-        str(tmp / "d.sock"),
-        "--metrics-port",
-        "0",
-        "--data-dir",
-        str(tmp / "data"),
-        "--ram-capacity",
-        "256MiB",
-    ]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    url = None
-    for raw in proc.stderr:
-        line = raw.decode(errors="replace")
-        if "kvtier ready" in line:
-            url = re.search(r"metrics=(\S+)", line).group(1)  # type: ignore[union-attr]
-            break
-    assert url is not None, "the daemon did not start"
-    threading.Thread(target=lambda: [None for _ in proc.stderr or ()], daemon=True).start()
-    return Daemon(tmp / "d.sock", url, proc, args)
+    return start(tmp, "--data-dir", str(tmp / "data"), "--ram-capacity", "256MiB")
 
 
 def stop_daemon(d: Daemon) -> None:
-    if d.proc.poll() is None:
-        d.proc.terminate()
-        assert d.proc.wait(30) == 0
+    d.stop()
 
 
 @pytest.fixture

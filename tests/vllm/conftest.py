@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
 import tempfile
-import threading
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.enginedaemon import EngineDaemon, start
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,32 +71,7 @@ def hf_model() -> Iterator[Path]:
     shutil.rmtree(_HF_HOME, ignore_errors=True)
 
 
-@dataclass
-class Daemon:
-    socket_path: Path
-    metrics_url: str
-    proc: subprocess.Popen[bytes]
-
-    def metric(self, name: str, labels: str = "") -> float:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
-            text = resp.read().decode()
-        needle = f"{name}{{{labels}}}" if labels else name
-        for line in text.splitlines():
-            if line.startswith(needle + " "):
-                return float(line.split()[-1])
-        return 0.0
-
-    def total(self, name: str, **labels: str) -> float:
-        """Sum of a metric's samples whose labels include these."""
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
-            text = resp.read().decode()
-        wanted = [f'{k}="{v}"' for k, v in labels.items()]
-        total = 0.0
-        for line in text.splitlines():
-            series, _, value = line.rpartition(" ")
-            if series.split("{")[0] == name and all(w in series for w in wanted):
-                total += float(value)
-        return total
+Daemon = EngineDaemon
 
 
 @pytest.fixture
@@ -107,37 +79,9 @@ def daemon() -> Iterator[Daemon]:
     tmp = Path(tempfile.mkdtemp(prefix="kvt-vllm-", dir="/tmp"))
     config = tmp / "kvtier.toml"
     config.write_text('[[remote_tiers]]\nkind = "memory"\nname = "mem"\n')
-    serve = os.environ.get("KVTIER_SERVE", str(ROOT / ".venv" / "bin" / "kvtier"))
-    proc = subprocess.Popen(
-        [
-            serve,
-            "serve",
-            "--config",
-            str(config),
-            "--socket",
-            str(tmp / "d.sock"),
-            "--metrics-port",
-            "0",
-            "--no-disk",
-            "--ram-capacity",
-            "256MiB",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    assert proc.stderr is not None
-    url = None
-    for raw in proc.stderr:
-        line = raw.decode(errors="replace")
-        if "kvtier ready" in line:
-            url = re.search(r"metrics=(\S+)", line).group(1)  # type: ignore[union-attr]
-            break
-    assert url is not None, "the daemon did not start"
-    drain = threading.Thread(target=lambda: [None for _ in proc.stderr or ()], daemon=True)
-    drain.start()
+    d = start(tmp, "--config", str(config), "--no-disk", "--ram-capacity", "256MiB")
     try:
-        yield Daemon(tmp / "d.sock", url, proc)
+        yield d
     finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
+        d.stop()
         shutil.rmtree(tmp, ignore_errors=True)

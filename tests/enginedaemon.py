@@ -1,0 +1,97 @@
+"""A real ``kvtier serve`` process for the engine tests (tests/vllm, tests/lmcache).
+
+Those tests run in an engine's own venv, where kvtier is installed as a
+client only; the daemon is the main venv's ``kvtier serve`` (``KVTIER_SERVE``).
+Standard library only: nothing here may need the daemon's dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import threading
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def serve_command() -> str:
+    return os.environ.get("KVTIER_SERVE", str(ROOT / ".venv" / "bin" / "kvtier"))
+
+
+@dataclass
+class EngineDaemon:
+    socket_path: Path
+    metrics_url: str
+    proc: subprocess.Popen[bytes]
+
+    def _scrape(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text: str = resp.read().decode()
+            return text
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample's value (0 when absent)."""
+        needle = f"{name}{{{labels}}}" if labels else name
+        for line in self._scrape().splitlines():
+            if line.startswith(needle + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples whose labels include these."""
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        total = 0.0
+        for line in self._scrape().splitlines():
+            series, _, value = line.rpartition(" ")
+            if series.split("{")[0] == name and all(w in series for w in wanted):
+                total += float(value)
+        return total
+
+    def stats(self) -> dict[str, Any]:
+        out = subprocess.run(
+            [serve_command(), "stats", "--json", "--socket", str(self.socket_path)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+        result: dict[str, Any] = json.loads(out.stdout)
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            assert self.proc.wait(30) == 0
+
+
+def start(tmp: Path, *args: str) -> EngineDaemon:
+    """``kvtier serve`` on a socket in ``tmp`` (with ``args``), once it is ready."""
+    proc = subprocess.Popen(
+        [
+            serve_command(),
+            "serve",
+            "--socket",
+            str(tmp / "d.sock"),
+            "--metrics-port",
+            "0",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    url = None
+    for raw in proc.stderr:
+        line = raw.decode(errors="replace")
+        if "kvtier ready" in line:
+            url = re.search(r"metrics=(\S+)", line).group(1)  # type: ignore[union-attr]
+            break
+    assert url is not None, "the daemon did not start"
+    threading.Thread(target=lambda: [None for _ in proc.stderr or ()], daemon=True).start()
+    return EngineDaemon(tmp / "d.sock", url, proc)
