@@ -1,4 +1,5 @@
-"""A lookup's decision: each key's state from where it is, and what to start. Pure.
+"""A lookup's decision: each key's state from where it is, what to start, and
+the prefix answer. Pure.
 
 :func:`plan_lookup` turns the :class:`~kvtier.core.locate.Location` of every
 key into its state (HIT, PENDING, RETRY, MISS) and a :class:`LookupPlan`
@@ -14,8 +15,9 @@ has answered; once shutdown has begun no work is planned, so a key that
 would need a probe reads MISS (or RETRY while the disk index is scanned);
 ``settles[i]`` is set for every PENDING or RETRY key whose settling is
 already known (a write, a probe in flight, the index scan) and left None
-where the planned work will supply it. Imports the core's pure maps and the
-shared records.
+where the planned work will supply it; :func:`prefix_answer` reads only the
+states (a prefix counts HITs alone, and defers only while a PENDING or RETRY
+key could lengthen it). Imports the core's pure maps and the shared records.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 from kvtier.core.locate import Location, Where
 from kvtier.core.probes.table import Verdict
 from kvtier.model import HIT, MISS, PENDING, RETRY, LookupMode
+
+_HIT_BYTE = bytes([HIT])
 
 #: probes a waiting lookup has seen, by (remote tier index, key)
 SeenProbes = dict[tuple[int, bytes], asyncio.Future[Verdict]]
@@ -127,3 +131,52 @@ def waits_for(
         for i, fut in enumerate(settles[:stop])
         if fut is not None and states[i] in (PENDING, RETRY)
     ]
+
+
+def leading_hits(states: Sequence[int]) -> int:
+    """Length of the leading run of HIT."""
+    if isinstance(states, bytes | bytearray):
+        return len(states) - len(states.lstrip(_HIT_BYTE))  # at C speed
+    for i, state in enumerate(states):
+        if state != HIT:
+            return i
+    return len(states)
+
+
+def sliding_window_hits(states: Sequence[int], window: int) -> int:
+    """Longest prefix whose last ``window`` blocks all hit.
+
+    Scans from the end for the rightmost run of ``window`` consecutive hits;
+    without one, falls back to the leading run of hits (shorter than the
+    window), as vLLM's sliding-window lookup does. ``window <= 0`` means the
+    whole prefix must hit (plain prefix mode).
+    """
+    if window <= 0:
+        return leading_hits(states)
+    run = 0
+    for idx in range(len(states) - 1, -1, -1):
+        if states[idx] == HIT:
+            run += 1
+            if run == window:
+                return idx + window
+        else:
+            run = 0
+    return run
+
+
+def _optimistic(states: Sequence[int]) -> list[int]:
+    return [HIT if s in (PENDING, RETRY) else s for s in states]
+
+
+def prefix_answer(states: Sequence[int], window: int = 0) -> tuple[int, bool]:
+    """(usable prefix length, defer).
+
+    ``defer`` is True when PENDING or RETRY keys could lengthen the answer
+    once they settle: the engine should ask again next step rather than
+    recompute what is about to become loadable.
+    """
+    if window > 0:
+        hits = sliding_window_hits(states, window)
+        return hits, sliding_window_hits(_optimistic(states), window) > hits
+    hits = leading_hits(states)
+    return hits, hits < len(states) and states[hits] in (PENDING, RETRY)

@@ -29,8 +29,7 @@ from kvtier.core import limits as check
 from kvtier.core.counts import CoreCounters, MapSizes, Promoted
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.locate import Location, Locator, Where
-from kvtier.core.lookup import LookupPlan, SeenProbes, plan_lookup, waits_for
-from kvtier.core.prefix import prefix_answer
+from kvtier.core.lookup import LookupPlan, SeenProbes, plan_lookup, prefix_answer, waits_for
 from kvtier.core.probes.runner import RemoteProbes, RemoteSlot
 from kvtier.core.probes.table import Verdict
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
@@ -41,6 +40,8 @@ from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLarge
 from kvtier.model import (
     HIT,
     MISS,
+    PENDING,
+    RETRY,
     STATE_NAMES,
     Buffer,
     ConnId,
@@ -290,7 +291,9 @@ class Service:
         hits, defer = prefix_answer(states, window)
         # A HIT is a read to come: the eviction policy hears of it (later,
         # before the next write, so the reply does not wait for it).
-        self.ram.touch_later(keys, len(keys) if req.mode == LookupMode.KEYS else hits)
+        touched = hits if req.mode != LookupMode.KEYS else len(keys) if HIT in states else 0
+        if touched:
+            self.ram.touch_later(keys, touched)
         if on_disk and self.disk_cfg.promote_on_lookup:
             # Start loading the usable disk hits into RAM: the GET comes next.
             limit = hits if req.mode != LookupMode.KEYS else len(keys)
@@ -299,7 +302,8 @@ class Service:
                     break
                 if states[i] == HIT:  # not one the reader's bound expired
                     self._load_from_disk(keys[i])  # a key listed twice is read once
-        waits = waits_for(states, settles, req.mode) if seen is not None and settles else []
+        unsettled = seen is not None and settles and (PENDING in states or RETRY in states)
+        waits = waits_for(states, settles, req.mode) if unsettled else []
         return LookupReply(bytes(states), hits, defer), waits, bound_at
 
     def _start(

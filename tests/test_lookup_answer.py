@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.core.prefix import leading_hits, prefix_answer, sliding_window_hits
+from kvtier.core.lookup import leading_hits, prefix_answer, sliding_window_hits
 from kvtier.model import HIT, MISS, PENDING, RETRY
 
 
