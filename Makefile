@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm test-lmcache bench-vllm bench-lmcache bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,8 +97,35 @@ test-lmcache: $(LMCACHE_STAMP)
 	  $(LMCACHE_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
 	  --rootdir . --confcutdir tests/lmcache --timeout 300 tests/lmcache
 
+# SGLang's HiCache on CPU, in a venv of its own (.venv-sglang, ~6 GB: SGLang's
+# pinned torch 2.14.1 build, which runs on the CPU, and the torchvision its
+# host KV pool's imports need): kvtier's storage built by SGLang's own
+# StorageBackendFactory, moving pages of its real host pool, against a daemon
+# from the main venv.
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): tests/sglang/requirements.txt pyproject.toml | $(STAMP)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==0.5.23
+	echo "torch==2.14.1" > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_VENV)/bin/pip install --quiet -r tests/sglang/requirements.txt -c $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier \
+	  $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
+	  --rootdir . --confcutdir tests/sglang --timeout 300 tests/sglang
+
 # Every engine integration's loads and stores against memcpy of the same bytes.
-bench-engines: bench-vllm bench-lmcache
+bench-engines: bench-vllm bench-lmcache bench-sglang
+
+# Pages loaded and stored through the SGLang backend vs memcpy of the same bytes.
+bench-sglang: $(SGLANG_STAMP)
+	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(SGLANG_VENV)/bin/python -m benchmarks.sglang
 
 # Loads and stores through the LMCache connector vs memcpy of the same bytes.
 bench-lmcache: $(LMCACHE_STAMP)
@@ -141,4 +168,4 @@ soak-fleet: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m benchmarks.soak_fleet
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(SGLANG_VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -25,4 +25,4 @@ async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
 
 #: tests/vllm and tests/lmcache run in venvs of their own (make test-vllm,
 #: make test-lmcache), where the engine is installed
-collect_ignore = ["vllm", "lmcache"]
+collect_ignore = ["vllm", "lmcache", "sglang"]

@@ -19,10 +19,12 @@ it already knows and asks the daemon in the background:
 * With the daemon down, lookups answer MISS and jobs fail at once;
   connecting again is retried with exponential backoff.
 
-All I/O runs on a private event loop in a daemon thread; the engine-facing
+All I/O runs on a private event loop in a daemon thread (a
+:class:`DaemonLink`, which the SGLang backend shares); the engine-facing
 methods only enqueue work and read results, and are meant to be called from
-one thread (the scheduler's). Imports the client, the shared records and the
-loop choice only.
+one thread (the scheduler's). :func:`block_key` is the one way an engine's
+block name becomes a daemon key. Imports the client, the shared records and
+the loop choice only.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import hashlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +51,88 @@ from kvtier.model import HIT, MISS, Buffer, LookupMode
 log = logging.getLogger("kvtier.engine")
 
 T = TypeVar("T")
+
+
+def block_key(namespace: bytes, name: str | bytes) -> bytes:
+    """The daemon's key for an engine's block ``name``: its 32-byte BLAKE2b,
+    after ``namespace`` and a slash when there is one (so any name length
+    fits the daemon's key limit, and namespaces never collide)."""
+    raw = name.encode() if isinstance(name, str) else name
+    digest = hashlib.blake2b(raw, digest_size=32).digest()
+    return namespace + b"/" + digest if namespace else digest
+
+
+class DaemonLink:
+    """One daemon connection on a private event loop in a daemon thread,
+    for engines that call from threads of their own.
+
+    The connection is dialled on first use and again after a failure, with
+    exponential backoff on the injected clock (:class:`Redial`); while the
+    daemon is down callers fail at once with a :class:`KvtierError`.
+    :meth:`submit` starts a coroutine on the loop; :meth:`call` runs one and
+    waits at most ``timeout`` for it (a call past it is cancelled on the
+    loop and raises :class:`TimeoutError`), so no engine thread ever blocks
+    on the daemon longer than it said.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | Path | None = None,
+        *,
+        timeout: float = 10.0,
+        backoff: tuple[float, float] = (0.05, 5.0),
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "kvtier-engine",
+    ) -> None:
+        self.socket_path = socket_path
+        #: the longest any one request may take (the client's own timeout)
+        self.timeout = timeout
+        self.redial = Redial(
+            self._dial, what="kvtier daemon", backoff=Backoff(*backoff), clock=clock
+        )
+        self._loop = loops.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._loop.is_closed() else "open"
+        return f"<DaemonLink {self.socket_path or 'default socket'} {state} {self.redial!r}>"
+
+    @property
+    def connected(self) -> bool:
+        return self.redial.connected
+
+    async def client(self) -> Client:
+        """The connection, dialled if needed (on the link's loop only)."""
+        return await self.redial.client()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, fn: Callable[[Client], Awaitable[T]], timeout: float | None = None) -> T:
+        """``fn(client)`` on the loop, waited on from this thread for at most
+        ``timeout`` (default: the link's)."""
+
+        async def run() -> T:
+            return await fn(await self.redial.client())
+
+        future = self.submit(run())
+        try:
+            return future.result(self.timeout if timeout is None else timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError("the kvtier daemon did not answer in time") from None
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self.submit(self.redial.close()).result(self.timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _dial(self) -> Client:
+        return await Client.connect(self.socket_path, timeout=self.timeout)
 
 
 class Answer(enum.Enum):
@@ -120,21 +205,13 @@ class EngineTier:
             queue.SimpleQueue()
         )
         self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
-        # -- loop-thread state
-        #: the daemon connection, dialled again after a failure with backoff
-        self._redial = Redial(
-            self._dial, what="kvtier daemon", backoff=Backoff(*backoff), clock=clock
-        )
-        self._loop = loops.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kvtier-engine", daemon=True
-        )
-        self._thread.start()
+        #: the daemon connection and the loop all I/O runs on
+        self._link = DaemonLink(socket_path, timeout=timeout, backoff=backoff, clock=clock)
 
     def __repr__(self) -> str:
         return (
             f"<EngineTier requests={len(self._requests)} jobs={len(self._jobs)} "
-            f"failed_keys={len(self._failed)} connected={self._redial.connected}>"
+            f"failed_keys={len(self._failed)} connected={self._link.connected}>"
         )
 
     # ------------------------------------------------------------ scheduler side
@@ -221,19 +298,11 @@ class EngineTier:
         self._calls = {f for f in self._calls if not f.done()}
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
         self.drain(self.timeout)
-        self._run(self._redial.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._link.close()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._submit(coro).result()
+        return self._link.submit(coro)
 
     def _count_answer(self, answer: Answer) -> Answer:
         name = f"lookup_{answer.value}"
@@ -265,12 +334,9 @@ class EngineTier:
 
     # ------------------------------------------------------------ loop side
 
-    async def _dial(self) -> Client:
-        return await Client.connect(self.socket_path, timeout=self.timeout)
-
     async def _connected(self) -> Client:
         """The client, connecting (with backoff after a failure) if needed."""
-        return await self._redial.client()
+        return await self._link.client()
 
     async def _lookup(self, request_id: str, tag: bytes, keys: list[bytes]) -> None:
         states: bytes | None = None

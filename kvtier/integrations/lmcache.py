@@ -33,7 +33,6 @@ LMCache's event loop; imports LMCache, torch and the kvtier client only.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvtier.client import Client
 from kvtier.client.redial import Redial
 from kvtier.errors import KvtierError
+from kvtier.integrations.engine import block_key
 from kvtier.model import HIT, LookupMode
 
 log = logging.getLogger("kvtier.lmcache")
@@ -86,8 +86,7 @@ class KvtierConnector(RemoteConnector):
 
     def key(self, key: CacheEngineKey) -> bytes:
         """The daemon's key for one of LMCache's: 32 bytes, namespaced."""
-        digest = hashlib.blake2b(key.to_string().encode(), digest_size=32).digest()
-        return self.namespace + b"/" + digest if self.namespace else digest
+        return block_key(self.namespace, key.to_string())
 
     # ------------------------------------------------------------ lookups
 

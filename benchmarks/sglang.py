@@ -1,0 +1,127 @@
+"""make bench-sglang: pages loaded and stored through kvtier's SGLang backend.
+
+Runs in .venv-sglang. For pages of 256 KiB to 2 MiB (a page is its K and its
+V half, one block each; 64 MiB per run, median of 5 runs after a warm-up),
+in one run: GB/s of ``batch_get_v1`` and ``batch_set_v1`` on the backend
+SGLang's own ``StorageBackendFactory`` builds, moving pages of SGLang's real
+host KV pool (page-first, on the CPU; a daemon on a Unix socket), and of a
+plain memcpy of the same pages between the same pool's pages (the ceiling).
+Prints the figures and the ratios.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from tests.sglang.conftest import start_daemon
+from tests.sglang.test_storage import storage_config
+
+TOTAL = 64 * 1024 * 1024
+RUNS = 5
+KiB, MiB = 1024, 1024 * 1024
+TOKENS, LAYERS, HEAD_DIM = 16, 4, 128
+#: SGLang's batch of pages per storage call
+BATCH = 16
+
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def pool(page_bytes: int, pages: int) -> MHATokenToKVPoolHost:
+    """A host pool whose pages are ``page_bytes`` (K and V halves of bf16)."""
+    heads = page_bytes // (2 * LAYERS * TOKENS * HEAD_DIM * 2)
+    device = MHATokenToKVPool(
+        size=TOKENS * pages,
+        page_size=TOKENS,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    return MHATokenToKVPoolHost(
+        device._mha_buffer_info(),
+        2.0,
+        0,
+        TOKENS,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        allocator_type="default",
+        device_capacity_tokens=TOKENS * pages,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+    )
+
+
+def measure(page_bytes: int, socket: Path) -> dict[str, float]:
+    count = TOTAL // page_bytes
+    host = pool(page_bytes, count)
+    storage = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(socket, timeout=60.0), host
+    )
+    storage.register_mem_pool_host(host)
+    src = host.alloc(count * TOKENS)
+    dst = host.alloc(count * TOKENS)
+    host.kv_buffer.view(torch.uint8).random_()
+    keys = [f"{page_bytes:016x}{i:048x}" for i in range(count)]
+    step = BATCH * TOKENS
+    gets, sets, copies = [], [], []
+    for attempt in range(RUNS + 1):
+        started = time.perf_counter()
+        for i in range(0, count, BATCH):
+            pages = src[i * TOKENS : i * TOKENS + step]
+            assert all(storage.batch_set_v1(keys[i : i + BATCH], pages))
+        set_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for i in range(0, count, BATCH):
+            pages = dst[i * TOKENS : i * TOKENS + step]
+            assert all(storage.batch_get_v1(keys[i : i + BATCH], pages))
+        get_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for i in range(0, count, BATCH):
+            froms, sizes = host.get_page_buffer_meta(src[i * TOKENS : i * TOKENS + step])
+            tos, _ = host.get_page_buffer_meta(dst[i * TOKENS : i * TOKENS + step])
+            for a, b, n in zip(tos, froms, sizes, strict=True):
+                ctypes.memmove(a, b, n)
+        copy_s = time.perf_counter() - started
+        if attempt:  # the first run warms up
+            sets.append(set_s)
+            gets.append(get_s)
+            copies.append(copy_s)
+    storage.clear()
+    storage.close()
+    return {"get": gbps(TOTAL, gets), "set": gbps(TOTAL, sets), "memcpy": gbps(TOTAL, copies)}
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="kvt-bench-sgl-", dir="/tmp") as tmp:
+        daemon = start_daemon(Path(tmp))
+        try:
+            print("page     get GB/s  set GB/s  memcpy GB/s  get/memcpy  set/memcpy")
+            for page in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
+                r = measure(page, daemon.socket_path)
+                print(
+                    f"{page // KiB:5d} KiB {r['get']:8.2f}  {r['set']:8.2f}  {r['memcpy']:11.2f}"
+                    f"  {r['get'] / r['memcpy']:9.2f}x  {r['set'] / r['memcpy']:9.2f}x"
+                )
+        finally:
+            daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

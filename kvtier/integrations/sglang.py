@@ -1,0 +1,345 @@
+"""kvtier as SGLang's HiCache storage (L3): :class:`KvtierStorage`.
+
+SGLang builds it from its dynamic backend config::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{
+        "backend_name": "kvtier",
+        "module_path": "kvtier.integrations.sglang",
+        "class_name": "KvtierStorage",
+        "interface_v1": 1,
+        "socket": "/run/user/1000/kvtier/kvtier.sock",
+        "namespace": "llama-3-8b"}'
+
+(``socket``, ``namespace``, ``timeout`` and ``pending_wait`` are optional;
+see docs/sglang.md.) With ``interface_v1`` SGLang calls
+:meth:`~KvtierStorage.batch_get_v1` and :meth:`~KvtierStorage.batch_set_v1`
+with host-pool indices: each page's buffers (K and V for MHA, one for MLA)
+are resolved through the host pool and move straight between the pool's
+memory and the daemon, one block per buffer, with no intermediate copy.
+
+A page's blocks are named by SGLang's page hash, this rank's suffix (model,
+tensor-, pipeline- and context-parallel rank, as SGLang's own file backend
+keys its files; MLA pages are shared by the tensor-parallel ranks) and the
+buffer's index, then hashed into the namespace (:func:`block_key`).
+
+The promises of every kvtier integration: SGLang's controller threads never
+wait on the daemon longer than ``timeout`` (default 1 s) plus, for
+``batch_exists``, ``pending_wait``; ``batch_exists`` is one LOOKUP in prefix
+mode in which a block another writer is still storing is waited for at most
+``pending_wait`` (default 0.5 s, to be kept below SGLang's prefetch timeout)
+and then reads as a miss; the daemon down means misses and failed stores,
+never an exception, and the connection is dialled again with backoff.
+Imports SGLang, torch and kvtier's engine layer only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvtier.client import Client
+from kvtier.errors import KvtierError
+from kvtier.integrations.engine import DaemonLink, block_key
+from kvtier.model import HIT, LookupMode
+
+log = logging.getLogger("kvtier.sglang")
+
+#: how long one request may take by default (seconds)
+DEFAULT_TIMEOUT = 1.0
+#: how long ``batch_exists`` waits for blocks another writer is storing
+DEFAULT_PENDING_WAIT = 0.5
+#: keys per DELETE when clearing
+CLEAR_BATCH = 1024
+#: what a failed call reads as: a miss, never an exception in SGLang's threads
+FAILURES = (KvtierError, OSError, TimeoutError)
+
+
+def rank_suffix(config: HiCacheStorageConfig) -> str:
+    """What tells this rank's pages apart from another's with the same hash."""
+    model = "-".join((config.model_name or "").split("/"))
+    shard = f"_{config.pp_size}_{config.pp_rank}" if config.pp_size > 1 else ""
+    if config.attn_cp_size > 1:
+        shard += f"_cp{config.attn_cp_rank}_{config.attn_cp_size}"
+    if config.is_mla_model:  # MLA pages are the same on every tensor-parallel rank
+        return f"_{model}{shard}"
+    return f"_{model}_{config.tp_rank}_{config.tp_size}{shard}"
+
+
+def _view(address: int, size: int) -> memoryview:
+    """``size`` bytes of the host pool at ``address``, without a copy."""
+    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("kvtier reads and writes contiguous CPU tensors only")
+    return _view(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+class KvtierStorage(HiCacheStorage):
+    """A ``HiCacheStorage`` over a kvtier daemon's socket."""
+
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
+    ) -> None:
+        extra: dict[str, Any] = dict(storage_config.extra_config or {})
+        extra.update(kwargs or {})
+        self.namespace: bytes = str(extra.get("namespace", "")).encode()
+        self.timeout = float(extra.get("timeout", DEFAULT_TIMEOUT))
+        self.pending_wait = float(extra.get("pending_wait", DEFAULT_PENDING_WAIT))
+        if self.timeout <= 0 or self.pending_wait < 0:
+            raise ValueError("kvtier: timeout must be > 0 and pending_wait >= 0")
+        self.suffix = rank_suffix(storage_config)
+        self.metrics_enabled = bool(storage_config.enable_storage_metrics)
+        #: SGLang calls the zero-copy page interface (else whole pages as tensors)
+        self.zero_copy = bool(int(extra.get("interface_v1", 0)))
+        self.link = DaemonLink(extra.get("socket"), timeout=self.timeout, name="kvtier-sglang")
+        self.mem_pool_host: Any = None
+        #: buffers per page in the host pool (K and V: 2; MLA: 1)
+        self.parts = 1
+        #: guards the counters and the metric lists: SGLang calls from several threads
+        self._lock = threading.Lock()
+        #: the blocks this backend stored: what ``clear`` deletes
+        self._stored: set[bytes] = set()
+        #: what this backend did, for the engine's logs and the tests
+        self.counts: dict[str, int] = {}
+        #: per batch since the last ``get_stats``: pages, and GB/s
+        self._pages: dict[str, list[float]] = {"get": [], "set": []}
+        self._bandwidth: dict[str, list[float]] = {"get": [], "set": []}
+
+    def __repr__(self) -> str:
+        return f"<KvtierStorage {self.suffix!r} parts={self.parts} {self.link!r}>"
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if not self.zero_copy:
+            return  # the tensor interface stores a page as one block
+        page = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
+        ptrs, _ = mem_pool_host.get_page_buffer_meta(page)
+        self.parts = len(ptrs)
+
+    def names(self, keys: Sequence[str], parts: int = 1) -> list[bytes]:
+        """The daemon's keys of ``keys``' pages, ``parts`` blocks per page."""
+        out: list[bytes] = []
+        for key in keys:
+            name = key + self.suffix
+            if parts == 1:
+                out.append(block_key(self.namespace, name))
+            else:
+                out.extend(block_key(self.namespace, f"{name}#{j}") for j in range(parts))
+        return out
+
+    # ------------------------------------------------------------ lookups
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many of ``keys``' pages, from the first, the daemon holds whole."""
+        if not keys:
+            return 0
+        names = self.names(keys, self.parts)
+
+        async def lookup(client: Client) -> int:
+            reply = await client.lookup(
+                names, mode=LookupMode.PREFIX, wait=self.pending_wait, timeout=self.timeout
+            )
+            raw = reply.raw_states  # only HIT counts: PENDING past the wait is a miss
+            return next((i for i in range(reply.prefix_hits) if raw[i] != HIT), reply.prefix_hits)
+
+        try:
+            hits = self.link.call(lookup, self.timeout + self.pending_wait)
+        except FAILURES as exc:
+            log.debug("lookup failed (%s): every page reads as a miss", exc)
+            self._count("lookup_failures")
+            return 0
+        self._count("lookups")
+        return hits // self.parts
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ------------------------------------------------------------ zero-copy pages
+
+    def _page_views(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[memoryview]:
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if len(ptrs) != len(keys) * self.parts:
+            raise ValueError(
+                f"{len(ptrs)} page buffers for {len(keys)} keys of {self.parts} buffers each"
+            )
+        return [_view(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Each page received straight into the host pool; per page, whether it landed whole."""
+        if not keys:
+            return []
+        views = self._page_views(keys, host_indices)
+        names = self.names(keys, self.parts)
+        started = time.perf_counter()
+        try:
+            sizes = self.link.call(lambda c: c.get_many_into(names, views, timeout=self.timeout))
+        except FAILURES as exc:
+            log.debug("load failed (%s): every page reads as a miss", exc)
+            self._count("load_failures")
+            return [False] * len(keys)
+        landed = [s is not None and s == v.nbytes for s, v in zip(sizes, views, strict=True)]
+        p = self.parts
+        out = [all(landed[i * p : (i + 1) * p]) for i in range(len(keys))]
+        ok = out.index(False) if False in out else len(out)
+        nbytes = sum(v.nbytes for v in views[: ok * p])
+        self._count("loaded_bytes", nbytes)
+        self._observe("get", ok, nbytes, time.perf_counter() - started)
+        return out
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Each page sent straight from the host pool; all True once the daemon has every byte."""
+        if not keys:
+            return []
+        views = self._page_views(keys, host_indices)
+        return self._put(self.names(keys, self.parts), views, len(keys))
+
+    # ------------------------------------------------------------ tensors (the older interface)
+
+    def get(
+        self,
+        key: str,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> list[torch.Tensor | None]:
+        """Each page received into its target tensor; None where missing."""
+        if target_locations is None:
+            raise ValueError("kvtier loads into the target tensors SGLang passes")
+        views = [_tensor_bytes(t) for t in target_locations]
+        names = self.names(keys)
+        try:
+            sizes = self.link.call(lambda c: c.get_many_into(names, views, timeout=self.timeout))
+        except FAILURES as exc:
+            log.debug("load failed (%s): every page reads as a miss", exc)
+            self._count("load_failures")
+            return [None] * len(keys)
+        out: list[torch.Tensor | None] = []
+        for target, view, size in zip(target_locations, views, sizes, strict=True):
+            out.append(target if size == view.nbytes else None)
+        return out
+
+    def set(
+        self,
+        key: str,
+        value: Any = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        if values is None:
+            raise ValueError("kvtier stores the value tensors SGLang passes")
+        views = [_tensor_bytes(v) for v in values]
+        return all(self._put(self.names(keys), views, len(keys)))
+
+    def _put(self, names: list[bytes], views: list[memoryview], pages: int) -> list[bool]:
+        started = time.perf_counter()
+        try:
+            self.link.call(lambda c: c.put_many(names, views, timeout=self.timeout))
+        except FAILURES as exc:
+            log.debug("store of %d page(s) dropped: %s", pages, exc)
+            self._count("store_failures")
+            return [False] * pages
+        with self._lock:
+            self._stored.update(names)
+        nbytes = sum(v.nbytes for v in views)
+        self._count("stored_bytes", nbytes)
+        self._observe("set", pages, nbytes, time.perf_counter() - started)
+        return [True] * pages
+
+    # ------------------------------------------------------------ the rest
+
+    def clear(self) -> None:
+        """Delete every block this backend stored (SGLang's
+        ``clear_hicache_storage_backend``). Blocks other engines stored, even
+        under the same names, are theirs to drop: the daemon is shared."""
+        with self._lock:
+            names, self._stored = list(self._stored), set()
+        for start in range(0, len(names), CLEAR_BATCH):
+            batch = names[start : start + CLEAR_BATCH]
+
+            async def delete(client: Client, batch: list[bytes] = batch) -> list[bool]:
+                return await client.delete_many(batch, timeout=self.timeout)
+
+            try:
+                self.link.call(delete)
+            except FAILURES as exc:
+                log.warning("clear: %d block(s) left in the daemon: %s", len(names) - start, exc)
+                with self._lock:
+                    self._stored.update(names[start:])
+                return
+        self._count("cleared", len(names))
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call (None unless its
+        storage metrics are on)."""
+        if not self.metrics_enabled:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._lock:
+            metrics.prefetch_pgs.extend(int(n) for n in self._pages["get"])
+            metrics.backup_pgs.extend(int(n) for n in self._pages["set"])
+            metrics.prefetch_bandwidth.extend(self._bandwidth["get"])
+            metrics.backup_bandwidth.extend(self._bandwidth["set"])
+            for series in (*self._pages.values(), *self._bandwidth.values()):
+                series.clear()
+        return metrics
+
+    def close(self) -> None:
+        self.link.close()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] = self.counts.get(name, 0) + n
+
+    def _observe(self, what: str, pages: int, nbytes: int, seconds: float) -> None:
+        if not self.metrics_enabled:
+            return
+        with self._lock:
+            self._pages[what].append(pages)
+            self._bandwidth[what].append(nbytes / max(seconds, 1e-9) / 1e9)
+
+
+__all__ = ["KvtierStorage", "rank_suffix"]

@@ -1,0 +1,286 @@
+"""kvtier behind SGLang's HiCache: built by SGLang's own StorageBackendFactory
+from the dynamic backend config, moving pages of SGLang's real host KV pool,
+against a real daemon process."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvtier import BlockingClient
+from kvtier.integrations.sglang import KvtierStorage
+from tests.sglang.conftest import Daemon, start_daemon
+
+PAGE = 16  # tokens per page
+LAYERS, HEADS, HEAD_DIM = 2, 4, 64
+#: bytes of one page's K (and of its V): layers x tokens x heads x head size x bf16
+PART = LAYERS * PAGE * HEADS * HEAD_DIM * 2
+
+
+def host_pool(allocator: str = "default") -> MHATokenToKVPoolHost:
+    """SGLang's host KV pool on the CPU, page-first, as HiCache builds it."""
+    device = MHATokenToKVPool(
+        size=PAGE * 16,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    return MHATokenToKVPoolHost(
+        device._mha_buffer_info(),
+        2.0,
+        0,
+        PAGE,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        allocator_type=allocator,
+        device_capacity_tokens=PAGE * 16,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+    )
+
+
+def storage_config(
+    socket: Path, *, tp_rank: int = 0, metrics: bool = False, **extra: Any
+) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=metrics,
+        is_page_first_layout=True,
+        model_name="org/tiny",
+        extra_config={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KvtierStorage",
+            "interface_v1": 1,
+            "socket": str(socket),
+            "timeout": 2.0,
+            **extra,
+        },
+    )
+
+
+class Engine:
+    """One SGLang rank's L3 storage over its own host pool, as HiCache sets it up."""
+
+    def __init__(self, socket: Path, allocator: str = "default", **config: Any) -> None:
+        self.pool = host_pool(allocator)
+        backend = StorageBackendFactory.create_backend(
+            "dynamic", storage_config(socket, **config), self.pool
+        )
+        assert isinstance(backend, KvtierStorage), type(backend)
+        backend.register_mem_pool_host(self.pool)
+        self.storage = backend
+
+    def fill(self, pages: int) -> tuple[torch.Tensor, list[bytes]]:
+        """Host indices of ``pages`` new pages holding random bytes, and those bytes."""
+        indices = self.pool.alloc(pages * PAGE)
+        assert indices is not None
+        return indices, [self.page_bytes(indices, i, random=True) for i in range(pages)]
+
+    def page_bytes(self, indices: torch.Tensor, page: int, random: bool = False) -> bytes:
+        """Page ``page`` of ``indices``: its K then its V bytes (written first if ``random``)."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(indices[page * PAGE : (page + 1) * PAGE])
+        out = b""
+        for ptr, size in zip(ptrs, sizes, strict=True):
+            buf = memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
+            if random:
+                buf[:] = os.urandom(size)
+            out += bytes(buf)
+        return out
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+def hashes(n: int, base: int = 0) -> list[str]:
+    """SGLang-like page hashes (hex SHA-256 strings)."""
+    return [f"{base + i:064x}" for i in range(n)]
+
+
+@pytest.fixture
+def eng(daemon: Daemon) -> Iterator[Engine]:
+    e = Engine(daemon.socket_path)
+    yield e
+    e.close()
+
+
+def test_sglang_builds_our_backend_and_pages_round_trip(eng: Engine, daemon: Daemon) -> None:
+    storage = eng.storage
+    assert storage.parts == 2  # an MHA page is its K and its V
+    keys = hashes(4)
+    src, pages = eng.fill(4)
+    assert storage.batch_exists(keys) == 0
+    assert storage.batch_set_v1(keys, src) == [True] * 4
+    assert storage.batch_exists(keys) == 4
+    # Into other pages of the pool: byte-identical, straight into its memory.
+    dst = eng.pool.alloc(4 * PAGE)
+    assert storage.batch_get_v1(keys, dst) == [True] * 4
+    assert [eng.page_bytes(dst, i) for i in range(4)] == pages
+    # One LOOKUP in prefix mode per batch_exists; a gap ends the prefix.
+    lookups = daemon.total("kvtier_lookup_keys_total")
+    chain = [keys[0], keys[1], hashes(1, base=99)[0], keys[2]]
+    assert storage.batch_exists(chain) == 2
+    assert daemon.total("kvtier_lookup_keys_total") - lookups == len(chain) * 2
+    missing = eng.pool.alloc(2 * PAGE)
+    assert storage.batch_get_v1([keys[3], hashes(1, base=99)[0]], missing) == [True, False]
+    assert storage.counts["stored_bytes"] == 4 * 2 * PART
+    assert daemon.stats()["tiers"]["ram"]["blocks"] == 8
+
+
+def test_the_older_tensor_interface_round_trips(daemon: Daemon) -> None:
+    eng = Engine(daemon.socket_path, interface_v1=0)
+    storage = eng.storage
+    assert storage.parts == 1  # a page is one tensor here
+    value = torch.randint(0, 255, (PART,), dtype=torch.uint8)
+    assert storage.exists("ab" * 32) is False
+    assert storage.set("ab" * 32, value) is True
+    assert storage.exists("ab" * 32) is True
+    target = torch.zeros(PART, dtype=torch.uint8)
+    got = storage.get("ab" * 32, target)
+    assert got is target and torch.equal(target, value)
+    assert storage.batch_get(["cd" * 32], [torch.zeros(PART, dtype=torch.uint8)]) == [None]
+    eng.close()
+
+
+def test_two_ranks_share_pages_and_other_models_and_ranks_do_not(
+    daemon: Daemon,
+) -> None:
+    a = Engine(daemon.socket_path, allocator="shm")  # SGLang's memfd-backed host pool
+    b = Engine(daemon.socket_path)
+    other_rank = Engine(daemon.socket_path, tp_rank=1)
+    other_model = Engine(daemon.socket_path, namespace="another-model")
+    try:
+        keys = hashes(2, base=10)
+        src, pages = a.fill(2)
+        assert a.storage.batch_set_v1(keys, src) == [True, True]
+        dst = b.pool.alloc(2 * PAGE)
+        assert b.storage.batch_get_v1(keys, dst) == [True, True]
+        assert [b.page_bytes(dst, i) for i in range(2)] == pages
+        assert other_rank.storage.batch_exists(keys) == 0  # its own shard of each page
+        assert other_model.storage.batch_exists(keys) == 0
+    finally:
+        for e in (a, b, other_rank, other_model):
+            e.close()
+
+
+def test_a_page_another_writer_is_storing_waits_bounded_then_reads_as_a_miss(
+    daemon: Daemon,
+) -> None:
+    e = Engine(daemon.socket_path, pending_wait=0.2)
+    try:
+        keys = hashes(1, base=20)
+        names = e.storage.names(keys, e.storage.parts)
+        with BlockingClient(daemon.socket_path) as writer:
+            writer.reserve(names, [PART] * len(names), deadline=60.0)  # storing, for a minute
+            assert e.storage.batch_exists(keys) == 0  # after at most pending_wait
+            assert writer.abort(names) == [True, True]
+        assert e.storage.counts["lookups"] == 1
+    finally:
+        e.close()
+
+
+def test_a_page_that_lands_while_its_lookup_waits_reads_as_a_hit(daemon: Daemon) -> None:
+    reader = Engine(daemon.socket_path, pending_wait=30.0)
+    try:
+        keys = hashes(1, base=30)
+        names = reader.storage.names(keys, reader.storage.parts)
+        k, v = os.urandom(PART), os.urandom(PART)
+        with BlockingClient(daemon.socket_path) as writer:
+            writer.reserve(names, [PART, PART], deadline=60.0)
+            answer: list[int] = []
+            waiting = threading.Thread(
+                target=lambda: answer.append(reader.storage.batch_exists(keys))
+            )
+            waiting.start()
+            # The writer's PUT lands: a lookup already waiting wakes to HIT,
+            # one that comes later finds it.
+            writer.put_many(names, [k, v])
+            waiting.join(30)
+        assert answer == [1]
+        dst = reader.pool.alloc(PAGE)
+        assert reader.storage.batch_get_v1(keys, dst) == [True]
+        assert reader.page_bytes(dst, 0) == k + v
+    finally:
+        reader.close()
+
+
+def test_the_daemon_killed_and_restarted_means_misses_then_recovery(workdir: Path) -> None:
+    d = start_daemon(workdir)
+    e = Engine(d.socket_path)
+    try:
+        keys = hashes(2, base=40)
+        src, pages = e.fill(2)
+        assert e.storage.batch_set_v1(keys, src) == [True, True]
+        d.proc.kill()
+        d.proc.wait(30)
+        # Down: misses and failed stores; no exception reaches SGLang's threads.
+        dst = e.pool.alloc(2 * PAGE)
+        assert e.storage.batch_exists(keys) == 0
+        assert e.storage.batch_get_v1(keys, dst) == [False, False]
+        assert e.storage.batch_set_v1(keys, src) == [False, False]
+        assert e.storage.counts["store_failures"] >= 1
+        # Back (RAM starts empty): dialled again once the backoff has passed.
+        d = start_daemon(workdir)
+        for _ in range(100_000):
+            if e.storage.batch_set_v1(keys, src) == [True, True]:
+                break
+        assert e.storage.batch_exists(keys) == 2
+        assert e.storage.batch_get_v1(keys, dst) == [True, True]
+        assert [e.page_bytes(dst, i) for i in range(2)] == pages
+        maps = d.stats()["maps"]
+        assert maps["reservations"] == 0 and maps["probes_inflight"] == 0
+        assert maps["request_states"] == 0 and maps["timers"] == 0
+    finally:
+        e.close()
+        d.stop()
+
+
+def test_clear_deletes_what_this_backend_stored_and_stats_are_sglangs(daemon: Daemon) -> None:
+    e = Engine(daemon.socket_path, metrics=True)
+    try:
+        keys = hashes(3, base=50)
+        src, _ = e.fill(3)
+        assert e.storage.batch_set_v1(keys, src) == [True] * 3
+        assert e.storage.batch_get_v1(keys, e.pool.alloc(3 * PAGE)) == [True] * 3
+        stats = e.storage.get_stats()
+        assert isinstance(stats, StorageMetrics)
+        assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+        assert len(stats.backup_bandwidth) == 1 and stats.backup_bandwidth[0] > 0
+        assert e.storage.get_stats().backup_pgs == []  # since the last call
+        e.storage.clear()
+        assert e.storage.batch_exists(keys) == 0
+        assert e.storage.counts["cleared"] == 6
+        assert daemon.stats()["tiers"]["ram"]["blocks"] == 0
+    finally:
+        e.close()
+
+
+def test_a_bad_setting_is_refused_when_sglang_builds_the_backend(daemon: Daemon) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config(daemon.socket_path, timeout=0), None
+        )
