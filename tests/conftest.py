@@ -23,6 +23,6 @@ async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
         yield d
 
 
-#: tests/vllm and tests/lmcache run in venvs of their own (make test-vllm,
-#: make test-lmcache), where the engine is installed
+#: tests/vllm, tests/lmcache and tests/sglang run in venvs of their own
+#: (make test-vllm, test-lmcache, test-sglang), where the engine is installed
 collect_ignore = ["vllm", "lmcache", "sglang"]

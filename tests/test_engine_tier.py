@@ -3,13 +3,15 @@ loads straight into the engine's rows, stores from them, failures as MISS."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier import BlockingClient
-from kvtier.integrations.engine import Answer, EngineTier
+from kvtier.client import Client
+from kvtier.integrations.engine import Answer, DaemonLink, EngineTier, block_key
 from tests.helpers import DaemonProcess
 
 BLOCK = 64 * 1024
@@ -143,3 +145,28 @@ def test_daemon_down_means_miss_and_failed_jobs_then_reconnects(sock_dir: Path) 
             proc.stop()
     finally:
         tier.close()
+
+
+def test_the_daemon_link_bounds_every_call_and_names_blocks_apart(proc: DaemonProcess) -> None:
+    link = DaemonLink(proc.socket_path, timeout=5.0)
+    try:
+        assert "open" in repr(link) and not link.connected
+        assert link.call(lambda c: c.ping(b"x")) == b"x"
+        assert link.connected
+        gate = asyncio.Event()  # never set: the call outlives its bound
+        started: list[int] = []
+
+        async def stuck(client: Client) -> None:
+            started.append(1)
+            await gate.wait()
+
+        with pytest.raises(TimeoutError):
+            link.call(stuck, timeout=0.05)
+        assert started == [1]
+        assert link.call(lambda c: c.ping(b"y")) == b"y"  # the link is still good
+    finally:
+        link.close()
+    assert "closed" in repr(link)
+    a, b = block_key(b"", "page"), block_key(b"model-a", "page")
+    assert len(a) == 32 and b == b"model-a/" + a
+    assert block_key(b"model-a", b"page") == b != block_key(b"model-b", "page")
