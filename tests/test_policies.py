@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy, SeenFilter
+from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy, Mode, SeenFilter
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import POLICIES, LRUPolicy, make_policy
 from kvtier.tiers.ram import RamTier
@@ -63,19 +63,34 @@ def test_arc_ghost_hits_move_its_target() -> None:
     assert len(arc) == 4
 
 
-def test_history_arc_admits_a_key_seen_long_ago_as_frequent() -> None:
+def test_history_arc_orders_by_recency_until_a_candidate_beats_lru() -> None:
     harc = HistoryARCPolicy()
-    budget = Budget(4, harc)
-    fill(budget, [k(0)])
-    fill(budget, [k(i) for i in range(1, 40)])  # k(0) is evicted, its ghost aged out
-    assert k(0) not in budget
-    plain = ARCPolicy()
-    plain_budget = Budget(4, plain)
-    fill(plain_budget, [k(i) for i in range(40)])
-    fill(budget, [k(0)])
-    fill(plain_budget, [k(0)])
-    assert "t2=1" in repr(harc)  # remembered by the seen filter: straight to T2
-    assert "t2=0" in repr(plain)  # ARC's ghosts reach back only c keys
+    budget = Budget(3, harc)
+    fill(budget, [k(0), k(1), k(2)])  # all in T1
+    budget.touch(k(0))  # k(0) to T2, now the most recently used
+    assert harc.mode is Mode.LRU  # no candidate has beaten LRU yet
+    # LRU order over T1 and T2 alike (ARC would offer T1's k(1), k(2) first).
+    assert list(harc.candidates()) == [k(1), k(2), k(0)]
+    assert "mode=lru" in repr(harc)
+
+
+def test_history_arc_takes_over_where_lru_fails_and_remembers_keys_seen_long_ago() -> None:
+    harc, lru = HistoryARCPolicy(), LRUPolicy[bytes]()
+    budgets = Budget(100, harc), Budget(100, lru)
+    hits = [0, 0]
+    # 50 hot keys come back every round after 300 one-time keys: further
+    # back than LRU's 100 slots or ARC's ghost lists reach, within the history.
+    fresh = iter(range(1000, 100_000))
+    for _ in range(30):
+        for i, budget in enumerate(budgets):
+            hits[i] += sum(k(h) in budget for h in range(50))
+        round_keys = [k(h) for h in range(50)] + [k(next(fresh)) for _ in range(300)]
+        for budget in budgets:
+            fill(budget, round_keys)
+    assert harc.mode is Mode.HISTORY and harc.uses_history
+    assert "mode=history" in repr(harc)
+    assert hits[1] == 0 and hits[0] >= 50 * 20  # the hot keys stay, in T2
+    assert all(k(h) in budgets[0] for h in range(50))
 
 
 def test_s3fifo_one_read_in_the_small_queue_earns_the_main_queue() -> None:

@@ -1,4 +1,4 @@
-"""ARC, and kvtier's default: ARC with a long frequency history. Pure.
+"""ARC, and kvtier's default: ARC with a long frequency history, never below LRU. Pure.
 
 ARC (Megiddo & Modha, FAST'03) keeps resident keys in two LRU lists, T1
 (seen once lately) and T2 (seen again), and remembers recently evicted
@@ -15,15 +15,29 @@ reach (the median gap of the Mooncake trace is ~7,000 blocks): the filter
 remembers, in ~10 bits a key, that a returning block was worth keeping.
 
 Whether that helps depends on the traffic (when most returning blocks are
-not worth it, it costs), so the policy decides online by set dueling: two
-shadow caches, ``c / SAMPLE`` keys each, replay the accesses of one key in
-``SAMPLE`` (chosen by hash), one with the history and one without; the
-history is used while its shadow hits at least as often. Old wins count
-for less (halved every 4 shadow capacities of sampled accesses).
+not worth it, it costs; on recency-friendly traffic ARC itself loses to
+plain LRU), so the policy decides online by set dueling among three
+candidates: ARC with the history, plain ARC, and LRU. Three shadow caches
+replay the accesses of one key in ``rate`` (chosen by hash; ``rate`` is
+``SAMPLE``, or less so that a shadow holds at least ``MIN_SHADOW`` keys, and
+1 for a small cache, which is then replayed whole), each ``c / rate`` keys;
+a cache that has never held ``MIN_DUEL`` keys is plain LRU.
+LRU orders the evictions unless the better ARC candidate's shadow out-hits
+LRU's by more than chance would: ``MARGIN`` standard deviations of the
+difference of the two counts. The mode is decided ``DECIDE`` times per
+shadow capacity of sampled accesses (flapping between two orders costs
+more than either loses), and old wins count for less (halved every
+``DECAY`` shadow capacities of sampled accesses). In LRU mode the victim is
+the least recently used key of T1 and T2 together (each is in order of
+last access; their merge by the access count each key records is the LRU
+order), so switching modes moves no key. Cost: each key records its last
+access (an int, ~30 bytes; plain ARC records it too) and the shadows hold
+``3c / rate`` keys more.
 
-Invariants: T1 and T2 hold exactly the resident keys, disjointly; B1 and B2
-hold only non-resident keys, at most ``c`` each after every admission;
-``0 <= p <= c``.
+Invariants: T1 and T2 hold exactly the resident keys, disjointly, each in
+order of last access; B1 and B2 hold only non-resident keys, at most ``c``
+each after every admission; ``0 <= p <= c``; the mode is LRU whenever no
+candidate's shadow leads LRU's by more than the margin.
 
 The history, :class:`SeenFilter`: a two-generation Bloom filter. Each
 generation is a Bloom filter of ``m`` bits (a power of two, 10 bits a key or
@@ -41,6 +55,9 @@ never added is seen only at the filter's false-positive rate.
 
 from __future__ import annotations
 
+import enum
+import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
@@ -130,8 +147,11 @@ HISTORY = 10
 
 class ARCPolicy:
     def __init__(self) -> None:
-        self._t1: OrderedDict[bytes, None] = OrderedDict()
-        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        #: resident keys, least recently used first, each with its last access
+        #: (a count of accesses: the older of the two heads is the LRU key)
+        self._t1: OrderedDict[bytes, int] = OrderedDict()
+        self._t2: OrderedDict[bytes, int] = OrderedDict()
+        self._tick = 0
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         #: target size of T1, adapted by ghost hits
@@ -154,18 +174,19 @@ class ARCPolicy:
 
     def admit(self, key: bytes) -> None:
         b1, b2 = self._b1, self._b2
+        self._tick = now = self._tick + 1
         if key in b1:
             self.p = min(self.c, self.p + max(1, len(b2) // len(b1)))
             del b1[key]
-            self._t2[key] = None
+            self._t2[key] = now
         elif key in b2:
             self.p = max(0, self.p - max(1, len(b1) // len(b2)))
             del b2[key]
-            self._t2[key] = None
+            self._t2[key] = now
         elif self._frequent(key):
-            self._t2[key] = None
+            self._t2[key] = now
         else:
-            self._t1[key] = None
+            self._t1[key] = now
         self.c = max(self.c, len(self))
         # Ghosts are trimmed here, after the check: the tier evicts (making
         # ghosts) before it admits the key that needed the room.
@@ -174,11 +195,13 @@ class ARCPolicy:
                 ghost.popitem(last=False)
 
     def touch(self, key: bytes) -> None:
+        self._tick = now = self._tick + 1
         if key in self._t1:
             del self._t1[key]
-            self._t2[key] = None
+            self._t2[key] = now
         elif key in self._t2:
             self._t2.move_to_end(key)
+            self._t2[key] = now
 
     def remove(self, key: bytes) -> None:
         """Deleted: forgotten, not remembered as a ghost."""
@@ -218,37 +241,89 @@ class _Shadow:
         policy.admit(key)
 
 
+def _when(item: tuple[bytes, int]) -> int:
+    return item[1]
+
+
+class _LRUShadow:
+    """The plain LRU candidate's shadow cache."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[bytes, None] = OrderedDict()
+        self.hits = 0.0
+
+    def access(self, key: bytes, capacity: int) -> None:
+        order = self.order
+        if key in order:
+            self.hits += 1
+            order.move_to_end(key)
+            return
+        while len(order) >= capacity:
+            order.popitem(last=False)
+        order[key] = None
+
+
+class Mode(enum.Enum):
+    """Which candidate orders the evictions: the one whose shadow hits most."""
+
+    HISTORY = "history"  # ARC, keys seen within the history entering T2
+    ARC = "arc"  # plain ARC
+    LRU = "lru"  # least recently used first, over T1 and T2 alike
+
+
 class HistoryARCPolicy(ARCPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.seen = SeenFilter(lambda: HISTORY * self.c)
-        # Two shadow caches over 1 key in SAMPLE replay the traffic with and
-        # without the history; the one that hits more decides (set dueling).
+        # Three shadow caches over 1 key in SAMPLE replay the traffic as each
+        # candidate would; the one that hits most decides (set dueling).
         self._with = _Shadow(_HistoryShadow())
         self._without = _Shadow(ARCPolicy())
+        self._lru = _LRUShadow()
         self._sampled = 0
+        self.mode = Mode.LRU
 
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]} history={self.uses_history} {self.seen!r}>"
+        return f"{super().__repr__()[:-1]} mode={self.mode.value} {self.seen!r}>"
 
     @property
     def uses_history(self) -> bool:
-        return self._with.hits >= self._without.hits
+        return self.mode is Mode.HISTORY
 
     def _frequent(self, key: bytes) -> bool:
-        return self._seen_before and self.uses_history
+        return self._seen_before and self.mode is Mode.HISTORY
 
     def _sample(self, key: bytes) -> None:
-        if _hash(key) % SAMPLE:
+        # One key in ``rate``, with shadows of at least MIN_SHADOW keys: a
+        # small cache is replayed whole.
+        c = self.c
+        if c < MIN_DUEL:
+            return  # too small for the choice to matter: LRU
+        rate = max(1, min(SAMPLE, c // MIN_SHADOW))
+        if _hash(key) % rate:
             return
-        capacity = max(4, self.c // SAMPLE)
-        self._with.access(key, capacity)
-        self._without.access(key, capacity)
+        capacity = c // rate
+        with_, without, lru = self._with, self._without, self._lru
+        with_.access(key, capacity)
+        without.access(key, capacity)
+        lru.access(key, capacity)
         self._sampled += 1
-        if self._sampled >= capacity * 4:  # old wins count less
+        if self._sampled % max(1, capacity // DECIDE) == 0:
+            # Decided every 1/DECIDE shadow capacity of sampled accesses, not
+            # at each (flapping between orders costs more than either loses).
+            # LRU wins ties and near-ties: a candidate orders the evictions
+            # only while it beats LRU by more than chance would (MARGIN
+            # standard deviations of the difference of two counts).
+            best = max(with_.hits, without.hits)
+            if best - lru.hits <= MARGIN * math.sqrt(best + lru.hits):
+                self.mode = Mode.LRU
+            else:
+                self.mode = Mode.HISTORY if with_.hits >= without.hits else Mode.ARC
+        if self._sampled >= capacity * DECAY:  # old wins count less
             self._sampled = 0
-            self._with.hits /= 2
-            self._without.hits /= 2
+            with_.hits /= 2
+            without.hits /= 2
+            lru.hits /= 2
 
     def admit(self, key: bytes) -> None:
         self._seen_before = self.seen.add(key)
@@ -258,6 +333,14 @@ class HistoryARCPolicy(ARCPolicy):
     def touch(self, key: bytes) -> None:
         self._sample(key)
         super().touch(key)
+
+    def candidates(self) -> Iterator[bytes]:
+        if self.mode is not Mode.LRU:
+            return super().candidates()
+        # T1 and T2 are each in order of last access: merged by it, they
+        # give every resident key least recently used first.
+        merged = heapq.merge(self._t1.items(), self._t2.items(), key=_when)
+        return (key for key, _ in merged)
 
     _seen_before = False
 
@@ -279,3 +362,14 @@ class _HistoryShadow(ARCPolicy):
 
 #: one key in SAMPLE feeds the shadow caches
 SAMPLE = 8
+#: shadow wins are halved every DECAY shadow capacities of sampled accesses
+DECAY = 16
+#: a shadow cache holds at least this many keys (or the whole cache)
+MIN_SHADOW = 256
+#: a cache that has never held this many keys is LRU: no dueling
+MIN_DUEL = 64
+#: the mode is decided DECIDE times per shadow capacity of sampled accesses
+DECIDE = 4
+#: by how many standard deviations another candidate's shadow must out-hit
+#: LRU's to be used
+MARGIN = 2.0
