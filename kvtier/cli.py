@@ -216,7 +216,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         capacities = [(f"{daemon.blocks} blocks", daemon.blocks)]
     else:
         capacities = rp.parse_capacities(args.capacity, unique)
-    for policy in args.policy or ["lru", "harc"]:
+    policies = args.policy or ["lru", "harc"]
+    if "all" in policies:
+        policies = list(rp.POLICIES)
+    ceiling = rp.infinite(chains)
+    for policy in dict.fromkeys(policies):
         for capacity in capacities:
             bar = rp.progress_bar(f"{policy} {capacity[0]}") if show else None
             results.append(
@@ -230,16 +234,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 {
                     "trace": args.trace,
                     "unique_blocks": unique,
-                    "results": [r.as_dict() for r in results],
+                    "infinite_prefix_hit_ratio": round(ceiling.ratio, 6),
+                    "results": rp.compared(results, ceiling),
                 },
                 indent=2,
             )
         )
     else:
         print(f"{args.trace}: {len(chains)} requests, {unique} unique blocks; prefix-hit ratio")
-        print(rp.table(results))
+        print(rp.table(results, ceiling))
     if args.plot:
-        rp.plot(results, Path(args.plot), Path(args.trace).name)
+        rp.plot(results, Path(args.plot), Path(args.trace).name, ceiling)
     return EXIT_OK
 
 
@@ -332,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         action="append",
-        choices=POLICIES,
-        help="policy to replay (repeatable; default: lru and harc)",
+        choices=[*POLICIES, "all"],
+        help="policy to replay (repeatable, or all; default: lru and harc)",
     )
     p.add_argument("--block-size", type=int, default=4096, help="bytes per block")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -185,23 +185,70 @@ def progress_bar(label: str) -> Progress:
     return show
 
 
-def table(results: Sequence[Result]) -> str:
-    """Policies as rows, capacities as columns."""
+def infinite(chains: Sequence[Chain]) -> Result:
+    """The prefix-hit ratio of a cache that never evicts: every other figure's ceiling."""
+    seen: set[int] = set()
+    hits = requested = 0
+    for chain in chains:
+        run = 0
+        for block in chain:
+            if block not in seen:
+                break
+            run += 1
+        hits += run
+        requested += len(chain)
+        seen.update(chain)
+    return Result("infinite", "all", len(seen), hits, requested)
+
+
+def compared(results: Sequence[Result], ceiling: Result) -> list[dict[str, Any]]:
+    """Each result as a dict, with its ratio to LRU's at the same capacity
+    (when LRU was replayed) and to the infinite cache's."""
+    lru = {r.capacity: r.ratio for r in results if r.policy == "lru"}
+    out: list[dict[str, Any]] = []
+    for r in results:
+        row = r.as_dict()
+        base = lru.get(r.capacity)
+        row["vs_lru"] = round(r.ratio / base, 4) if base else None
+        row["vs_infinite"] = round(r.ratio / ceiling.ratio, 4) if ceiling.ratio else None
+        out.append(row)
+    return out
+
+
+def table(results: Sequence[Result], ceiling: Result | None = None) -> str:
+    """Policies as rows, capacities as columns; with the infinite cache's
+    figure, each policy's ratio to LRU's and to it below."""
     capacities = list(dict.fromkeys(r.capacity for r in results))
     policies = list(dict.fromkeys(r.policy for r in results))
     by = {(r.policy, r.capacity): r for r in results}
-    head = f"{'policy':10}" + "".join(f"{c:>10}" for c in capacities)
-    lines = [head]
-    for p in policies:
-        cells = "".join(
-            f"{by[(p, c)].ratio:>10.3f}" if (p, c) in by else f"{'':>10}" for c in capacities
-        )
-        lines.append(f"{p:10}{cells}")
+
+    def rows(cell: Callable[[Result], str]) -> list[str]:
+        out = []
+        for p in policies:
+            cells = "".join(
+                f"{cell(by[(p, c)]):>10}" if (p, c) in by else f"{'':>10}" for c in capacities
+            )
+            out.append(f"{p:10}{cells}")
+        return out
+
+    lines = [f"{'policy':10}" + "".join(f"{c:>10}" for c in capacities)]
+    lines += rows(lambda r: f"{r.ratio:.3f}")
+    if ceiling is None:
+        return "\n".join(lines)
+    lines.append(f"{'infinite':10}" + f"{ceiling.ratio:>10.3f}" * len(capacities))
+    lru = {c: by[("lru", c)].ratio for c in capacities if ("lru", c) in by}
+    if lru:
+        lines.append("ratio to lru")
+        lines += rows(lambda r: f"{r.ratio / lru[r.capacity]:.3f}" if lru.get(r.capacity) else "")
+    if ceiling.ratio:
+        lines.append("share of the infinite cache's")
+        lines += rows(lambda r: f"{r.ratio / ceiling.ratio:.3f}")
     return "\n".join(lines)
 
 
-def plot(results: Sequence[Result], out: Path, title: str) -> None:
-    """Prefix-hit ratio against capacity, one line per policy."""
+def plot(results: Sequence[Result], out: Path, title: str, ceiling: Result | None = None) -> None:
+    """Prefix-hit ratio against capacity, one line per policy (and the
+    infinite cache's ceiling)."""
     try:
         import matplotlib
 
@@ -213,6 +260,8 @@ def plot(results: Sequence[Result], out: Path, title: str) -> None:
     for policy in dict.fromkeys(r.policy for r in results):
         rows = sorted((r.blocks, r.ratio) for r in results if r.policy == policy)
         ax.plot([b for b, _ in rows], [h for _, h in rows], marker="o", label=policy)
+    if ceiling is not None:
+        ax.axhline(ceiling.ratio, color="grey", linestyle="--", label="infinite cache")
     ax.set_xlabel("capacity (blocks)")
     ax.set_ylabel("prefix-hit ratio")
     ax.set_title(title)
@@ -226,6 +275,8 @@ def plot(results: Sequence[Result], out: Path, title: str) -> None:
 __all__ = [
     "POLICIES",
     "Result",
+    "compared",
+    "infinite",
     "load_trace",
     "parse_capacities",
     "plot",

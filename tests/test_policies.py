@@ -76,21 +76,29 @@ def test_history_arc_orders_by_recency_until_a_candidate_beats_lru() -> None:
 
 def test_history_arc_takes_over_where_lru_fails_and_remembers_keys_seen_long_ago() -> None:
     harc, lru = HistoryARCPolicy(), LRUPolicy[bytes]()
-    budgets = Budget(100, harc), Budget(100, lru)
+    budgets = Budget(300, harc), Budget(300, lru)
     hits = [0, 0]
-    # 50 hot keys come back every round after 300 one-time keys: further
-    # back than LRU's 100 slots or ARC's ghost lists reach, within the history.
-    fresh = iter(range(1000, 100_000))
+    # 150 hot keys come back every round after 900 one-time keys: further
+    # back than LRU's 300 slots or ARC's ghost lists reach, within the history.
+    fresh = iter(range(1000, 1_000_000))
     for _ in range(30):
         for i, budget in enumerate(budgets):
-            hits[i] += sum(k(h) in budget for h in range(50))
-        round_keys = [k(h) for h in range(50)] + [k(next(fresh)) for _ in range(300)]
+            hits[i] += sum(k(h) in budget for h in range(150))
+        round_keys = [k(h) for h in range(150)] + [k(next(fresh)) for _ in range(900)]
         for budget in budgets:
             fill(budget, round_keys)
     assert harc.mode is Mode.HISTORY and harc.uses_history
     assert "mode=history" in repr(harc)
-    assert hits[1] == 0 and hits[0] >= 50 * 20  # the hot keys stay, in T2
-    assert all(k(h) in budgets[0] for h in range(50))
+    assert hits[1] == 0 and hits[0] >= 150 * 20  # the hot keys stay, in T2
+    assert all(k(h) in budgets[0] for h in range(150))
+
+
+def test_a_cache_too_small_to_duel_is_lru() -> None:
+    harc = HistoryARCPolicy()
+    budget = Budget(100, harc)  # fewer keys than the duel needs
+    for _ in range(30):
+        fill(budget, [k(h) for h in range(50)] + [k(1000 + h) for h in range(300)])
+    assert harc.mode is Mode.LRU
 
 
 def test_s3fifo_one_read_in_the_small_queue_earns_the_main_queue() -> None:

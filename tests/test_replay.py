@@ -70,6 +70,27 @@ def test_the_command_prints_a_table_and_json(
     doc = json.loads(capsys.readouterr().out)
     assert {r["policy"] for r in doc["results"]} == {"lru", "harc"}
     assert all(0 <= r["prefix_hit_ratio"] <= 1 for r in doc["results"])
+    ceiling = doc["infinite_prefix_hit_ratio"]
+    for r in doc["results"]:
+        lru = next(
+            x for x in doc["results"] if x["policy"] == "lru" and x["capacity"] == r["capacity"]
+        )
+        assert r["vs_lru"] == round(r["prefix_hit_ratio"] / lru["prefix_hit_ratio"], 4)
+        assert r["vs_infinite"] == round(r["prefix_hit_ratio"] / ceiling, 4) <= 1
+    # Every policy in one sweep, with the ratios under the figures.
+    assert main(["replay", str(small), "--capacity", "5%,10%", "--policy", "all"]) == 0
+    out = capsys.readouterr().out
+    assert all(p in out for p in ("harc", "lru", "arc", "s3fifo", "infinite"))
+    assert "ratio to lru" in out and "share of the infinite cache's" in out
+
+
+def test_the_infinite_cache_is_a_cache_that_never_evicts(chains: list[rp.Chain]) -> None:
+    part = chains[:800]
+    unique = rp.unique_blocks(part)
+    never_full = rp.replay(part, "lru", ("all", unique))
+    ceiling = rp.infinite(part)
+    assert (ceiling.hits, ceiling.requested) == (never_full.hits, never_full.requested)
+    assert rp.infinite(chains).ratio == pytest.approx(0.640, abs=0.001)  # as published
 
 
 def test_a_bad_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

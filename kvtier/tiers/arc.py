@@ -367,7 +367,7 @@ DECAY = 16
 #: a shadow cache holds at least this many keys (or the whole cache)
 MIN_SHADOW = 256
 #: a cache that has never held this many keys is LRU: no dueling
-MIN_DUEL = 64
+MIN_DUEL = 256
 #: the mode is decided DECIDE times per shadow capacity of sampled accesses
 DECIDE = 4
 #: by how many standard deviations another candidate's shadow must out-hit
