@@ -148,7 +148,7 @@ bench: bench-deps
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)
 	$(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 2%,5%,10%,20%,40% \
-	  --policy lru --policy arc --policy s3fifo --policy harc --plot docs/eviction.png
+	  --policy all --plot docs/eviction.png
 	$(BIN)/python -m benchmarks.workloads
 	$(BIN)/python -m benchmarks.policies
 
