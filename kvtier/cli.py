@@ -200,11 +200,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _replay_fleet(args: argparse.Namespace, chains: list[list[int]], unique: int) -> int:
+    """``kvtier replay --nodes``: a fleet of caches behind a router."""
+    from kvtier import replay as rp
+
+    try:
+        counts = [int(n) for n in args.nodes.split(",") if n.strip()]
+    except ValueError:
+        raise ConfigError(f"--nodes {args.nodes!r}: expected node counts, e.g. 1,4,16") from None
+    if not counts or min(counts) < 1:
+        raise ConfigError("--nodes needs node counts of at least 1")
+    routings = [rp.Routing(r) for r in dict.fromkeys(args.routing or [r.value for r in rp.Routing])]
+    capacities = rp.parse_capacities(args.capacity, unique)
+    policy = (args.policy or ["harc"])[0]
+    if policy == "all":
+        raise ConfigError("--nodes replays one policy at a time")
+    results = [
+        rp.replay_fleet(chains, policy, capacity, n, routing, peers=args.peers)
+        for n in counts
+        for routing in routings
+        for capacity in capacities
+    ]
+    if args.json:
+        doc = {"trace": args.trace, "unique_blocks": unique, "policy": policy}
+        print(json.dumps({**doc, "fleets": [r.as_dict() for r in results]}, indent=2))
+    else:
+        print(
+            f"{args.trace}: {len(chains)} requests, {unique} unique blocks; fleet prefix-hit "
+            f"ratio ({policy}, capacity per node{', peers' if args.peers else ''})"
+        )
+        print(rp.fleet_table(results))
+    return EXIT_OK
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvtier import replay as rp
 
     chains = rp.load_trace(Path(args.trace))
     unique = rp.unique_blocks(chains)
+    if args.nodes:
+        return _replay_fleet(args, chains, unique)
     show = sys.stderr.isatty() and not args.json
     results: list[rp.Result] = []
     if args.socket:
@@ -343,6 +378,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=4096, help="bytes per block")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="draw hit ratio against capacity")
+    p.add_argument(
+        "--nodes",
+        metavar="N,N",
+        help="simulate fleets of this many nodes (comma-separated), each with a cache "
+        "of --capacity, behind a router",
+    )
+    p.add_argument(
+        "--routing",
+        action="append",
+        choices=["random", "round-robin", "kv-aware"],
+        help="how the router places requests (repeatable; default: all three)",
+    )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="with --nodes: nodes load missing blocks from their owner (rendezvous hashing)",
+    )
     p.add_argument(
         "--socket",
         help="replay against the daemon on this socket too (LOOKUP PREFIX + PUT), and "

@@ -18,8 +18,10 @@ replay it is compared with.
 
 from __future__ import annotations
 
+import enum
 import gzip
 import json
+import random
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.tiers.policy import POLICIES, make_policy
 from kvtier.tiers.ram import RamTier
+from kvtier.tiers.rendezvous import owner
 
 Chain = list[int]
 
@@ -139,6 +142,160 @@ def replay(
         if progress is not None and n % step == 0:
             progress(n, len(chains))
     return Result(policy, label, blocks, hits, requested)
+
+
+class Routing(enum.Enum):
+    """How a fleet's router places a request."""
+
+    RANDOM = "random"
+    ROUND_ROBIN = "round-robin"
+    #: on the node whose cache holds the request's longest prefix (what KV
+    #: events let a router know), within the load cap
+    KV_AWARE = "kv-aware"
+
+
+#: a kv-aware router passes over a node that would then hold more than this
+#: many times the mean number of requests
+LOAD_CAP = 1.25
+
+
+@dataclass(slots=True, frozen=True)
+class FleetResult:
+    policy: str
+    routing: Routing
+    nodes: int
+    #: whether a node loads blocks it lacks from their owner (and pushes its own there)
+    peers: bool
+    #: each node's capacity, as asked and in blocks
+    capacity: str
+    blocks: int
+    hits: int
+    requested: int
+    #: requests placed on each node
+    loads: tuple[int, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.hits / self.requested if self.requested else 0.0
+
+    @property
+    def spread(self) -> float:
+        """The busiest node's requests over the mean (1.0: perfectly even)."""
+        mean = sum(self.loads) / len(self.loads)
+        return max(self.loads) / mean if mean else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "routing": self.routing.value,
+            "nodes": self.nodes,
+            "peers": self.peers,
+            "capacity": self.capacity,
+            "capacity_blocks_per_node": self.blocks,
+            "prefix_hits": self.hits,
+            "blocks_requested": self.requested,
+            "prefix_hit_ratio": round(self.ratio, 6),
+            "load_spread": round(self.spread, 4),
+        }
+
+
+def _kv_aware(tiers: Sequence[RamTier], keys: Sequence[bytes], loads: list[int]) -> int:
+    """The node holding the longest prefix of ``keys`` (the least loaded on a
+    tie) among those the request would not push past the load cap."""
+    cap = LOAD_CAP * (sum(loads) + 1) / len(tiers)
+    best, best_key = 0, (-1, 0)
+    for i, tier in enumerate(tiers):
+        if loads[i] + 1 > cap:
+            continue
+        run = 0
+        for key in keys:
+            if not tier.contains(key):
+                break
+            run += 1
+        rank = (run, -loads[i])
+        if rank > best_key:
+            best, best_key = i, rank
+    if best_key[0] < 0:  # every node at the cap: the least loaded
+        best = min(range(len(tiers)), key=loads.__getitem__)
+    return best
+
+
+def replay_fleet(
+    chains: Sequence[Chain],
+    policy: str,
+    capacity: tuple[str, int],
+    nodes: int,
+    routing: Routing,
+    *,
+    peers: bool = False,
+    block_size: int = 4096,
+    seed: int = 0,
+) -> FleetResult:
+    """Replay ``chains`` through ``nodes`` RAM tiers of ``capacity`` blocks each,
+    a router placing each request by ``routing``.
+
+    With ``peers``, a block has an owner among the nodes (rendezvous hashing,
+    as kvtier's peer tier picks one): a node that lacks a block reads it from
+    its owner when the owner holds it (a hit, and the block is kept locally
+    as well), and a block it had to compute is pushed to its owner.
+    """
+    label, blocks = capacity
+    tiers = [RamTier(blocks * block_size, make_policy(policy)) for _ in range(nodes)]
+    names = [b"node-%d" % i for i in range(nodes)]
+    number = {name: i for i, name in enumerate(names)}
+    rng = random.Random(seed)
+    value = memoryview(bytes(block_size))
+    loads = [0] * nodes
+    hits = requested = 0
+    for n, chain in enumerate(chains):
+        keys = [key_of(i) for i in chain]
+        if routing is Routing.RANDOM:
+            at = rng.randrange(nodes)
+        elif routing is Routing.ROUND_ROBIN:
+            at = n % nodes
+        else:
+            at = _kv_aware(tiers, keys, loads)
+        loads[at] += 1
+        tier = tiers[at]
+        owners = (
+            [number[owner(key, names) or names[0]] for key in keys]
+            if peers and nodes > 1
+            else [at] * len(keys)
+        )
+        run = 0
+        for key, o in zip(keys, owners, strict=True):
+            if not (tier.contains(key) or tiers[o].contains(key)):
+                break
+            run += 1
+        hits += run
+        requested += len(keys)
+        for key, o in zip(keys, owners, strict=True):
+            if tier.contains(key):
+                tier.get(key)
+            elif tiers[o].contains(key):
+                tiers[o].get(key)  # read from its owner
+                tier.put(key, value)
+            else:
+                tier.put(key, value)
+                if o != at:
+                    tiers[o].put(key, value)  # pushed to its owner
+    return FleetResult(policy, routing, nodes, peers, label, blocks, hits, requested, tuple(loads))
+
+
+def fleet_table(results: Sequence[FleetResult]) -> str:
+    """One row per fleet and routing: the prefix-hit ratio at each capacity,
+    and the load spread."""
+    capacities = list(dict.fromkeys(r.capacity for r in results))
+    by = {(r.nodes, r.routing, r.peers, r.capacity): r for r in results}
+    rows = list(dict.fromkeys((r.nodes, r.routing, r.peers) for r in results))
+    head = f"{'nodes':>5}  {'routing':18}" + "".join(f"{c:>10}" for c in capacities)
+    lines = [head + f"{'spread':>10}"]
+    for nodes, routing, peers in rows:
+        name = routing.value + (" +peers" if peers else "")
+        cells = "".join(f"{by[(nodes, routing, peers, c)].ratio:>10.3f}" for c in capacities)
+        spread = max(by[(nodes, routing, peers, c)].spread for c in capacities)
+        lines.append(f"{nodes:>5}  {name:18}{cells}{spread:>10.2f}")
+    return "\n".join(lines)
 
 
 async def replay_daemon(
@@ -274,8 +431,11 @@ def plot(results: Sequence[Result], out: Path, title: str, ceiling: Result | Non
 
 __all__ = [
     "POLICIES",
+    "FleetResult",
     "Result",
+    "Routing",
     "compared",
+    "fleet_table",
     "infinite",
     "load_trace",
     "parse_capacities",
@@ -283,6 +443,7 @@ __all__ = [
     "progress_bar",
     "replay",
     "replay_daemon",
+    "replay_fleet",
     "table",
     "unique_blocks",
 ]

@@ -99,3 +99,49 @@ def test_a_bad_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["replay", str(bad)]) == 2
     assert "bad.jsonl:2: not a JSON object with hash_ids" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_a_fleet_of_one_is_the_single_cache(chains: list[rp.Chain]) -> None:
+    part = chains[:1000]
+    capacity = rp.parse_capacities("5%", rp.unique_blocks(part))[0]
+    alone = rp.replay(part, "harc", capacity)
+    for routing in rp.Routing:
+        fleet = rp.replay_fleet(part, "harc", capacity, 1, routing)
+        assert (fleet.hits, fleet.requested, fleet.loads) == (alone.hits, alone.requested, (1000,))
+
+
+def test_a_kv_aware_router_finds_prefixes_random_placement_scatters(
+    chains: list[rp.Chain],
+) -> None:
+    part = chains[:1200]
+    capacity = rp.parse_capacities("5%", rp.unique_blocks(part))[0]
+    runs = {routing: rp.replay_fleet(part, "harc", capacity, 4, routing) for routing in rp.Routing}
+    rr = runs[rp.Routing.ROUND_ROBIN]
+    assert rr.loads == (300, 300, 300, 300) and rr.spread == 1.0
+    kv, rnd = runs[rp.Routing.KV_AWARE], runs[rp.Routing.RANDOM]
+    assert kv.ratio > 1.5 * rnd.ratio  # what knowing where the prefixes are buys
+    assert max(kv.loads) <= rp.LOAD_CAP * 1200 / 4 + 1  # and no node is flooded
+    # Seeded: the same placement every run.
+    assert rp.replay_fleet(part, "harc", capacity, 4, rp.Routing.RANDOM).loads == rnd.loads
+    # Peers turn the four caches into one pool for a router that knows nothing.
+    pooled = rp.replay_fleet(part, "harc", capacity, 4, rp.Routing.RANDOM, peers=True)
+    assert pooled.ratio > 1.5 * rnd.ratio
+
+
+def test_the_fleet_command_prints_and_refuses_bad_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = tmp_path / "small.jsonl"
+    with gzip.open(TRACE, "rt") as fh:
+        small.write_text("".join(next(fh) for _ in range(300)))
+    assert main(["replay", str(small), "--capacity", "10%", "--nodes", "1,4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {(f["nodes"], f["routing"]) for f in doc["fleets"]} == {
+        (n, r) for n in (1, 4) for r in ("random", "round-robin", "kv-aware")
+    }
+    assert all(f["load_spread"] >= 1.0 for f in doc["fleets"])
+    assert main(["replay", str(small), "--nodes", "4", "--routing", "kv-aware", "--peers"]) == 0
+    assert "kv-aware +peers" in capsys.readouterr().out
+    assert main(["replay", str(small), "--nodes", "four"]) == 2
+    assert "--nodes 'four'" in capsys.readouterr().err
+    assert main(["replay", str(small), "--nodes", "0"]) == 2
