@@ -30,7 +30,7 @@ mode in which a block another writer is still storing is waited for at most
 ``pending_wait`` (default 0.5 s, to be kept below SGLang's prefetch timeout)
 and then reads as a miss; the daemon down means misses and failed stores,
 never an exception, and the connection is dialled again with backoff.
-Imports SGLang, torch and kvtier's engine layer only.
+Imports SGLang, torch, the kvtier client and its engine layer only.
 """
 
 from __future__ import annotations
