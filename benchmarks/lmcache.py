@@ -25,7 +25,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.storage_backend.connector import CreateConnector
 
-from tests.lmcache.conftest import start_daemon, stop_daemon
+from tests.enginedaemon import start_with_disk
 from tests.lmcache.test_connector import KV_SHAPE, engine
 
 TOTAL = 64 * 1024 * 1024
@@ -59,7 +59,10 @@ def measure(chunk: int, socket: Path, loop: asyncio.AbstractEventLoop) -> dict[s
     for attempt in range(RUNS + 1):
         started = time.perf_counter()
         for i in range(0, count, BATCH):
-            run(conn.batched_put(keys[i : i + BATCH], objs[i : i + BATCH]))
+            batch = objs[i : i + BATCH]
+            for obj in batch:  # LMCache's RemoteBackend holds a reference per put
+                obj.ref_count_up()
+            run(conn.batched_put(keys[i : i + BATCH], batch))
         put_s = time.perf_counter() - started
         started = time.perf_counter()
         for i in range(0, count, BATCH):
@@ -86,7 +89,7 @@ def main() -> int:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     with tempfile.TemporaryDirectory(prefix="kvt-bench-lmc-", dir="/tmp") as tmp:
-        daemon = start_daemon(Path(tmp))
+        daemon = start_with_disk(Path(tmp))
         try:
             print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy")
             for chunk in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
@@ -96,7 +99,7 @@ def main() -> int:
                     f"  {r['get'] / r['memcpy']:9.2f}x  {r['put'] / r['memcpy']:9.2f}x"
                 )
         finally:
-            stop_daemon(daemon)
+            daemon.stop()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     return 0

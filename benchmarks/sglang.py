@@ -19,17 +19,16 @@ import time
 from pathlib import Path
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from tests.sglang.conftest import start_daemon
-from tests.sglang.test_storage import storage_config
+from tests.enginedaemon import start_with_disk
+from tests.sglang.test_storage import HEAD_DIM, host_pool, storage_config
 
 TOTAL = 64 * 1024 * 1024
 RUNS = 5
 KiB, MiB = 1024, 1024 * 1024
-TOKENS, LAYERS, HEAD_DIM = 16, 4, 128
+TOKENS, LAYERS = 16, 4
 #: SGLang's batch of pages per storage call
 BATCH = 16
 
@@ -41,30 +40,7 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
 def pool(page_bytes: int, pages: int) -> MHATokenToKVPoolHost:
     """A host pool whose pages are ``page_bytes`` (K and V halves of bf16)."""
     heads = page_bytes // (2 * LAYERS * TOKENS * HEAD_DIM * 2)
-    device = MHATokenToKVPool(
-        size=TOKENS * pages,
-        page_size=TOKENS,
-        dtype=torch.bfloat16,
-        head_num=heads,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
-    return MHATokenToKVPoolHost(
-        device._mha_buffer_info(),
-        2.0,
-        0,
-        TOKENS,
-        "page_first",
-        pin_memory=False,
-        device="cpu",
-        allocator_type="default",
-        device_capacity_tokens=TOKENS * pages,
-        start_layer=0,
-        end_layer=LAYERS - 1,
-    )
+    return host_pool(device_pages=pages, tokens=TOKENS, heads=heads, layers=LAYERS)
 
 
 def measure(page_bytes: int, socket: Path) -> dict[str, float]:
@@ -109,7 +85,7 @@ def measure(page_bytes: int, socket: Path) -> dict[str, float]:
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvt-bench-sgl-", dir="/tmp") as tmp:
-        daemon = start_daemon(Path(tmp))
+        daemon = start_with_disk(Path(tmp))
         try:
             print("page     get GB/s  set GB/s  memcpy GB/s  get/memcpy  set/memcpy")
             for page in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):

@@ -1,8 +1,10 @@
-"""A real ``kvtier serve`` process for the engine tests (tests/vllm, tests/lmcache).
+"""A real ``kvtier serve`` process for the engine tests (tests/vllm,
+tests/lmcache, tests/sglang), and the fixtures they share.
 
 Those tests run in an engine's own venv, where kvtier is installed as a
 client only; the daemon is the main venv's ``kvtier serve`` (``KVTIER_SERVE``).
-Standard library only: nothing here may need the daemon's dependencies.
+The standard library and pytest only: nothing here may need the daemon's
+dependencies.
 """
 
 from __future__ import annotations
@@ -10,12 +12,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import threading
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,3 +102,26 @@ def start(tmp: Path, *args: str) -> EngineDaemon:
     assert url is not None, "the daemon did not start"
     threading.Thread(target=lambda: [None for _ in proc.stderr or ()], daemon=True).start()
     return EngineDaemon(tmp / "d.sock", url, proc)
+
+
+def start_with_disk(tmp: Path) -> EngineDaemon:
+    """A daemon with 256 MiB of RAM and a disk tier in ``tmp``."""
+    return start(tmp, "--data-dir", str(tmp / "data"), "--ram-capacity", "256MiB")
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A private directory for a daemon's socket and data."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-eng-", dir="/tmp"))
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(workdir: Path) -> Iterator[EngineDaemon]:
+    """A daemon with a disk tier (:func:`start_with_disk`), stopped after the test."""
+    d = start_with_disk(workdir)
+    try:
+        yield d
+    finally:
+        d.stop()

@@ -24,6 +24,15 @@ def chains() -> list[rp.Chain]:
     return rp.load_trace(TRACE)
 
 
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    """The trace's first 300 requests, as a file of their own."""
+    path = tmp_path / "small.jsonl"
+    with gzip.open(TRACE, "rt") as fh:
+        path.write_text("".join(next(fh) for _ in range(300)))
+    return path
+
+
 def test_the_trace_is_the_published_one(chains: list[rp.Chain]) -> None:
     assert len(chains) == 3993
     assert rp.unique_blocks(chains) == 43924
@@ -58,11 +67,8 @@ def test_capacities_parse_as_percentages_or_counts() -> None:
 
 
 def test_the_command_prints_a_table_and_json(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    small = tmp_path / "small.jsonl"
-    with gzip.open(TRACE, "rt") as fh:
-        small.write_text("".join(next(fh) for _ in range(300)))
     assert main(["replay", str(small), "--capacity", "10%", "--policy", "lru"]) == 0
     out = capsys.readouterr().out
     assert "lru" in out and "10%" in out
@@ -129,11 +135,8 @@ def test_a_kv_aware_router_finds_prefixes_random_placement_scatters(
 
 
 def test_the_fleet_command_prints_and_refuses_bad_counts(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    small = tmp_path / "small.jsonl"
-    with gzip.open(TRACE, "rt") as fh:
-        small.write_text("".join(next(fh) for _ in range(300)))
     assert main(["replay", str(small), "--capacity", "10%", "--nodes", "1,4", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {(f["nodes"], f["routing"]) for f in doc["fleets"]} == {

@@ -291,8 +291,8 @@ class Service:
         hits, defer = prefix_answer(states, window)
         # A HIT is a read to come: the eviction policy hears of it (later,
         # before the next write, so the reply does not wait for it).
-        touched = hits if req.mode != LookupMode.KEYS else len(keys) if HIT in states else 0
-        if touched:
+        touched = len(keys) if req.mode == LookupMode.KEYS else hits
+        if touched and HIT in states:
             self.ram.touch_later(keys, touched)
         if on_disk and self.disk_cfg.promote_on_lookup:
             # Start loading the usable disk hits into RAM: the GET comes next.

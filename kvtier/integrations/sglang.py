@@ -190,22 +190,7 @@ class KvtierStorage(HiCacheStorage):
         if not keys:
             return []
         views = self._page_views(keys, host_indices)
-        names = self.names(keys, self.parts)
-        started = time.perf_counter()
-        try:
-            sizes = self.link.call(lambda c: c.get_many_into(names, views, timeout=self.timeout))
-        except FAILURES as exc:
-            log.debug("load failed (%s): every page reads as a miss", exc)
-            self._count("load_failures")
-            return [False] * len(keys)
-        landed = [s is not None and s == v.nbytes for s, v in zip(sizes, views, strict=True)]
-        p = self.parts
-        out = [all(landed[i * p : (i + 1) * p]) for i in range(len(keys))]
-        ok = out.index(False) if False in out else len(out)
-        nbytes = sum(v.nbytes for v in views[: ok * p])
-        self._count("loaded_bytes", nbytes)
-        self._observe("get", ok, nbytes, time.perf_counter() - started)
-        return out
+        return self._receive(self.names(keys, self.parts), views, self.parts)
 
     def batch_set_v1(
         self,
@@ -239,17 +224,8 @@ class KvtierStorage(HiCacheStorage):
         if target_locations is None:
             raise ValueError("kvtier loads into the target tensors SGLang passes")
         views = [_tensor_bytes(t) for t in target_locations]
-        names = self.names(keys)
-        try:
-            sizes = self.link.call(lambda c: c.get_many_into(names, views, timeout=self.timeout))
-        except FAILURES as exc:
-            log.debug("load failed (%s): every page reads as a miss", exc)
-            self._count("load_failures")
-            return [None] * len(keys)
-        out: list[torch.Tensor | None] = []
-        for target, view, size in zip(target_locations, views, sizes, strict=True):
-            out.append(target if size == view.nbytes else None)
-        return out
+        landed = self._receive(self.names(keys), views, 1)
+        return [t if ok else None for t, ok in zip(target_locations, landed, strict=True)]
 
     def set(
         self,
@@ -271,6 +247,24 @@ class KvtierStorage(HiCacheStorage):
             raise ValueError("kvtier stores the value tensors SGLang passes")
         views = [_tensor_bytes(v) for v in values]
         return all(self._put(self.names(keys), views, len(keys)))
+
+    def _receive(self, names: list[bytes], views: list[memoryview], parts: int) -> list[bool]:
+        """Blocks ``names`` received into ``views``, ``parts`` per page; per
+        page, whether every part landed whole (all False if the call failed)."""
+        pages = len(views) // parts
+        started = time.perf_counter()
+        try:
+            sizes = self.link.call(lambda c: c.get_many_into(names, views, timeout=self.timeout))
+        except FAILURES as exc:
+            log.debug("load failed (%s): every page reads as a miss", exc)
+            self._count("load_failures")
+            return [False] * pages
+        whole = [s == v.nbytes for s, v in zip(sizes, views, strict=True)]
+        out = [all(whole[i * parts : (i + 1) * parts]) for i in range(pages)]
+        nbytes = sum(v.nbytes for v, ok in zip(views, whole, strict=True) if ok)
+        self._count("loaded_bytes", nbytes)
+        self._observe("get", sum(out), nbytes, time.perf_counter() - started)
+        return out
 
     def _put(self, names: list[bytes], views: list[memoryview], pages: int) -> list[bool]:
         started = time.perf_counter()

@@ -19,9 +19,9 @@ not worth it, it costs; on recency-friendly traffic ARC itself loses to
 plain LRU), so the policy decides online by set dueling among three
 candidates: ARC with the history, plain ARC, and LRU. Three shadow caches
 replay the accesses of one key in ``rate`` (chosen by hash; ``rate`` is
-``SAMPLE``, or less so that a shadow holds at least ``MIN_SHADOW`` keys, and
-1 for a small cache, which is then replayed whole), each ``c / rate`` keys;
-a cache that has never held ``MIN_DUEL`` keys is plain LRU.
+``SAMPLE``, or less so that a shadow holds at least ``MIN_SHADOW`` keys),
+each ``c / rate`` keys; a cache that has never held ``MIN_SHADOW`` keys is
+plain LRU.
 LRU orders the evictions unless the better ARC candidate's shadow out-hits
 LRU's by more than chance would: ``MARGIN`` standard deviations of the
 difference of the two counts. The mode is decided ``DECIDE`` times per
@@ -60,6 +60,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from operator import itemgetter
 
 import xxhash
 
@@ -241,10 +242,6 @@ class _Shadow:
         policy.admit(key)
 
 
-def _when(item: tuple[bytes, int]) -> int:
-    return item[1]
-
-
 class _LRUShadow:
     """The plain LRU candidate's shadow cache."""
 
@@ -294,12 +291,12 @@ class HistoryARCPolicy(ARCPolicy):
         return self._seen_before and self.mode is Mode.HISTORY
 
     def _sample(self, key: bytes) -> None:
-        # One key in ``rate``, with shadows of at least MIN_SHADOW keys: a
-        # small cache is replayed whole.
+        # One key in ``rate``, with shadows of at least MIN_SHADOW keys (a
+        # cache under twice that is replayed whole); a smaller cache is LRU.
         c = self.c
-        if c < MIN_DUEL:
-            return  # too small for the choice to matter: LRU
-        rate = max(1, min(SAMPLE, c // MIN_SHADOW))
+        if c < MIN_SHADOW:
+            return
+        rate = min(SAMPLE, c // MIN_SHADOW)
         if _hash(key) % rate:
             return
         capacity = c // rate
@@ -308,7 +305,7 @@ class HistoryARCPolicy(ARCPolicy):
         without.access(key, capacity)
         lru.access(key, capacity)
         self._sampled += 1
-        if self._sampled % max(1, capacity // DECIDE) == 0:
+        if self._sampled % (capacity // DECIDE) == 0:
             # Decided every 1/DECIDE shadow capacity of sampled accesses, not
             # at each (flapping between orders costs more than either loses).
             # LRU wins ties and near-ties: a candidate orders the evictions
@@ -339,7 +336,7 @@ class HistoryARCPolicy(ARCPolicy):
             return super().candidates()
         # T1 and T2 are each in order of last access: merged by it, they
         # give every resident key least recently used first.
-        merged = heapq.merge(self._t1.items(), self._t2.items(), key=_when)
+        merged = heapq.merge(self._t1.items(), self._t2.items(), key=itemgetter(1))
         return (key for key, _ in merged)
 
     _seen_before = False
@@ -364,10 +361,9 @@ class _HistoryShadow(ARCPolicy):
 SAMPLE = 8
 #: shadow wins are halved every DECAY shadow capacities of sampled accesses
 DECAY = 16
-#: a shadow cache holds at least this many keys (or the whole cache)
+#: a shadow cache holds at least this many keys; a cache that has never held
+#: this many is LRU (too few keys for the duel to tell candidates apart)
 MIN_SHADOW = 256
-#: a cache that has never held this many keys is LRU: no dueling
-MIN_DUEL = 256
 #: the mode is decided DECIDE times per shadow capacity of sampled accesses
 DECIDE = 4
 #: by how many standard deviations another candidate's shadow must out-hit

@@ -9,44 +9,19 @@ installed and kvtier only as a client; the daemon is the main venv's
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import threading
 from collections.abc import Coroutine, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from tests.enginedaemon import EngineDaemon, start
+from tests.enginedaemon import EngineDaemon, daemon, workdir
 
 T = TypeVar("T")
 
 Daemon = EngineDaemon
-
-
-def start_daemon(tmp: Path) -> Daemon:
-    return start(tmp, "--data-dir", str(tmp / "data"), "--ram-capacity", "256MiB")
-
-
-def stop_daemon(d: Daemon) -> None:
-    d.stop()
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    tmp = Path(tempfile.mkdtemp(prefix="kvt-lmc-", dir="/tmp"))
-    yield tmp
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.fixture
-def daemon(workdir: Path) -> Iterator[Daemon]:
-    d = start_daemon(workdir)
-    try:
-        yield d
-    finally:
-        stop_daemon(d)
+#: the shared fixtures (daemon, workdir), for this directory's tests
+__all__ = ["daemon", "workdir"]
 
 
 class Loop:

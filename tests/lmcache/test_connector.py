@@ -18,7 +18,8 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from kvtier import BlockingClient
 from kvtier.integrations.lmcache import KvtierConnector
-from tests.lmcache.conftest import Daemon, Loop, start_daemon, stop_daemon
+from tests.enginedaemon import start_with_disk
+from tests.lmcache.conftest import Daemon, Loop
 
 CHUNK = 256
 #: (layers, K and V, tokens, kv heads, head size): 512 KiB float16 chunks
@@ -86,6 +87,13 @@ class Engine:
     def run(self, coro: Any, timeout: float = 30.0) -> Any:
         return self.loop.run(coro, timeout)
 
+    def put(self, keys: list[CacheEngineKey], objs: list[Any]) -> None:
+        """Store chunks as LMCache's RemoteBackend does: it takes a reference
+        for the put, which LMCache's connector wrapper drops when put returns."""
+        for obj in objs:
+            obj.ref_count_up()
+        self.run(self.connector.batched_put(keys, objs))
+
     def close(self) -> None:
         self.run(self.connector.close())
 
@@ -110,7 +118,7 @@ def test_lmcache_builds_our_connector_and_round_trips_chunks(eng: Engine, daemon
     full, full_bytes = eng.chunk(1)
     part, part_bytes = eng.chunk(2, tokens=100)
     assert eng.run(eng.connector.exists(key(1))) is False
-    eng.run(eng.connector.batched_put([key(1), key(2)], [full, part]))
+    eng.put([key(1), key(2)], [full, part])
     full.ref_count_down()
     part.ref_count_down()
     assert eng.connector.exists_sync(key(1)) is True
@@ -140,7 +148,7 @@ def test_two_engines_share_blocks_and_namespaces_keep_them_apart(
     other = Engine(lmcache_loop, daemon.socket_path, namespace="another-model")
     try:
         obj, data = a.chunk(7)
-        a.run(a.connector.put(key(7), obj))
+        a.put([key(7)], [obj])
         obj.ref_count_down()
         got = b.run(b.connector.get(key(7)))
         assert bytes_of(got) == data
@@ -166,28 +174,28 @@ def test_a_block_another_writer_is_storing_reads_as_a_miss_at_once(
 def test_the_daemon_killed_and_restarted_means_misses_then_recovery(
     workdir: Path, lmcache_loop: Loop
 ) -> None:
-    d = start_daemon(workdir)
+    d = start_with_disk(workdir)
     e = Engine(lmcache_loop, d.socket_path)
     try:
         obj, data = e.chunk(5)
-        e.run(e.connector.put(key(5), obj))
+        e.put([key(5)], [obj])
         d.proc.kill()
         d.proc.wait(30)
         # Down: misses and dropped stores, no exception reaches the engine.
         assert e.run(e.connector.exists(key(5))) is False
         assert e.run(e.connector.get(key(5))) is None
         assert e.run(e.connector.batched_async_contains("r", [key(5)])) == 0
-        e.run(e.connector.put(key(6), obj))
+        e.put([key(6)], [obj])
         assert e.ours.counts.get("store_failures", 0) >= 1
         assert e.run(e.connector.ping()) == 1
         # Back (RAM starts empty): the connection is dialled again once the
         # backoff after the failures has passed (each ping is a round trip).
-        d = start_daemon(workdir)
+        d = start_with_disk(workdir)
         for _ in range(100_000):
             if e.run(e.connector.ping()) == 0:
                 break
         assert e.run(e.connector.ping()) == 0
-        e.run(e.connector.put(key(5), obj))
+        e.put([key(5)], [obj])
         obj.ref_count_down()
         got = e.run(e.connector.get(key(5)))
         assert got is not None and bytes_of(got) == data
@@ -197,4 +205,4 @@ def test_the_daemon_killed_and_restarted_means_misses_then_recovery(
         assert maps["request_states"] == 0 and maps["timers"] == 0
     finally:
         e.close()
-        stop_daemon(d)
+        d.stop()

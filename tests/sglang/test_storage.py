@@ -21,7 +21,8 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvtier import BlockingClient
 from kvtier.integrations.sglang import KvtierStorage
-from tests.sglang.conftest import Daemon, start_daemon
+from tests.enginedaemon import start_with_disk
+from tests.sglang.conftest import Daemon
 
 PAGE = 16  # tokens per page
 LAYERS, HEADS, HEAD_DIM = 2, 4, 64
@@ -29,15 +30,23 @@ LAYERS, HEADS, HEAD_DIM = 2, 4, 64
 PART = LAYERS * PAGE * HEADS * HEAD_DIM * 2
 
 
-def host_pool(allocator: str = "default") -> MHATokenToKVPoolHost:
-    """SGLang's host KV pool on the CPU, page-first, as HiCache builds it."""
+def host_pool(
+    allocator: str = "default",
+    *,
+    device_pages: int = 16,
+    tokens: int = PAGE,
+    heads: int = HEADS,
+    layers: int = LAYERS,
+) -> MHATokenToKVPoolHost:
+    """SGLang's host KV pool on the CPU, page-first, as HiCache builds it:
+    twice ``device_pages`` pages of ``tokens`` tokens of bf16 K and V."""
     device = MHATokenToKVPool(
-        size=PAGE * 16,
-        page_size=PAGE,
+        size=tokens * device_pages,
+        page_size=tokens,
         dtype=torch.bfloat16,
-        head_num=HEADS,
+        head_num=heads,
         head_dim=HEAD_DIM,
-        layer_num=LAYERS,
+        layer_num=layers,
         device="cpu",
         enable_memory_saver=False,
         enable_alt_stream=False,
@@ -46,14 +55,14 @@ def host_pool(allocator: str = "default") -> MHATokenToKVPoolHost:
         device._mha_buffer_info(),
         2.0,
         0,
-        PAGE,
+        tokens,
         "page_first",
         pin_memory=False,
         device="cpu",
         allocator_type=allocator,
-        device_capacity_tokens=PAGE * 16,
+        device_capacity_tokens=tokens * device_pages,
         start_layer=0,
-        end_layer=LAYERS - 1,
+        end_layer=layers - 1,
     )
 
 
@@ -229,7 +238,7 @@ def test_a_page_that_lands_while_its_lookup_waits_reads_as_a_hit(daemon: Daemon)
 
 
 def test_the_daemon_killed_and_restarted_means_misses_then_recovery(workdir: Path) -> None:
-    d = start_daemon(workdir)
+    d = start_with_disk(workdir)
     e = Engine(d.socket_path)
     try:
         keys = hashes(2, base=40)
@@ -244,7 +253,7 @@ def test_the_daemon_killed_and_restarted_means_misses_then_recovery(workdir: Pat
         assert e.storage.batch_set_v1(keys, src) == [False, False]
         assert e.storage.counts["store_failures"] >= 1
         # Back (RAM starts empty): dialled again once the backoff has passed.
-        d = start_daemon(workdir)
+        d = start_with_disk(workdir)
         for _ in range(100_000):
             if e.storage.batch_set_v1(keys, src) == [True, True]:
                 break
