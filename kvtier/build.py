@@ -28,7 +28,7 @@ from kvtier.core.local import LocalView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.service import Service
 from kvtier.core.shared.blocks import SharedBlocks
-from kvtier.core.timers.scheduler import Scheduler
+from kvtier.core.timers import Scheduler
 from kvtier.metrics import Metrics
 from kvtier.model import Limits
 from kvtier.server.gate import PeerGate

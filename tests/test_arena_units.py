@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvtier.core.shared.leases import LeaseEnd, LeaseTable
 from kvtier.model import ConnId
-from kvtier.tiers.extents import ExtentAllocator, OutOfArena
+from kvtier.tiers.arena import ExtentAllocator, OutOfArena
 
 PAGE = 4096
 

@@ -7,9 +7,8 @@ import asyncio
 import pytest
 
 from kvtier.core.deferral import DeferralTracker, blocking_pending
-from kvtier.core.probes.table import ProbeMap, Verdict
-from kvtier.core.timers.heap import COMPACT_MIN, TimerHeap
-from kvtier.core.timers.scheduler import Scheduler
+from kvtier.core.probes import ProbeMap, Verdict
+from kvtier.core.timers import COMPACT_MIN, Scheduler, TimerHeap
 from kvtier.model import HIT, MISS, PENDING, RETRY
 
 # ------------------------------------------------------------------ timers

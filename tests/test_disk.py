@@ -13,7 +13,7 @@ import pytest
 from kvtier import Client, PutStatus, State
 from kvtier.config import DiskConfig
 from kvtier.core.service import Service
-from kvtier.core.timers.scheduler import Scheduler
+from kvtier.core.timers import Scheduler
 from kvtier.daemon import Daemon
 from kvtier.errors import TierError
 from kvtier.model import Limits, Lookup, LookupReply

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvtier.core.locate import ABSENT, AT_DISK, AT_RAM, Locator, Where
-from kvtier.core.probes.table import ProbeMap, Verdict
-from kvtier.core.writes.table import Promotion, ReservationTable
+from kvtier.core.lookup import ABSENT, AT_DISK, AT_RAM, Locator, Where
+from kvtier.core.probes import ProbeMap, Verdict
+from kvtier.core.writes import Promotion, ReservationTable
 from kvtier.model import ConnId
 
 K = b"key"

@@ -62,8 +62,8 @@ def _row(family: str) -> str:
 
 def test_every_label_value_is_documented() -> None:
     from kvtier.core.counts import Dropped, ProbeFailure, ProbeUse, Promoted, Written
-    from kvtier.core.probes.table import Verdict
-    from kvtier.core.writes.table import End
+    from kvtier.core.probes import Verdict
+    from kvtier.core.writes import End
     from kvtier.model import State
     from kvtier.server.connection import TRUNCATED
     from kvtier.server.gate import Refusal

@@ -24,10 +24,9 @@ from itertools import chain, islice
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
-from kvtier.tiers.arena import Arena, Slots
+from kvtier.tiers.arena import Arena, OutOfArena, Slots
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
-from kvtier.tiers.extents import OutOfArena
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
 
 #: lookups whose hits may wait to be shown to the policy (then they are applied)

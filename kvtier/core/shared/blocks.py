@@ -29,8 +29,7 @@ from kvtier.core.limits import check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, NoCapacityError
 from kvtier.model import Buffer, ConnId, Leased, Limits, PutStatus
-from kvtier.tiers.arena import Arena, Slot
-from kvtier.tiers.extents import OutOfArena
+from kvtier.tiers.arena import Arena, OutOfArena, Slot
 from kvtier.tiers.ram import RamTier
 
 log = logging.getLogger("kvtier.shared")

@@ -1,25 +1,105 @@
-"""The scheduler loop: one long-lived task that owns every timer.
+"""Time in the core: many deadlines, one wake-up.
 
-It fires per-key write deadlines, flushes probe batches (keys that arrive
-within one ``batch_window`` go to the backend in one call per tier) and runs
-periodic sweeps. Timer callbacks are synchronous and short; anything that
-does I/O is spawned as a task by the callback's owner. The loop never
-blocks: it waits on one future, woken by the earliest deadline or by a
-new, earlier timer.
+:class:`TimerHeap` is the pure half: a deadline heap with lazy
+cancellation. ``push`` is O(log n), ``cancel`` is O(1) (a cancelled entry
+is skipped when it reaches the top), ``pop_due`` returns what has expired.
+Invariant: cancelled entries never outnumber live ones by more than
+``COMPACT_MIN`` - past that, the heap is rebuilt without them (amortised
+O(1) per cancel), so a client that reserves and aborts in a loop with long
+deadlines cannot grow it; a cancelled timer drops its callback at once.
 
-Imports only the timer heap; no sockets, no Prometheus.
+:class:`Scheduler` is the acting half: one long-lived task that owns every
+timer. It fires per-key write deadlines, flushes probe batches (keys that
+arrive within one ``batch_window`` go to the backend in one call per tier)
+and runs periodic sweeps. Timer callbacks are synchronous and short;
+anything that does I/O is spawned as a task by the callback's owner. The
+loop never blocks: it waits on one future, woken by the earliest deadline
+or by a new, earlier timer.
+
+Imports nothing of kvtier; no sockets, no Prometheus.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from kvtier.core.timers.heap import Timer, TimerHeap
+#: cancelled entries tolerated in the heap before it is compacted
+COMPACT_MIN = 1024
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(order=True, slots=True)
+class Timer:
+    deadline: float
+    seq: int
+    callback: Callable[[], object] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)  # also set once fired
+
+
+class TimerHeap:
+    def __init__(self) -> None:
+        self._heap: list[Timer] = []
+        self._seq = itertools.count()
+        self._live = 0
+
+    def __repr__(self) -> str:
+        nxt = self.next_deadline()
+        return f"<TimerHeap live={self._live} held={len(self._heap)} next={nxt}>"
+
+    def __len__(self) -> int:
+        """Timers that are neither cancelled nor fired."""
+        return self._live
+
+    @property
+    def held(self) -> int:
+        """Entries in the heap, cancelled ones not yet reclaimed included."""
+        return len(self._heap)
+
+    def push(self, deadline: float, callback: Callable[[], object]) -> Timer:
+        timer = Timer(deadline, next(self._seq), callback)
+        heapq.heappush(self._heap, timer)
+        self._live += 1
+        return timer
+
+    def cancel(self, timer: Timer) -> None:
+        if not timer.cancelled:
+            timer.cancelled = True
+            timer.callback = _nothing  # let go of what the callback holds
+            self._live -= 1
+            dead = len(self._heap) - self._live
+            if dead > COMPACT_MIN and dead > self._live:
+                self._heap = [t for t in self._heap if not t.cancelled]
+                heapq.heapify(self._heap)
+
+    def next_deadline(self) -> float | None:
+        heap = self._heap
+        while heap and heap[0].cancelled:
+            heapq.heappop(heap)
+        return heap[0].deadline if heap else None
+
+    def pop_due(self, now: float) -> list[Timer]:
+        """Remove and return every live timer whose deadline is ``<= now``, earliest first."""
+        due: list[Timer] = []
+        heap = self._heap
+        while heap and (heap[0].cancelled or heap[0].deadline <= now):
+            timer = heapq.heappop(heap)
+            if not timer.cancelled:
+                timer.cancelled = True  # fired: a later cancel() is a no-op
+                self._live -= 1
+                due.append(timer)
+        return due
+
 
 log = logging.getLogger("kvtier.scheduler")
 
