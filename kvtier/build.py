@@ -34,7 +34,6 @@ from kvtier.model import Limits
 from kvtier.server.gate import PeerGate
 from kvtier.server.server import Server
 from kvtier.server.sockets import PeerPolicy
-from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import Tier
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.disk import DiskTier
@@ -42,7 +41,7 @@ from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.tiers.peer import Peer, PeerCounters, PeerTier
 from kvtier.tiers.peers import RendezvousPicker
 from kvtier.tiers.policy import make_policy
-from kvtier.tiers.ram import RamTier
+from kvtier.tiers.ram import Arena, RamTier
 from kvtier.tiers.s3 import S3Tier
 from kvtier.wire import SharedOffer
 

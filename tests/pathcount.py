@@ -13,8 +13,10 @@ Not counted: the transport layer every op shares (the connection's frame
 reader and writer, flow control, framing) and what it calls besides the op
 table (its request counters, task spawning); the daemon's task set, as
 asyncio's own task machinery is not counted; a coroutine resuming after an
-await (it is one call, however often it waits); and the measurement's own
-wait for the daemon to be idle (``Daemon.settle``).
+await (it is one call, however often it waits); a list, dict or set
+comprehension, an expression of the function it sits in (Python 3.12 runs
+it inline, PEP 709); and the measurement's own wait for the daemon to be
+idle (``Daemon.settle``).
 
 ``python -m tests.pathcount`` prints the figures of the two traced paths:
 
@@ -63,6 +65,10 @@ TRANSPORT = frozenset(
         "tasks.py",
     }
 )
+
+#: comprehensions are expressions of the function they sit in: Python 3.12
+#: inlines them (PEP 709), 3.11 still runs each in a frame of its own
+COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>"})
 
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 
@@ -134,7 +140,7 @@ class ThreadedDaemon:
         if not filename.startswith(PACKAGE):
             return
         rel = filename[len(PACKAGE) :]
-        if rel in TRANSPORT or code in self._helpers:
+        if rel in TRANSPORT or code in self._helpers or code.co_name in COMPREHENSIONS:
             return
         caller = frame.f_back
         if caller is not None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvtier.core.shared.leases import LeaseEnd, LeaseTable
 from kvtier.model import ConnId
-from kvtier.tiers.arena import ExtentAllocator, OutOfArena
+from kvtier.tiers.ram import ExtentAllocator, OutOfArena
 
 PAGE = 4096
 
@@ -112,7 +112,7 @@ def test_leases_end_once_by_release_close_or_revoke() -> None:
 def test_an_arena_handed_over_a_unix_socket_is_read_in_place_read_only() -> None:
     import socket
 
-    from kvtier.tiers.arena import Arena, map_readonly
+    from kvtier.tiers.ram import Arena, map_readonly
 
     arena = Arena(16 * PAGE)
     daemon_side, client_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -7,9 +7,8 @@ import pytest
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
-from kvtier.tiers.arena import Arena
 from kvtier.tiers.policy import LRUPolicy
-from kvtier.tiers.ram import RamTier
+from kvtier.tiers.ram import Arena, RamTier
 
 
 def test_lru_policy_orders_by_recency() -> None:

@@ -22,7 +22,7 @@ from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError
 from kvtier.model import PutStatus, State
 from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
-from kvtier.tiers.arena import Arena
+from kvtier.tiers.ram import Arena
 from kvtier.wire import Op
 from tests.helpers import ROOT, running_daemon
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -57,6 +58,9 @@ class ProbeMap:
         self.error_ttl = error_ttl
         self.max_verdicts = max_verdicts
         self._inflight: dict[bytes, Probe] = {}
+        #: the probe of a key in flight, or None: the dict's own ``get``, as
+        #: every lookup of a key no local tier holds asks it
+        self.inflight: Callable[[bytes], Probe | None] = self._inflight.get
         self._verdicts: OrderedDict[bytes, _Cached] = OrderedDict()
 
     def __repr__(self) -> str:
@@ -83,9 +87,6 @@ class ProbeMap:
             del self._verdicts[key]
             return None
         return cached.verdict
-
-    def inflight(self, key: bytes) -> Probe | None:
-        return self._inflight.get(key)
 
     # -- probe lifecycle
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
-from kvtier.core import limits as check
 from kvtier.core.counts import CoreCounters, MapSizes, ProbeFailure, ProbeUse, Promoted
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.lookup import (
@@ -46,7 +46,15 @@ from kvtier.core.probes import Probe, ProbeMap, Verdict
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
 from kvtier.core.timers import Scheduler
 from kvtier.core.writes import End, Owner, Promotion, Reservation, ReservationTable
-from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLargeError
+from kvtier.errors import (
+    BadArgumentError,
+    BadKeyError,
+    BatchTooLargeError,
+    KvtierError,
+    NoCapacityError,
+    TierError,
+    ValueTooLargeError,
+)
 from kvtier.model import (
     HIT,
     MISS,
@@ -73,6 +81,62 @@ log = logging.getLogger("kvtier.service")
 #: a GET gives up on a key after this many rounds of waiting on writes that
 #: ended without the block (each round is bounded by a write deadline)
 MAX_READ_ROUNDS = 8
+
+
+# ---------------------------------------------------------------- checks
+#
+# Every verb checks its arguments against the configured limits before it
+# touches any state, so a refused request changes nothing. The checks are
+# pure, O(batch) and allocate nothing.
+
+
+def check_keys(limits: Limits, keys: Sequence[bytes], uniform_len: int = 0) -> None:
+    """Batch size and key lengths; ``uniform_len`` (all keys that long) checks once."""
+    if len(keys) > limits.max_batch:
+        raise BatchTooLargeError(
+            f"batch of {len(keys)} keys exceeds the maximum of {limits.max_batch}"
+        )
+    limit = limits.max_key_bytes
+    if uniform_len and 0 < uniform_len <= limit:
+        return
+    for i, key in enumerate(keys):
+        if not 0 < len(key) <= limit:
+            raise BadKeyError(f"key {i} is {len(key)} bytes; keys must be 1..{limit} bytes")
+
+
+def check_seconds(name: str, value: float) -> None:
+    if not 0 <= value < math.inf:  # NaN compares false
+        raise BadArgumentError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def check_lookup(limits: Limits, req: Lookup) -> None:
+    check_keys(limits, req.keys, req.key_len)
+    if not (0 <= req.wait < math.inf and 0 <= req.max_pending_wait < math.inf):
+        check_seconds("wait", req.wait)
+        check_seconds("max_pending_wait", req.max_pending_wait)
+    if req.max_pending_wait > 0 and not req.request_tag:
+        raise BadArgumentError("max_pending_wait needs a request tag to accrue against")
+    if req.mode == LookupMode.SLIDING_WINDOW and req.window <= 0:
+        raise BadArgumentError("sliding-window lookup needs a window of at least 1")
+
+
+def check_sizes(limits: Limits, sizes: Sequence[int], what: str = "size") -> None:
+    limit = limits.max_block_bytes
+    for i, size in enumerate(sizes):
+        if size > limit:
+            raise ValueTooLargeError(
+                f"{what} {i} is {size} bytes; the maximum block size is {limit}"
+            )
+
+
+def check_values(limits: Limits, values: Sequence[Buffer], room: int) -> None:
+    """Each value within the block limit and within ``room`` (the RAM tier's capacity)."""
+    check_sizes(limits, [len(v) for v in values], "value")
+    for i, value in enumerate(values):
+        if len(value) > room:
+            raise ValueTooLargeError(
+                f"value {i} is {len(value)} bytes, larger than the RAM tier ({room} bytes)"
+            )
 
 
 class Service:
@@ -211,7 +275,7 @@ class Service:
         stopped listening) or shutdown begins.
 
         ``local``: answer from the local tiers only (a peer's request)."""
-        check.check_lookup(self.limits, req)
+        check_lookup(self.limits, req)
         locator = self.local_locator if local else self.locator
         now = self._now()
         # Probes a waiting lookup has seen end: a key whose probe failed is
@@ -365,8 +429,9 @@ class Service:
             self._promote(slot, key, now)
 
     def _invalidate(self, key: bytes) -> None:
-        if self.remotes:
-            self.probing.invalidate(key)
+        """``key`` changed here: no remote tier's kept verdict answers for it now."""
+        for slot in self.remotes:
+            slot.probes.invalidate(key)
 
     def _promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
         """Load ``key`` from a remote tier into RAM; a tier that claimed the
@@ -474,9 +539,9 @@ class Service:
     # ------------------------------------------------------------ RESERVE / ABORT / RELEASE
 
     def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
-        check.check_keys(self.limits, req.keys)
-        check.check_seconds("deadline", req.deadline)
-        check.check_sizes(self.limits, req.sizes)
+        check_keys(self.limits, req.keys)
+        check_seconds("deadline", req.deadline)
+        check_sizes(self.limits, req.sizes)
         deadline = req.deadline or self.cfg.pending_deadline
         now = self._now()
         statuses: list[ReserveStatus] = []
@@ -505,7 +570,7 @@ class Service:
 
     def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
         """End ``owner``'s reservations of ``keys``; other writers' are untouched."""
-        check.check_keys(self.limits, keys)
+        check_keys(self.limits, keys)
         out = []
         table = self.pending.table
         for key in keys:
@@ -540,7 +605,7 @@ class Service:
         it needs start before this returns.
 
         ``local``: from the local tiers only (a peer's request)."""
-        check.check_keys(self.limits, keys)
+        check_keys(self.limits, keys)
         values: list[Buffer | None] = list(map(self.ram.pin, keys))
         if None not in values:
             return values
@@ -639,8 +704,8 @@ class Service:
         ``source``: the tier the blocks came from (a peer's push): they are
         kept locally and never written back out to a remote tier. ``copy``:
         the values' memory is about to be reused; RAM keeps copies."""
-        check.check_keys(self.limits, keys)
-        check.check_values(self.limits, values, self.ram.capacity)
+        check_keys(self.limits, keys)
+        check_values(self.limits, values, self.ram.capacity)
         return [self._store_local(k, v, source, copy) for k, v in zip(keys, values, strict=True)]
 
     def stage(self, length: int, key: bytes) -> memoryview | None:
@@ -743,7 +808,7 @@ class Service:
         """Delete ``keys`` from every tier: True where a tier held the key. The
         local tiers answer now; with remote tiers, the awaitable that also asks
         them. ``local``: the local tiers only (a peer's request)."""
-        check.check_keys(self.limits, keys)
+        check_keys(self.limits, keys)
         deleted = self.delete_local(keys)
         if local or not self.remotes:
             return deleted
@@ -966,10 +1031,6 @@ class RemoteProbes:
         self._scheduler.enqueue_probe(slot.name, key)
         return probe
 
-    def invalidate(self, key: bytes) -> None:
-        for slot in self.slots:
-            slot.probes.invalidate(key)
-
     def expire(self, now: float) -> None:
         for slot in self.slots:
             slot.probes.expire(now)
@@ -980,7 +1041,7 @@ class RemoteProbes:
 
     def _dispatcher(self, slot: RemoteSlot) -> Callable[[list[bytes]], None]:
         def dispatch(keys: list[bytes]) -> None:
-            probes = [p for p in (slot.probes.inflight(k) for k in keys) if p is not None]
+            probes = [p for p in map(slot.probes.inflight, keys) if p is not None]
             if not probes:
                 return  # every key was invalidated before its batch left
             slot.batch_size.observe(len(probes))

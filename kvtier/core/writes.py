@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,9 @@ class Reservation:
 class ReservationTable:
     def __init__(self) -> None:
         self._by_key: dict[bytes, Reservation] = {}
+        #: the pending write of a key, or None: the dict's own ``get``, as every
+        #: lookup asks it of every key it cannot find in RAM or on disk
+        self.get: Callable[[bytes], Reservation | None] = self._by_key.get
         #: keys reserved by each client connection (promotions are not indexed)
         self._by_owner: dict[ConnId, set[bytes]] = {}
 
@@ -72,9 +75,6 @@ class ReservationTable:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._by_key
-
-    def get(self, key: bytes) -> Reservation | None:
-        return self._by_key.get(key)
 
     def add(
         self,

@@ -1,30 +1,72 @@
-"""RAM tier: blocks in process memory under a byte budget, pinned while read.
+"""The RAM tier, and the shared arena its blocks live in.
 
-With an :class:`~kvtier.tiers.arena.Arena`, blocks of at least ``min_slot``
-bytes live in the shared arena (same-host clients read them in place) and
-are counted at their slot size; smaller ones, and any block when the arena
-is fragmented, stay ordinary Python objects. A value in the arena is freed
-only when no holder is left (:class:`~kvtier.tiers.arena.Slots`): a deleted or
-evicted block that a reader still holds is freed when it lets go. Such
-blocks are outside the budget, as an evicted block a background write
-still holds always was; the arena is sized with room for them, and a
-block that finds no room in it lives in the heap.
+RAM keeps blocks under a byte budget, pinned while read. With an
+:class:`Arena`, blocks of at least ``min_slot`` bytes live in the shared
+arena (same-host clients read them in place) and are counted at their slot
+size; smaller ones, and any block when the arena is fragmented, stay
+ordinary Python objects. A value in the arena is freed only when no holder
+is left (:class:`Slots`): a deleted or evicted block that a reader still
+holds is freed when it lets go. Such blocks are outside the budget, as an
+evicted block a background write still holds always was; the arena is sized
+with room for them, and a block that finds no room in it lives in the heap.
 
 Invariants (kept by its :class:`~kvtier.tiers.budget.Budget`): resident plus
 reserved bytes never exceed the capacity; a pinned block is never evicted;
 storing a key that is resident is a no-op (idempotent). Reserved bytes hold
 room for blocks announced by RESERVE. Imports the tiers' base, budget and
 policy; never the core or metrics.
+
+The shared arena is one anonymous memory file (``memfd_create``) of a fixed
+size, mapped read-write by the daemon; its descriptor can be handed to a
+client over the Unix socket (SCM_RIGHTS), which maps it read-only and reads
+blocks in place. Space is handed out by an :class:`ExtentAllocator`, the
+arena's pure bookkeeping; a :class:`Slot` names a block's bytes. The arena
+never decides what to evict: the tier's budget and eviction policy do, and
+free slots only when no lease holds them (:mod:`kvtier.core.shared.leases`).
+
+A block stored in the arena is one :class:`Slot` and one writable
+``memoryview`` of it; that view object *is* the block's value everywhere in
+the daemon, so its ``id`` names the slot. :class:`Slots` keeps the RAM
+tier's views and their holders: anything that keeps a value past the
+synchronous step (a reply still in the transport's buffer, a client's lease,
+a background write) *holds* it; the tier *retires* a value when the key is
+deleted or evicted. A view is *staged* between :meth:`Slots.stage` and
+:meth:`Slots.adopt` (a PUT body being received straight into the arena) or
+:meth:`Slots.drop_staged`.
+
+Invariants: a slot is freed exactly once, when it has been retired (or its
+staging dropped) and no holder is left; a held slot is never handed out
+again, so a reader's bytes never change under it; ``freed`` reports the
+bytes each free gives back so the budget can follow the arena.
+
+The allocator is pure (arithmetic over one byte range). A request is rounded
+up to whole pages (a 300,000-byte block takes 74 pages of 4 KiB, 1% more,
+not the 512 KiB a power-of-two scheme would). Free space is a set of
+extents, merged with their neighbours when freed. A request takes a free
+extent of exactly its size when there is one (KV blocks mostly share one
+size, so after warm-up nearly every request is an exact fit, O(1));
+otherwise the smallest larger extent, split at its start.
+
+Its invariants (tested with random sequences): allocated extents never
+overlap and stay inside the range; ``free_bytes + allocated_bytes == size``;
+no two free extents touch (they would have been merged); after every extent
+is freed one free extent covers the range.
+
+Linux only (``memfd_create``); where it is missing the RAM tier keeps its
+blocks in process memory and clients use the socket path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import chain, islice
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
-from kvtier.tiers.arena import Arena, OutOfArena, Slots
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
@@ -318,3 +360,256 @@ def _is_slice(view: memoryview) -> bool:
     """Whether ``view`` shows only part of the buffer it comes from."""
     base = view.obj
     return base is not None and memoryview(base).nbytes != view.nbytes
+
+
+class OutOfArena(Exception):
+    """No free extent is large enough (the range is full or fragmented)."""
+
+
+class ExtentAllocator:
+    def __init__(self, size: int, page: int = 4096) -> None:
+        if page <= 0 or page & (page - 1):
+            raise ValueError("page must be a power of two")
+        pages = size // page
+        if pages < 1:
+            raise ValueError(f"a range of {size} bytes holds no {page}-byte page")
+        self.page = page
+        self.size = pages * page
+        #: free extents: offset -> length, end -> offset, and offsets by length
+        self._free: dict[int, int] = {0: self.size}
+        self._ends: dict[int, int] = {self.size: 0}
+        self._by_length: dict[int, set[int]] = {self.size: {0}}
+        #: length of each allocated extent, by offset
+        self._allocated: dict[int, int] = {}
+        self.allocated_bytes = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ExtentAllocator {self.allocated_bytes}/{self.size} bytes "
+            f"blocks={len(self._allocated)} free_extents={len(self._free)}>"
+        )
+
+    @property
+    def free_bytes(self) -> int:
+        return self.size - self.allocated_bytes
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._by_length, default=0)
+
+    def block_size(self, size: int) -> int:
+        """The bytes a request of ``size`` occupies (whole pages, at least one)."""
+        page = self.page
+        return max(1, -(-size // page)) * page
+
+    def alloc(self, size: int) -> int:
+        """The offset of an extent of at least ``size`` bytes; raises :class:`OutOfArena`."""
+        need = self.block_size(size)
+        exact = self._by_length.get(need)
+        if exact:
+            offset = next(iter(exact))
+        else:
+            fits = [n for n in self._by_length if n >= need]
+            if not fits:
+                raise OutOfArena(
+                    f"no free extent of {need} bytes "
+                    f"({self.free_bytes} bytes free, largest {self.largest_free})"
+                )
+            offset = next(iter(self._by_length[min(fits)]))
+        length = self._take(offset)
+        if length > need:
+            self._put(offset + need, length - need)
+        self._allocated[offset] = need
+        self.allocated_bytes += need
+        return offset
+
+    def free(self, offset: int) -> None:
+        """Give back the extent at ``offset``, merging it with free neighbours."""
+        length = self._allocated.pop(offset, None)
+        if length is None:
+            raise ValueError(f"offset {offset} is not an allocated block")
+        self.allocated_bytes -= length
+        end = offset + length
+        if end in self._free:  # the next extent is free
+            length += self._take(end)
+        before = self._ends.get(offset)
+        if before is not None:  # the previous extent is free
+            length += self._take(before)
+            offset = before
+        self._put(offset, length)
+
+    def _put(self, offset: int, length: int) -> None:
+        self._free[offset] = length
+        self._ends[offset + length] = offset
+        self._by_length.setdefault(length, set()).add(offset)
+
+    def _take(self, offset: int) -> int:
+        length = self._free.pop(offset)
+        del self._ends[offset + length]
+        same = self._by_length[length]
+        same.discard(offset)
+        if not same:
+            del self._by_length[length]
+        return length
+
+    def is_pristine(self) -> bool:
+        """Whether nothing is allocated and one free extent covers the range."""
+        return not self._allocated and self._free == {0: self.size}
+
+
+@dataclass(slots=True, frozen=True)
+class Slot:
+    offset: int
+    length: int
+    #: the arena bytes it occupies (``length`` rounded up by the allocator)
+    size: int
+
+
+class Arena:
+    def __init__(self, size: int, *, page: int = 4096, name: str = "kvtier-arena") -> None:
+        self.allocator = ExtentAllocator(size, page)
+        self.size = self.allocator.size
+        #: the memory file; dup it to hand it to a client
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.mapping = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._view = memoryview(self.mapping)
+
+    def __repr__(self) -> str:
+        return f"<Arena fd={self.fd} {self.allocator!r}>"
+
+    def allocate(self, length: int) -> Slot:
+        """Room for ``length`` bytes; raises :class:`OutOfArena`."""
+        return Slot(self.allocator.alloc(length), length, self.allocator.block_size(length))
+
+    def view(self, slot: Slot) -> memoryview:
+        """The slot's bytes, writable (the daemon's side)."""
+        return self._view[slot.offset : slot.offset + slot.length]
+
+    def readonly_fd(self) -> int:
+        """A new descriptor of the memory file that can only be mapped read-only:
+        the one handed to clients (a writable one would let them map it writable)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def free(self, slot: Slot) -> None:
+        self.allocator.free(slot.offset)
+
+    def close(self) -> None:
+        """Close the memory file; the mapping goes with the last view of it."""
+        self._view.release()
+        with contextlib.suppress(BufferError):  # views still alive keep it mapped
+            self.mapping.close()
+        os.close(self.fd)
+
+
+class Slots:
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        #: every view handed out and not yet freed, by id: its slot and the view
+        self._live: dict[int, tuple[Slot, memoryview]] = {}
+        #: holders of each view beyond the tier itself, by id
+        self._refs: dict[int, int] = {}
+        #: retired views still held: freed when the last holder lets go
+        self._retired: set[int] = set()
+        #: views being filled by a PUT body, not yet a block
+        self._staged: set[int] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Slots live={len(self._live)} held={len(self._refs)} "
+            f"retired={len(self._retired)} staged={len(self._staged)} {self.arena.allocator!r}>"
+        )
+
+    def block_size(self, length: int) -> int:
+        """The arena bytes a value of ``length`` occupies."""
+        return self.arena.allocator.block_size(length)
+
+    @property
+    def held_count(self) -> int:
+        return len(self._refs)
+
+    @property
+    def retired_bytes(self) -> int:
+        return sum(self._live[i][0].size for i in self._retired)
+
+    def new(self, length: int) -> memoryview:
+        """A fresh view of ``length`` bytes; raises :class:`OutOfArena`."""
+        slot = self.arena.allocate(length)
+        view = self.arena.view(slot)
+        self._live[id(view)] = (slot, view)
+        return view
+
+    def slot_of(self, value: object) -> Slot | None:
+        entry = self._live.get(id(value))
+        return entry[0] if entry is not None and entry[1] is value else None
+
+    # -- staging
+
+    def stage(self, length: int) -> memoryview:
+        view = self.new(length)
+        self._staged.add(id(view))
+        return view
+
+    def is_staged(self, value: object) -> bool:
+        return id(value) in self._staged and self.slot_of(value) is not None
+
+    def adopt(self, view: memoryview) -> None:
+        """A staged view becomes a stored block."""
+        self._staged.discard(id(view))
+
+    def drop_staged(self, view: memoryview) -> int:
+        """The PUT that staged ``view`` did not store it; returns the bytes freed."""
+        if id(view) not in self._staged:
+            return 0
+        self._staged.discard(id(view))
+        return self._free(id(view))
+
+    # -- holders
+
+    def hold(self, value: object) -> None:
+        """Keep ``value``'s slot from being reused (no-op for values not in the arena)."""
+        if self.slot_of(value) is not None:
+            vid = id(value)
+            self._refs[vid] = self._refs.get(vid, 0) + 1
+
+    def let_go(self, value: object) -> int:
+        """One holder is done; returns the bytes freed (the slot was retired and unheld)."""
+        vid = id(value)
+        n = self._refs.get(vid)
+        if n is None or self.slot_of(value) is None:
+            return 0
+        if n > 1:
+            self._refs[vid] = n - 1
+            return 0
+        del self._refs[vid]
+        return self._free(vid) if vid in self._retired else 0
+
+    def retire(self, value: object) -> int:
+        """The tier no longer stores ``value``: freed now unless held. Returns bytes freed."""
+        if self.slot_of(value) is None:
+            return 0
+        vid = id(value)
+        if vid in self._refs:
+            self._retired.add(vid)
+            return 0
+        return self._free(vid)
+
+    def _free(self, vid: int) -> int:
+        slot, _view = self._live.pop(vid)
+        self._retired.discard(vid)
+        self._refs.pop(vid, None)
+        self.arena.free(slot)
+        return slot.size
+
+    def is_pristine(self) -> bool:
+        """Nothing handed out at all: the arena's allocator is back to its start."""
+        return not self._live and self.arena.allocator.is_pristine()
+
+
+def map_readonly(fd: int, size: int) -> mmap.mmap:
+    """A client's read-only mapping of an arena handed to it."""
+    return mmap.mmap(fd, size, prot=mmap.PROT_READ)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -59,6 +60,8 @@ class S3Counters:
         self.requests = Counts("op", "outcome")
         self.seconds = Histograms(LATENCY_BUCKETS, "op")
         self.bytes = Counts("direction")
+        self.bytes_in = self.bytes.bind("in")
+        self.bytes_out = self.bytes.bind("out")
         self.retries = Counts("op")
         self.corrupt = Counts().bind()
 
@@ -266,7 +269,7 @@ class S3Tier(Tier):
             self.counters.corrupt.inc()
             log.warning("%s: object for key %s is corrupt: %s", self.name, key.hex(), exc)
             return None
-        self.counters.bytes.inc("in", n=len(data))
+        self.counters.bytes_in.value += len(data)
         return data
 
     async def _put(self, key: bytes, value: Buffer) -> None:
@@ -282,7 +285,7 @@ class S3Tier(Tier):
             self._count_retries("put", resp)
 
         await self._call("put", call)
-        self.counters.bytes.inc("out", n=len(body))
+        self.counters.bytes_out.value += len(body)
 
     async def _delete(self, key: bytes) -> None:
         async def call() -> None:
@@ -295,17 +298,17 @@ class S3Tier(Tier):
     # -- Tier interface
 
     async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
-        return list(await asyncio.gather(*(self._head(k) for k in keys)))
+        return list(await asyncio.gather(*map(self._head, keys)))
 
     async def batch_load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        return list(await asyncio.gather(*(self._get(k) for k in keys)))
+        return list(await asyncio.gather(*map(self._get, keys)))
 
     async def batch_store(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
-        await asyncio.gather(*(self._put(k, v) for k, v in zip(keys, values, strict=True)))
+        await asyncio.gather(*itertools.starmap(self._put, zip(keys, values, strict=True)))
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """S3 does not say whether an object existed: every answer is False."""
-        await asyncio.gather(*(self._delete(k) for k in keys))
+        await asyncio.gather(*map(self._delete, keys))
         return [False] * len(keys)
 
     def stats(self) -> S3Stats:

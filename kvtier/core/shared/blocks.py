@@ -25,12 +25,11 @@ from typing import Any
 
 import xxhash
 
-from kvtier.core.limits import check_sizes
+from kvtier.core.service import check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, NoCapacityError
 from kvtier.model import Buffer, ConnId, Leased, Limits, PutStatus
-from kvtier.tiers.arena import Arena, OutOfArena, Slot
-from kvtier.tiers.ram import RamTier
+from kvtier.tiers.ram import Arena, OutOfArena, RamTier, Slot
 
 log = logging.getLogger("kvtier.shared")
 
