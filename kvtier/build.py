@@ -158,6 +158,8 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             staging,
             put=lambda keys, values: service.put(keys, values, copy=True),
             unpin=service.unpin,
+            stage=service.stage,
+            drop_staged=service.drop_staged,
             now=scheduler.now,
             lease_timeout=shc.lease_timeout,
             staging_timeout=shc.staging_timeout,

@@ -222,6 +222,7 @@ class Daemon:
             staging_bytes=self.staging.size,
             peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
             mode=sc.socket_mode,
+            attach=self.shared.attach_region if self.shared is not None else None,
         )
         self.handoff.bind()
 

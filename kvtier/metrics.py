@@ -133,8 +133,21 @@ class _Collector(Collector):
                 "Staging bytes handed to clients now",
                 st.staging_allocated_bytes,
             ),
+            (
+                "kvtier_shared_regions",
+                "Clients' memory files the daemon copies blocks to and from, held now",
+                st.regions,
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        region_bytes = CounterMetricFamily(
+            "kvtier_shared_region_bytes",
+            "Bytes the daemon copied out of clients' regions (in) and into them (out)",
+            labels=["direction"],
+        )
+        region_bytes.add_metric(["in"], st.region_bytes_in)
+        region_bytes.add_metric(["out"], st.region_bytes_out)
+        yield region_bytes
         for name, doc, value in (
             (
                 "kvtier_shared_staging_expired",

@@ -196,6 +196,31 @@ class SharedService(Protocol):
 
     def unstage(self, owner: ConnId, offset: int) -> bool: ...
 
+    def open_region(self, owner: ConnId) -> tuple[int, bytes]: ...
+
+    def attach_region(self, token: bytes, fd: int) -> int: ...
+
+    def check_region(
+        self, owner: ConnId, region_id: int, spans: Sequence[tuple[int, int]]
+    ) -> None: ...
+
+    async def put_region(
+        self,
+        owner: ConnId,
+        region_id: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+    ) -> list[PutStatus]: ...
+
+    async def get_region(
+        self,
+        owner: ConnId,
+        region_id: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+        values: Sequence[Buffer | None],
+    ) -> list[int | None]: ...
+
     def connection_closed(self, owner: ConnId) -> None: ...
 
     def stats(self) -> StatsRecord: ...

@@ -24,11 +24,12 @@ from kvtier import wire
 from kvtier._version import __version__
 from kvtier.client.batching import SOLO_VALUE_BYTES, put_batches
 from kvtier.client.protocol import ClientProtocol, expire
-from kvtier.client.shared import SharedSession, fetch
+from kvtier.client.shared import SharedSession, fetch, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
 from kvtier.errors import (
     ConnectionClosedError,
     DaemonUnavailableError,
+    ForbiddenError,
     ProtocolError,
     RequestTimeoutError,
     ValueTooLargeError,
@@ -489,6 +490,61 @@ class Client:
             return
         async with self._shm.lease(key, self._timeout(timeout)) as view:
             yield view
+
+    async def attach_region(self, fd: int, *, timeout: Timeout = ...) -> int:
+        """Let the daemon copy blocks to and from the memory file ``fd`` itself
+        (an engine's host pool in a memfd); returns the region id that
+        :meth:`put_region` and :meth:`get_region` name. The daemon keeps a
+        descriptor of its own, with the access ``fd`` was opened with, until
+        this connection closes. Needs shared memory agreed at HELLO."""
+        offer = self.server.shared if self.server is not None else None
+        if offer is None:
+            raise ForbiddenError("regions need the daemon's shared memory on this connection")
+        frame = await self._call(Op.REGION, b"", timeout=timeout)
+        region, token = wire.decode_region_reply(frame.meta)
+        limit = self._timeout(timeout)
+        try:
+            await asyncio.to_thread(hand_region, offer.path, token, fd, limit or 5.0)
+        except OSError as exc:
+            raise DaemonUnavailableError(f"handing the region over failed: {exc}") from exc
+        return region
+
+    async def put_region(
+        self,
+        region: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+        *,
+        timeout: Timeout = ...,
+    ) -> list[PutStatus]:
+        """Store the blocks at ``spans`` ((offset, length) each) of ``region``
+        under ``keys``: the daemon reads them from the region itself."""
+        out: list[PutStatus] = []
+        for lo in range(0, len(keys), self._max_batch()):
+            hi = lo + self._max_batch()
+            io = wire.RegionIO(region, list(keys[lo:hi]), list(spans[lo:hi]))
+            frame = await self._call(Op.PUT_REGION, wire.encode_region_io(io), timeout=timeout)
+            out.extend(wire.decode_put_reply(frame.meta))
+        return out
+
+    async def get_region(
+        self,
+        region: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+        *,
+        timeout: Timeout = ...,
+    ) -> list[int | None]:
+        """Have the daemon write the blocks under ``keys`` into ``region`` at
+        ``spans`` ((offset, room) each); per key the bytes written, or None
+        where the daemon has no such block (its room is left as it was)."""
+        out: list[int | None] = []
+        for lo in range(0, len(keys), self._max_batch()):
+            hi = lo + self._max_batch()
+            io = wire.RegionIO(region, list(keys[lo:hi]), list(spans[lo:hi]))
+            frame = await self._call(Op.GET_REGION, wire.encode_region_io(io), timeout=timeout)
+            out.extend(wire.decode_region_lengths(frame.meta))
+        return out
 
     async def delete(self, key: bytes, *, timeout: Timeout = ...) -> bool:
         return (await self.delete_many([key], timeout=timeout))[0]

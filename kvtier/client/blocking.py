@@ -264,6 +264,29 @@ class BlockingClient:
     ) -> list[PutStatus]:
         return self._run(self._client.put_many(keys, values, durable=durable, timeout=timeout))
 
+    def attach_region(self, fd: int, *, timeout: Timeout = ...) -> int:
+        return self._run(self._client.attach_region(fd, timeout=timeout))
+
+    def put_region(
+        self,
+        region: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+        *,
+        timeout: Timeout = ...,
+    ) -> list[PutStatus]:
+        return self._run(self._client.put_region(region, keys, spans, timeout=timeout))
+
+    def get_region(
+        self,
+        region: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+        *,
+        timeout: Timeout = ...,
+    ) -> list[int | None]:
+        return self._run(self._client.get_region(region, keys, spans, timeout=timeout))
+
     def delete(self, key: bytes, *, timeout: Timeout = ...) -> bool:
         return self._run(self._client.delete(key, timeout=timeout))
 

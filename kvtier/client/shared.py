@@ -30,7 +30,7 @@ from typing import Protocol
 
 from kvtier import wire
 from kvtier.client.batching import SOLO_VALUE_BYTES
-from kvtier.errors import KvtierError, NoCapacityError, ValueTooLargeError
+from kvtier.errors import KvtierError, NoCapacityError, ValueTooLargeError, error_from_code
 from kvtier.model import STAGING_REUSE_SECONDS, Buffer, Leased, PutStatus
 from kvtier.wire import FLAG_DURABLE, Frame, Op
 
@@ -79,6 +79,41 @@ def fetch(path: str, timeout: float) -> tuple[mmap.mmap, mmap.mmap]:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def hand_region(path: str, token: bytes, fd: int, timeout: float) -> int:
+    """Hand the memory file ``fd`` to the daemon as the region ``token`` names
+    (the token REGION gave); returns the region's size as the daemon sees it.
+
+    Blocking: one local round trip on the handoff socket. The daemon's own
+    message (the arena's descriptors) comes first and is not kept.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, wire.HANDOFF.size, 2)
+        for received in fds:
+            os.close(received)
+        if len(msg) != wire.HANDOFF.size:
+            raise OSError(f"the daemon refused to share memory at {path}")
+        socket.send_fds(sock, [wire.REGION_HANDOFF.pack(wire.REGION_TAG, token)], [fd])
+        status, size, n = wire.REGION_ATTACHED.unpack(
+            _recv_exactly(sock, wire.REGION_ATTACHED.size)
+        )
+        why = _recv_exactly(sock, n).decode(errors="replace")
+    if status:
+        raise error_from_code(status, why or "the daemon refused the region")
+    return int(size)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise OSError("the daemon closed the handoff before answering for the region")
+        out += chunk
+    return out
 
 
 class SharedSession:

@@ -6,9 +6,17 @@ and receives, in one message with SCM_RIGHTS, a read-only descriptor of
 RAM's arena and a read-write descriptor of the staging region; it maps
 both and the connection closes. A client the policy refuses gets nothing.
 
+A client may answer on the same connection with a region of its own: the
+token REGION gave it and, with SCM_RIGHTS, the descriptor of its memory
+file (:data:`~kvtier.wire.REGION_HANDOFF`). The daemon attaches it to the
+connection REGION came from and answers with a status and the file's size.
+
 Invariants: the arena descriptor handed out cannot be mapped writable;
-every accepted connection is closed whatever happened; the socket file is
-removed by :meth:`close`. Imports the server's socket helpers only.
+every accepted connection is closed whatever happened, and every
+descriptor received is either owned by a region or closed; one client
+cannot hold up another's handoff (each is served apart, for at most
+``REGION_WAIT`` seconds); the socket file is removed by :meth:`close`.
+Imports the wire, the errors and the server's socket helpers only.
 """
 
 from __future__ import annotations
@@ -18,12 +26,18 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.errors import BadArgumentError, ErrorCode, KvtierError
 from kvtier.server.sockets import PeerPolicy, bind_unix_socket, peer_of
-from kvtier.wire import HANDOFF, HANDOFF_TAG
+from kvtier.wire import HANDOFF, HANDOFF_TAG, REGION_ATTACHED, REGION_HANDOFF, REGION_TAG
 
 log = logging.getLogger("kvtier.server")
+
+#: how long a client that took the arena may take to send a region (most
+#: close at once: only the arena was wanted)
+REGION_WAIT = 1.0
 
 
 class Handoff:
@@ -37,48 +51,97 @@ class Handoff:
         staging_bytes: int,
         peers: PeerPolicy,
         mode: int,
+        attach: Callable[[bytes, int], int] | None = None,
     ) -> None:
         self.path = path
         self._fds = [arena_fd, staging_fd]
         self._message = HANDOFF.pack(HANDOFF_TAG, arena_bytes, staging_bytes)
         self._peers = peers
         self._mode = mode
+        #: attaches a client's region by its token (the shared blocks'); the
+        #: region owns the descriptor once it returns
+        self._attach = attach
         self._sock: socket.socket | None = None
         #: descriptors handed out, and connections refused
         self.handed = 0
         self.refused = 0
+        #: client regions attached, and refused
+        self.regions = 0
+        self.regions_refused = 0
 
     def __repr__(self) -> str:
-        return f"<Handoff {self.path} handed={self.handed} refused={self.refused}>"
+        return (
+            f"<Handoff {self.path} handed={self.handed} refused={self.refused} "
+            f"regions={self.regions} regions_refused={self.regions_refused}>"
+        )
 
     def bind(self) -> None:
         self._sock = bind_unix_socket(self.path, self._mode)
 
     async def serve(self) -> None:
-        """Hand out descriptors until cancelled."""
+        """Hand out descriptors (and take regions) until cancelled."""
         sock = self._sock
         assert sock is not None, "bind() first"
         loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(sock)
-            try:
-                self._hand(conn)
-            except OSError as exc:
-                log.info("shared memory handoff failed: %s", exc)
-            finally:
-                conn.close()
+        async with asyncio.TaskGroup() as clients:
+            while True:
+                conn, _ = await loop.sock_accept(sock)
+                clients.create_task(self._serve_one(conn))
 
-    def _hand(self, conn: socket.socket) -> None:
+    async def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            if self._hand(conn) and self._attach is not None:
+                await self._take_region(conn, self._attach)
+        except (OSError, TimeoutError) as exc:
+            log.info("shared memory handoff failed: %s", exc)
+        finally:
+            conn.close()
+
+    def _hand(self, conn: socket.socket) -> bool:
         peer = peer_of(conn)
         if not self._peers.allows(peer):
             self.refused += 1
             who = f"uid {peer.uid} pid {peer.pid}" if peer else "unknown peer"
             log.warning("shared memory refused to %s", who)
-            return
+            return False
         conn.setblocking(True)
         conn.settimeout(1.0)  # one small message to a local client
         socket.send_fds(conn, [self._message], self._fds)
         self.handed += 1
+        return True
+
+    async def _take_region(self, conn: socket.socket, attach: Callable[[bytes, int], int]) -> None:
+        """A region the client may send back: attach it and answer."""
+        conn.setblocking(False)
+        try:
+            async with asyncio.timeout(REGION_WAIT):
+                await _readable(conn)
+        except TimeoutError:
+            return
+        msg, fds, _flags, _addr = socket.recv_fds(conn, REGION_HANDOFF.size, 1)
+        if not msg and not fds:
+            return  # the arena was all it wanted
+        status, size, why = ErrorCode.OK, 0, b""
+        try:
+            if len(msg) != REGION_HANDOFF.size or len(fds) != 1:
+                raise BadArgumentError("a region is a tag and a token, with one descriptor")
+            tag, token = REGION_HANDOFF.unpack(msg)
+            if tag != REGION_TAG:
+                raise BadArgumentError("not a kvtier region message")
+            size = attach(token, fds[0])
+            fds = []  # the region's now
+            self.regions += 1
+        except (KvtierError, OSError) as exc:
+            status = exc.code if isinstance(exc, KvtierError) else ErrorCode.BAD_ARGUMENT
+            why = str(exc).encode()[:1024]
+            self.regions_refused += 1
+            log.info("client region refused: %s", exc)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        conn.setblocking(True)
+        conn.settimeout(1.0)
+        conn.sendall(REGION_ATTACHED.pack(status, size, len(why)) + why)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -90,3 +153,18 @@ class Handoff:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = []
+
+
+async def _readable(conn: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(conn.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(conn.fileno())

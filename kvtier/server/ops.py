@@ -64,6 +64,9 @@ class Ops:
             Op.STAGE: self.stage,
             Op.COMMIT: self.commit,
             Op.UNSTAGE: self.unstage,
+            Op.REGION: self.region,
+            Op.PUT_REGION: self.put_region,
+            Op.GET_REGION: self.get_region,
         }
 
     def __repr__(self) -> str:
@@ -235,6 +238,36 @@ class Ops:
         shared = self._shared_of(conn)
         freed = shared.unstage(conn.conn_id, wire.decode_u64(frame.meta, "UNSTAGE"))
         return Reply(bytes([int(freed)]))
+
+    # -- regions: the daemon copies blocks to and from a client's memory file
+
+    def region(self, conn: Connection, frame: Frame) -> Reply:
+        shared = self._shared_of(conn)
+        if frame.meta or frame.data:
+            raise wire.CodecError("REGION carries nothing")
+        return Reply(wire.encode_region_reply(*shared.open_region(conn.conn_id)))
+
+    def put_region(self, conn: Connection, frame: Frame) -> Later:
+        shared = self._shared_of(conn)
+        if frame.data:
+            raise wire.CodecError("PUT_REGION carries no data: the blocks are in the region")
+        io = wire.decode_region_io(frame.meta, self.max_batch)
+        done = shared.put_region(conn.conn_id, io.region, io.keys, io.spans)
+        return Later(done, lambda statuses: Reply(wire.encode_put_reply(statuses)))
+
+    def get_region(self, conn: Connection, frame: Frame) -> Later:
+        shared = self._shared_of(conn)
+        if frame.data:
+            raise wire.CodecError("GET_REGION carries no data")
+        io = wire.decode_region_io(frame.meta, self.max_batch)
+        shared.check_region(conn.conn_id, io.region, io.spans)
+        values = self.service.get(io.keys)  # pinned; get_region unpins them
+
+        async def write() -> list[int | None]:
+            got = values if isinstance(values, list) else await values
+            return await shared.get_region(conn.conn_id, io.region, io.keys, io.spans, got)
+
+        return Later(write(), lambda lengths: Reply(wire.encode_region_lengths(lengths)))
 
     def _only_keys(self, frame: Frame, op: str) -> list[bytes]:
         keys, end, _ = wire.decode_keys(frame.meta, 0, self.max_batch)

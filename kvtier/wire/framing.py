@@ -49,6 +49,9 @@ class Op(enum.IntEnum):
     STAGE = 0x32
     COMMIT = 0x33
     UNSTAGE = 0x34
+    REGION = 0x38
+    PUT_REGION = 0x39
+    GET_REGION = 0x3A
 
 
 class CodecError(Exception):

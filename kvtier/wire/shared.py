@@ -8,6 +8,12 @@ without asking for more. STAGE, COMMIT and UNSTAGE move a block in
 through the writable staging region: the client asks for room, writes
 the block there, and commits it under a key with its checksum.
 
+REGION, PUT_REGION and GET_REGION let the daemon copy blocks itself to and
+from a memory file of the client's (an engine's host pool in a memfd):
+REGION answers a region id and a token; the client hands the file's
+descriptor over the handoff socket with the token (:data:`REGION_HANDOFF`);
+then PUT_REGION and GET_REGION name blocks by key and place in the region.
+
 Pure, like the rest of the wire package.
 """
 
@@ -18,7 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.model import Buffer, Leased
-from kvtier.wire.codecs import decode_keys, encode_keys
+from kvtier.wire.codecs import (
+    MISSING,
+    _decode_u32_array,
+    _expect_end,
+    _pack_u32s,
+    decode_keys,
+    encode_keys,
+)
 from kvtier.wire.framing import CodecError
 
 _U32 = struct.Struct("<I")
@@ -36,6 +49,20 @@ KIND_INLINE = 2
 #: and the staging region's size
 HANDOFF = struct.Struct("<8sQQ")
 HANDOFF_TAG = b"KVSHM1\0\0"
+
+#: a client's region handed over the handoff socket (sent with its
+#: descriptor, after the daemon's own message): a tag and the token REGION gave
+REGION_HANDOFF = struct.Struct("<8s16s")
+REGION_TAG = b"KVREG1\0\0"
+#: the daemon's answer to it: 0 (attached) or an error code, the region's
+#: size, and the length of the error message that follows
+REGION_ATTACHED = struct.Struct("<BQH")
+#: REGION's reply: the region id, then its token
+_REGION = struct.Struct("<I16s")
+#: PUT_REGION / GET_REGION head: the region id
+_REGION_IO = struct.Struct("<I")
+#: one block's place in a region: offset, length (PUT) or room (GET)
+_SPAN = struct.Struct("<QQ")
 
 COMMIT_KEEP_ROOM = 0x01  # the staging room stays the client's for the next block
 
@@ -155,3 +182,64 @@ def decode_commit(buf: Buffer) -> Commit:
     if len(keys) != 1 or end != len(buf):
         raise CodecError("COMMIT carries exactly one key")
     return Commit(keys[0], offset, length, checksum, bool(flags & COMMIT_KEEP_ROOM))
+
+
+# --------------------------------------------------------------------------- regions
+
+
+@dataclass(slots=True, frozen=True)
+class RegionIO:
+    """Blocks to copy between a region and RAM: ``spans[i]`` is key i's
+    (offset, length) in the region: the block's length for PUT_REGION, the
+    room it may fill for GET_REGION."""
+
+    region: int
+    keys: list[bytes]
+    spans: list[tuple[int, int]]
+
+
+def encode_region_reply(region: int, token: bytes) -> bytes:
+    return _REGION.pack(region, token)
+
+
+def decode_region_reply(buf: Buffer) -> tuple[int, bytes]:
+    if len(buf) != _REGION.size:
+        raise CodecError("REGION reply is a region id and a 16-byte token")
+    region, token = _REGION.unpack(buf)
+    return int(region), bytes(token)
+
+
+def encode_region_io(io: RegionIO) -> bytes:
+    if len(io.spans) != len(io.keys):
+        raise ValueError(f"{len(io.keys)} keys but {len(io.spans)} spans")
+    return (
+        _REGION_IO.pack(io.region)
+        + encode_keys(io.keys)
+        + b"".join(_SPAN.pack(off, n) for off, n in io.spans)
+    )
+
+
+def decode_region_io(buf: Buffer, max_batch: int) -> RegionIO:
+    if len(buf) < _REGION_IO.size:
+        raise CodecError("truncated region request")
+    (region,) = _REGION_IO.unpack_from(buf, 0)
+    keys, end, _ = decode_keys(buf, _REGION_IO.size, max_batch)
+    if len(buf) - end != len(keys) * _SPAN.size:
+        raise CodecError("a region request carries one (offset, length) per key")
+    spans = [(int(o), int(n)) for o, n in _SPAN.iter_unpack(memoryview(buf)[end:])]
+    return RegionIO(int(region), keys, spans)
+
+
+def encode_region_lengths(lengths: Sequence[int | None]) -> bytes:
+    """GET_REGION's reply: per key, the bytes written into its room, or
+    MISSING where the daemon has no such block."""
+    return _U32.pack(len(lengths)) + _pack_u32s(MISSING if n is None else n for n in lengths)
+
+
+def decode_region_lengths(buf: Buffer) -> list[int | None]:
+    if len(buf) < 4:
+        raise CodecError("truncated GET_REGION reply")
+    (n,) = _U32.unpack_from(buf, 0)
+    lengths, end = _decode_u32_array(buf, 4, n)
+    _expect_end(buf, end)
+    return [None if v == MISSING else v for v in lengths]

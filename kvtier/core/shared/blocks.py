@@ -10,24 +10,41 @@ never touches a block a reader may hold) and the room stays the client's
 for its next block until it gives it back, goes idle past the staging
 deadline, or disconnects.
 
+A client whose blocks already sit in a memory file of its own (an engine's
+host pool in a memfd) registers that file as a *region*: the daemon then
+copies blocks itself, from the region into their RAM slots (PUT_REGION)
+and from RAM into the region (GET_REGION), with ``pread``/``pwrite`` in a
+worker thread, so the bytes cross no socket and the event loop never
+touches them. The daemon never maps a client's file (a client shrinking it
+could fault the daemon; a read past its end is a clear error instead), and
+it uses the descriptor with the access the client opened it with.
+
 Invariants: a block under a lease keeps its bytes (its slot is never
-reused before the lease ends); every lease and every staging room of a
-connection ends when the connection closes; ``stats`` shows what is live.
-Imports the core's service and lease table and the tiers' arena; no sockets.
+reused before the lease ends); every lease, staging room and region of a
+connection ends when the connection closes; a staged slot or a pinned
+block a copy thread works on outlives the copy, even when its request is
+cancelled, and a region's descriptor is closed only once no copy uses it;
+``stats`` shows what is live. Imports the core's service and lease table
+and the tiers' arena; no sockets.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
+import os
+import secrets
+import stat
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import xxhash
 
-from kvtier.core.service import check_sizes
+from kvtier.core.service import check_keys, check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
-from kvtier.errors import BadArgumentError, NoCapacityError
+from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
 from kvtier.model import Buffer, ConnId, Leased, Limits, PutStatus
 from kvtier.tiers.ram import Arena, OutOfArena, RamTier, Slot
 
@@ -42,6 +59,27 @@ class Room:
     slot: Slot
     #: reclaimed when not committed to before this time
     deadline: float
+
+
+#: regions one connection may hold (attached or waiting for their descriptor)
+MAX_REGIONS = 8
+
+
+@dataclass(slots=True, eq=False)
+class Region:
+    """A memory file of a client's that the daemon copies blocks to and from."""
+
+    region_id: int
+    owner: ConnId
+    token: bytes = field(repr=False)
+    #: the client's descriptor, once handed over the handoff socket; -1 before
+    fd: int = -1
+    #: the file's size when it was handed over: every block must lie inside it
+    size: int = 0
+    #: copies running in worker threads now: the descriptor is closed only at 0
+    busy: int = 0
+    #: the connection is gone: the descriptor closes when the last copy ends
+    closed: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +97,11 @@ class SharedStats:
     leased_bytes: int
     arena_bytes: int
     arena_allocated_bytes: int
+    #: client regions held now (attached or waiting for their descriptor)
+    regions: int
+    #: bytes the daemon copied out of clients' regions into RAM, and into them
+    region_bytes_in: int
+    region_bytes_out: int
 
     def as_dict(self) -> dict[str, Any]:
         """The STATS reply's ``shared`` section."""
@@ -73,6 +116,8 @@ class SharedBlocks:
         *,
         put: Callable[[Sequence[bytes], Sequence[Buffer]], list[PutStatus]],
         unpin: Callable[[Sequence[bytes], Sequence[Buffer | None]], None],
+        stage: Callable[[int, bytes], memoryview | None],
+        drop_staged: Callable[[Buffer], None],
         now: Callable[[], float],
         lease_timeout: float,
         staging_timeout: float,
@@ -84,6 +129,9 @@ class SharedBlocks:
         self.staging = staging
         self._put = put
         self._unpin = unpin
+        #: a RAM slot to receive a block in place (the service's), and its undo
+        self._stage = stage
+        self._drop_staged = drop_staged
         self._now = now
         self._limits = limits
         self.lease_timeout = lease_timeout
@@ -99,11 +147,18 @@ class SharedBlocks:
         self.commits_refused = 0
         #: bytes of the blocks leased (read by clients without crossing the socket)
         self.leased_bytes = 0
+        #: clients' regions by id, and those still waiting for their descriptor by token
+        self._regions: dict[int, Region] = {}
+        self._tokens: dict[bytes, Region] = {}
+        self._region_ids = itertools.count(1)
+        self.region_bytes_in = 0
+        self.region_bytes_out = 0
 
     def __repr__(self) -> str:
         return (
             f"<SharedBlocks {self.leases!r} rooms={len(self._rooms)} "
-            f"staging={self.staging.allocator.allocated_bytes}/{self.staging.size}>"
+            f"staging={self.staging.allocator.allocated_bytes}/{self.staging.size} "
+            f"regions={len(self._regions)}>"
         )
 
     # -- reads
@@ -205,12 +260,157 @@ class SharedBlocks:
         room = self._rooms.pop(offset)
         self.staging.free(room.slot)
 
+    # -- regions
+
+    def open_region(self, owner: ConnId) -> tuple[int, bytes]:
+        """A new region of ``owner``'s: its id, and the token that hands its
+        descriptor over the handoff socket (:meth:`attach_region`)."""
+        if sum(r.owner == owner for r in self._regions.values()) >= MAX_REGIONS:
+            raise NoCapacityError(f"a connection holds at most {MAX_REGIONS} regions")
+        region = Region(next(self._region_ids), owner, secrets.token_bytes(16))
+        self._regions[region.region_id] = region
+        self._tokens[region.token] = region
+        return region.region_id, region.token
+
+    def attach_region(self, token: bytes, fd: int) -> int:
+        """The descriptor of the region ``token`` names; returns the file's size.
+        The region owns ``fd`` once this returns (and closes it), not before."""
+        region = self._tokens.get(token)
+        if region is None:
+            raise ForbiddenError("no region waits for this token")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadArgumentError("a region is a regular file (a memfd), not a pipe or socket")
+        if st.st_size <= 0:
+            raise BadArgumentError("a region's file is empty")
+        del self._tokens[token]
+        region.fd, region.size = fd, st.st_size
+        return region.size
+
+    def _region_of(self, owner: ConnId, region_id: int, spans: Sequence[tuple[int, int]]) -> Region:
+        region = self._regions.get(region_id)
+        if region is None or region.owner != owner:
+            raise BadArgumentError(f"no region {region_id} belongs to this connection")
+        if region.fd < 0:
+            raise BadArgumentError(f"region {region_id} has no descriptor yet")
+        for i, (offset, length) in enumerate(spans):
+            if offset + length > region.size:
+                raise BadArgumentError(
+                    f"block {i} at {offset}+{length} lies outside region {region_id} "
+                    f"({region.size} bytes)"
+                )
+        return region
+
+    def check_region(self, owner: ConnId, region_id: int, spans: Sequence[tuple[int, int]]) -> None:
+        """Refuse a GET_REGION before it pins anything."""
+        self._region_of(owner, region_id, spans)
+
+    async def put_region(
+        self,
+        owner: ConnId,
+        region_id: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+    ) -> list[PutStatus]:
+        """Store the blocks at ``spans`` of the region under ``keys``: each is
+        read straight into its RAM slot, off the event loop."""
+        check_keys(self._limits, keys)
+        region = self._region_of(owner, region_id, spans)
+        check_sizes(self._limits, [n for _, n in spans], "value")
+        statuses = [PutStatus.EXISTS] * len(keys)
+        todo: list[int] = []
+        views: list[memoryview] = []
+        for i, (key, (_, length)) in enumerate(zip(keys, spans, strict=True)):
+            if self.ram.get(key) is not None:  # (a touch, as a PUT of it would)
+                continue
+            view = self._stage(length, key)
+            todo.append(i)
+            views.append(view if view is not None else memoryview(bytearray(length)))
+        if not todo:
+            return statuses
+        offsets = [spans[i][0] for i in todo]
+
+        def release() -> None:
+            for view in views:
+                self._drop_staged(view)  # unless stored
+
+        await self._copy(region, lambda: _read_into(region.fd, views, offsets), release)
+        try:
+            stored = self._put([keys[i] for i in todo], views)
+        finally:
+            release()
+        for i, status in zip(todo, stored, strict=True):
+            statuses[i] = status
+        self.region_bytes_in += sum(len(v) for v in views)
+        return statuses
+
+    async def get_region(
+        self,
+        owner: ConnId,
+        region_id: int,
+        keys: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+        values: Sequence[Buffer | None],
+    ) -> list[int | None]:
+        """Write the pinned ``values`` into their rooms at ``spans`` of the
+        region, off the event loop, and unpin them; the bytes written per key,
+        None for a block the daemon does not have."""
+        try:
+            region = self._region_of(owner, region_id, spans)
+            for i, (value, (_, room)) in enumerate(zip(values, spans, strict=True)):
+                if value is not None and len(value) > room:
+                    raise BadArgumentError(
+                        f"block {i} is {len(value)} bytes; its room holds {room}"
+                    )
+        except BaseException:
+            self._unpin(keys, values)
+            raise
+        present = [(v, off) for v, (off, _) in zip(values, spans, strict=True) if v is not None]
+        await self._copy(
+            region,
+            lambda: _write_from(region.fd, present),
+            lambda: self._unpin(keys, values),
+        )
+        self._unpin(keys, values)
+        self.region_bytes_out += sum(len(v) for v, _ in present)
+        return [None if v is None else len(v) for v in values]
+
+    async def _copy(
+        self, region: Region, copy: Callable[[], None], release: Callable[[], None]
+    ) -> None:
+        """``copy`` in a worker thread while ``region`` is in use; see :func:`off_loop`."""
+        region.busy += 1
+
+        def abandoned() -> None:
+            release()
+            self._let_go(region)
+
+        try:
+            await off_loop(copy, abandoned)
+        except OSError as exc:
+            raise TierError(f"region {region.region_id}: {exc}") from exc
+        self._let_go(region)
+
+    def _let_go(self, region: Region) -> None:
+        region.busy -= 1
+        if region.closed and region.busy == 0:
+            _close(region)
+
+    def _drop_region(self, region: Region) -> None:
+        del self._regions[region.region_id]
+        self._tokens.pop(region.token, None)
+        region.closed = True
+        if region.busy == 0:
+            _close(region)
+
     # -- lifecycle
 
     def connection_closed(self, owner: ConnId) -> None:
         self.leases.close(owner)
         for offset in [o for o, r in self._rooms.items() if r.owner == owner]:
             self._free_room(offset)
+        for region in [r for r in self._regions.values() if r.owner == owner]:
+            self._drop_region(region)
 
     def expire(self, now: float) -> None:
         """Revoke leases and reclaim staging room past their deadlines."""
@@ -229,6 +429,8 @@ class SharedBlocks:
             self.leases.close(owner)
         for offset in list(self._rooms):
             self._free_room(offset)
+        for region in list(self._regions.values()):
+            self._drop_region(region)
 
     def stats(self) -> SharedStats:
         return SharedStats(
@@ -242,4 +444,58 @@ class SharedBlocks:
             leased_bytes=self.leased_bytes,
             arena_bytes=self.slots.arena.size,
             arena_allocated_bytes=self.slots.arena.allocator.allocated_bytes,
+            regions=len(self._regions),
+            region_bytes_in=self.region_bytes_in,
+            region_bytes_out=self.region_bytes_out,
         )
+
+
+def _close(region: Region) -> None:
+    if region.fd >= 0:
+        os.close(region.fd)
+        region.fd = -1
+
+
+def _read_into(fd: int, views: Sequence[memoryview], offsets: Sequence[int]) -> None:
+    """Fill each view from ``fd`` at its offset (a worker thread's work)."""
+    for view, offset in zip(views, offsets, strict=True):
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"the region ends before {offset + len(view)}: was it shrunk?")
+            done += n
+
+
+def _write_from(fd: int, blocks: Sequence[tuple[Buffer, int]]) -> None:
+    """Write each block to ``fd`` at its offset (a worker thread's work)."""
+    for value, offset in blocks:
+        view = memoryview(value)
+        done = 0
+        while done < len(view):
+            done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+async def off_loop(copy: Callable[[], None], abandoned: Callable[[], None]) -> None:
+    """Run ``copy`` in a worker thread and wait for it.
+
+    Returned: the caller releases what the copy used. Raised: ``abandoned``
+    has run. Cancelled meanwhile: the thread goes on with the memory the
+    caller set aside, so ``abandoned`` runs once the thread ends, never
+    before (a slot freed under a running copy would be another block's).
+    """
+    done = asyncio.get_running_loop().run_in_executor(None, copy)
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+
+        def ended(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled():
+                fut.exception()  # read: nobody is left to report it to
+            abandoned()
+
+        done.add_done_callback(ended)
+        raise
+    except BaseException:
+        abandoned()
+        raise

@@ -1,0 +1,200 @@
+"""Regions: the daemon copies blocks itself to and from a client's memory file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import struct
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvtier import wire
+from kvtier.client.aio import Client
+from kvtier.client.shared import hand_region
+from kvtier.core.shared.blocks import MAX_REGIONS, off_loop
+from kvtier.daemon import Daemon
+from kvtier.errors import (
+    BadArgumentError,
+    ForbiddenError,
+    KvtierError,
+    NoCapacityError,
+    ProtocolError,
+)
+from kvtier.model import PutStatus
+
+MiB = 1024 * 1024
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only")
+
+
+def pattern(seed: int, size: int) -> bytes:
+    return (bytes([seed % 251, (seed * 7) % 253]) * (size // 2 + 1))[:size]
+
+
+@pytest.fixture
+def memfd() -> Iterator[int]:
+    """An engine's host pool: 4 MiB in a memory file, three blocks written in it."""
+    fd = os.memfd_create("pool")
+    os.ftruncate(fd, 4 * MiB)
+    os.pwrite(fd, pattern(1, MiB), 0)
+    os.pwrite(fd, pattern(2, 256 * 1024), MiB)
+    os.pwrite(fd, pattern(3, 4096), 2 * MiB)
+    yield fd
+    os.close(fd)
+
+
+SPANS = [(0, MiB), (MiB, 256 * 1024), (2 * MiB, 4096)]
+KEYS = [b"big", b"mid", b"small"]
+
+
+def shared_stats(d: Daemon) -> dict[str, Any]:
+    assert d.shared is not None
+    return d.shared.stats().as_dict()
+
+
+def received_bytes(d: Daemon) -> float:
+    value = d.metrics.registry.get_sample_value("kvtier_received_bytes_total")
+    assert value is not None
+    return value
+
+
+async def test_blocks_move_between_a_region_and_ram_without_the_socket(
+    daemon: Daemon, memfd: int
+) -> None:
+    async with await Client.connect(daemon.socket_path) as c:
+        region = await c.attach_region(memfd)
+        assert shared_stats(daemon)["regions"] == 1
+        before = received_bytes(daemon)
+        assert await c.put_region(region, KEYS, SPANS) == [PutStatus.STORED] * 3
+        assert await c.put_region(region, KEYS[:1], SPANS[:1]) == [PutStatus.EXISTS]
+        assert received_bytes(daemon) - before < 4096  # keys and spans, not 1.3 MiB
+        for key, (off, n) in zip(KEYS, SPANS, strict=True):
+            got = await c.get(key)
+            assert got is not None and bytes(got) == os.pread(memfd, n, off)
+        # Back out into other places of the region; a missing block's room is untouched.
+        rooms = [(3 * MiB, MiB), (3 * MiB + MiB - 4096, 4096)]
+        os.pwrite(memfd, b"\xee" * 4096, rooms[1][0])
+        assert await c.get_region(region, [b"big", b"nope"], rooms) == [MiB, None]
+        assert os.pread(memfd, MiB, 3 * MiB)[: MiB - 4096] == pattern(1, MiB)[: MiB - 4096]
+        st = shared_stats(daemon)
+        assert st["region_bytes_in"] == MiB + 256 * 1024 + 4096
+        assert st["region_bytes_out"] == MiB
+        sample = daemon.metrics.registry.get_sample_value
+        assert sample("kvtier_shared_region_bytes_total", {"direction": "in"}) == (
+            MiB + 256 * 1024 + 4096
+        )
+        assert sample("kvtier_shared_regions") == 1
+        assert daemon.server is not None
+        (conn,) = daemon.server.connections
+    await conn.done.wait()
+    assert shared_stats(daemon)["regions"] == 0  # closed with its connection
+
+
+async def test_bad_region_requests_are_refused_and_others_carry_on(
+    daemon: Daemon, memfd: int
+) -> None:
+    async with (
+        await Client.connect(daemon.socket_path) as c,
+        await Client.connect(daemon.socket_path) as other,
+    ):
+        region = await c.attach_region(memfd)
+        with pytest.raises(BadArgumentError, match="outside region"):
+            await c.put_region(region, [b"k"], [(4 * MiB - 10, 11)])
+        with pytest.raises(BadArgumentError, match="no region"):
+            await c.put_region(region + 100, [b"k"], [(0, 10)])
+        with pytest.raises(BadArgumentError, match="no region"):
+            await other.get_region(region, [b"k"], [(0, 10)])  # not its region
+        await c.put_region(region, KEYS[:1], SPANS[:1])
+        with pytest.raises(BadArgumentError, match="room holds"):
+            await c.get_region(region, [b"big"], [(0, 100)])
+        assert "pinned=0" in repr(daemon.service.ram.budget)  # the refused GET let go
+        malformed = struct.pack("<I", region) + wire.encode_keys([b"k"]) + b"\x00" * 4
+        with pytest.raises(ProtocolError, match=r"one \(offset, length\) per key"):
+            await c.request(wire.Op.PUT_REGION, malformed)
+        assert await other.ping(b"x") == b"x"
+        got = await other.get(b"big")
+        assert got is not None and bytes(got) == pattern(1, MiB)
+
+
+async def test_a_region_is_a_regular_file_used_with_the_clients_own_access(
+    daemon: Daemon, memfd: int, tmp_path: Any
+) -> None:
+    async with await Client.connect(daemon.socket_path) as c:
+        r, w = os.pipe()
+        try:
+            with pytest.raises(BadArgumentError, match="regular file"):
+                await c.attach_region(r)
+        finally:
+            os.close(r)
+            os.close(w)
+        readonly = os.open(f"/proc/self/fd/{memfd}", os.O_RDONLY)
+        try:
+            region = await c.attach_region(readonly)
+        finally:
+            os.close(readonly)  # the daemon holds its own
+        assert await c.put_region(region, [b"ro"], SPANS[:1]) == [PutStatus.STORED]
+        with pytest.raises(KvtierError, match="Bad file descriptor"):
+            await c.get_region(region, [b"ro"], [(0, MiB)])  # it may not write there
+        assert await c.ping() == b""
+
+
+async def test_a_region_shrunk_under_the_daemon_reads_as_an_error(
+    daemon: Daemon, memfd: int
+) -> None:
+    async with await Client.connect(daemon.socket_path) as c:
+        region = await c.attach_region(memfd)
+        os.ftruncate(memfd, MiB // 2)
+        with pytest.raises(KvtierError, match="shrunk"):
+            await c.put_region(region, [b"gone"], SPANS[:1])
+        assert await c.get(b"gone") is None  # nothing half-stored
+        assert daemon.shared is not None and "regions=1" in repr(daemon.shared)
+
+
+async def test_regions_need_shared_memory_a_token_and_a_bound(daemon: Daemon, memfd: int) -> None:
+    async with await Client.connect(daemon.socket_path, shared=False) as plain:
+        with pytest.raises(ForbiddenError, match="shared memory"):
+            await plain.attach_region(memfd)
+    async with await Client.connect(daemon.socket_path) as c:
+        assert c.server is not None and c.server.shared is not None
+        with pytest.raises(ForbiddenError, match="token"):
+            await asyncio.to_thread(
+                hand_region, c.server.shared.path, secrets.token_bytes(16), memfd, 5.0
+            )
+        assert daemon.handoff is not None and daemon.handoff.regions_refused == 1
+        for _ in range(MAX_REGIONS):
+            await c.attach_region(memfd)
+        with pytest.raises(NoCapacityError, match="at most"):
+            await c.attach_region(memfd)
+
+
+async def test_a_cancelled_copy_keeps_its_memory_until_the_thread_ends() -> None:
+    go, copying = threading.Event(), threading.Event()
+    released = asyncio.get_running_loop().create_future()
+
+    def copy() -> None:
+        copying.set()
+        go.wait(10)
+
+    task = asyncio.ensure_future(off_loop(copy, lambda: released.set_result(True)))
+    await asyncio.to_thread(copying.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not released.done()  # the thread still writes into it
+    go.set()
+    assert await released
+
+
+async def test_a_failed_copy_releases_at_once() -> None:
+    released: list[bool] = []
+
+    def copy() -> None:
+        raise OSError("bad descriptor")
+
+    with pytest.raises(OSError):
+        await off_loop(copy, lambda: released.append(True))
+    assert released == [True]
