@@ -4,9 +4,12 @@ Runs in .venv-sglang. For pages of 256 KiB to 2 MiB (a page is its K and its
 V half, one block each; 64 MiB per run, median of 5 runs after a warm-up),
 in one run: GB/s of ``batch_get_v1`` and ``batch_set_v1`` on the backend
 SGLang's own ``StorageBackendFactory`` builds, moving pages of SGLang's real
-host KV pool (page-first, on the CPU; a daemon on a Unix socket), and of a
+host KV pool (page-first, on the CPU; a RAM-only daemon on a Unix socket,
+every run storing fresh blocks), and of a
 plain memcpy of the same pages between the same pool's pages (the ceiling).
-Prints the figures and the ratios.
+Each size runs twice: the pool in process memory (pages cross the socket)
+and the pool in a memfd (``allocator: shm``: the daemon copies the pages
+itself, as a region). Prints the figures and the ratios.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from tests.enginedaemon import start_with_disk
+from tests.enginedaemon import start
 from tests.sglang.test_storage import HEAD_DIM, host_pool, storage_config
 
 TOTAL = 64 * 1024 * 1024
@@ -37,19 +40,20 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def pool(page_bytes: int, pages: int) -> MHATokenToKVPoolHost:
+def pool(page_bytes: int, pages: int, allocator: str) -> MHATokenToKVPoolHost:
     """A host pool whose pages are ``page_bytes`` (K and V halves of bf16)."""
     heads = page_bytes // (2 * LAYERS * TOKENS * HEAD_DIM * 2)
-    return host_pool(device_pages=pages, tokens=TOKENS, heads=heads, layers=LAYERS)
+    return host_pool(allocator, device_pages=pages, tokens=TOKENS, heads=heads, layers=LAYERS)
 
 
-def measure(page_bytes: int, socket: Path) -> dict[str, float]:
+def measure(page_bytes: int, socket: Path, allocator: str) -> dict[str, float]:
     count = TOTAL // page_bytes
-    host = pool(page_bytes, count)
+    host = pool(page_bytes, count, allocator)
     storage = StorageBackendFactory.create_backend(
         "dynamic", storage_config(socket, timeout=60.0), host
     )
     storage.register_mem_pool_host(host)
+    assert bool(storage.files) == (allocator == "shm"), storage.files
     src = host.alloc(count * TOKENS)
     dst = host.alloc(count * TOKENS)
     host.kv_buffer.view(torch.uint8).random_()
@@ -74,26 +78,29 @@ def measure(page_bytes: int, socket: Path) -> dict[str, float]:
             for a, b, n in zip(tos, froms, sizes, strict=True):
                 ctypes.memmove(a, b, n)
         copy_s = time.perf_counter() - started
+        storage.clear()  # every run stores fresh blocks (a block present is not read again)
         if attempt:  # the first run warms up
             sets.append(set_s)
             gets.append(get_s)
             copies.append(copy_s)
-    storage.clear()
     storage.close()
     return {"get": gbps(TOTAL, gets), "set": gbps(TOTAL, sets), "memcpy": gbps(TOTAL, copies)}
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvt-bench-sgl-", dir="/tmp") as tmp:
-        daemon = start_with_disk(Path(tmp))
+        # RAM only: what is measured is the engine-facing path, not a disk
+        daemon = start(Path(tmp), "--no-disk", "--ram-capacity", "512MiB")
         try:
-            print("page     get GB/s  set GB/s  memcpy GB/s  get/memcpy  set/memcpy")
+            print("page      path     get GB/s  set GB/s  memcpy GB/s  get/memcpy  set/memcpy")
             for page in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
-                r = measure(page, daemon.socket_path)
-                print(
-                    f"{page // KiB:5d} KiB {r['get']:8.2f}  {r['set']:8.2f}  {r['memcpy']:11.2f}"
-                    f"  {r['get'] / r['memcpy']:9.2f}x  {r['set'] / r['memcpy']:9.2f}x"
-                )
+                for path, allocator in (("socket", "default"), ("region", "shm")):
+                    r = measure(page, daemon.socket_path, allocator)
+                    print(
+                        f"{page // KiB:5d} KiB {path:8s} {r['get']:8.2f}  {r['set']:8.2f}"
+                        f"  {r['memcpy']:11.2f}  {r['get'] / r['memcpy']:9.2f}x"
+                        f"  {r['set'] / r['memcpy']:9.2f}x"
+                    )
         finally:
             daemon.stop()
     return 0

@@ -11,12 +11,18 @@ SGLang builds it from its dynamic backend config::
         "socket": "/run/user/1000/kvtier/kvtier.sock",
         "namespace": "llama-3-8b"}'
 
-(``socket``, ``namespace``, ``timeout`` and ``pending_wait`` are optional;
-see docs/sglang.md.) With ``interface_v1`` SGLang calls
+(``socket``, ``namespace``, ``timeout``, ``pending_wait`` and ``regions``
+are optional; see docs/sglang.md.) With ``interface_v1`` SGLang calls
 :meth:`~KvtierStorage.batch_get_v1` and :meth:`~KvtierStorage.batch_set_v1`
 with host-pool indices: each page's buffers (K and V for MHA, one for MLA)
 are resolved through the host pool and move straight between the pool's
 memory and the daemon, one block per buffer, with no intermediate copy.
+When the pool lives in memory files (``allocator: shm`` in the same extra
+config: memfds), their descriptors are handed to the daemon once per
+connection and the daemon reads stored pages out of them itself (regions:
+nothing but keys and offsets cross the socket); ``"regions": false`` turns
+that off. Loads take the daemon's shared memory either way (a lease and
+one copy here), which measured faster than the daemon writing into the pool.
 
 A page's blocks are named by SGLang's page hash, this rank's suffix (model,
 tensor-, pipeline- and context-parallel rank, as SGLang's own file backend
@@ -37,9 +43,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +58,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.client import Client
-from kvtier.errors import KvtierError
+from kvtier.errors import ForbiddenError, KvtierError
 from kvtier.integrations.engine import DaemonLink, block_key
 from kvtier.model import HIT, LookupMode
 
@@ -64,6 +72,45 @@ DEFAULT_PENDING_WAIT = 0.5
 CLEAR_BATCH = 1024
 #: what a failed call reads as: a miss, never an exception in SGLang's threads
 FAILURES = (KvtierError, OSError, TimeoutError)
+
+
+@dataclass(slots=True, frozen=True)
+class PoolFile:
+    """One memory file of the host pool: where it is mapped, and its descriptor."""
+
+    address: int
+    size: int
+    fd: int
+
+
+def pool_files(mem_pool_host: Any) -> list[PoolFile]:
+    """The memory files the host pool lives in (SGLang's ``allocator: shm``),
+    or none when it is ordinary process memory."""
+    allocator = getattr(mem_pool_host, "allocator", None)
+    fds = getattr(allocator, "fds", None) or []
+    mms = getattr(allocator, "mms", None) or []
+    files = []
+    for fd, mm in zip(fds, mms, strict=False):
+        if fd is None or not isinstance(mm, mmap.mmap):
+            continue
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        files.append(PoolFile(address, len(mm), fd))
+    return files
+
+
+def place_in(
+    files: Sequence[PoolFile], ptrs: Sequence[int], sizes: Sequence[int]
+) -> list[tuple[int, int, int]] | None:
+    """Each buffer as (file index, offset, size), or None if one lies outside them."""
+    out = []
+    for ptr, size in zip(ptrs, sizes, strict=True):
+        for i, f in enumerate(files):
+            if f.address <= ptr and ptr + size <= f.address + f.size:
+                out.append((i, ptr - f.address, size))
+                break
+        else:
+            return None
+    return out
 
 
 def rank_suffix(config: HiCacheStorageConfig) -> str:
@@ -109,6 +156,13 @@ class KvtierStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         #: buffers per page in the host pool (K and V: 2; MLA: 1)
         self.parts = 1
+        #: hand the pool's memory files to the daemon, which then copies pages itself
+        self.use_regions = bool(extra.get("regions", True))
+        #: the host pool's memory files (none: pages go over the socket)
+        self.files: list[PoolFile] = []
+        #: the client the files were handed to, and their region ids there
+        #: (touched on the link's loop thread only)
+        self._regions: tuple[Client, list[int]] | None = None
         #: guards the counters and the metric lists: SGLang calls from several threads
         self._lock = threading.Lock()
         #: the blocks this backend stored: what ``clear`` deletes
@@ -129,6 +183,8 @@ class KvtierStorage(HiCacheStorage):
         page = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
         ptrs, _ = mem_pool_host.get_page_buffer_meta(page)
         self.parts = len(ptrs)
+        if self.use_regions:
+            self.files = pool_files(mem_pool_host)
 
     def names(self, keys: Sequence[str], parts: int = 1) -> list[bytes]:
         """The daemon's keys of ``keys``' pages, ``parts`` blocks per page."""
@@ -172,13 +228,30 @@ class KvtierStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ zero-copy pages
 
-    def _page_views(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[memoryview]:
+    def _page_buffers(
+        self, keys: Sequence[str], host_indices: torch.Tensor
+    ) -> tuple[list[int], list[int]]:
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if len(ptrs) != len(keys) * self.parts:
             raise ValueError(
                 f"{len(ptrs)} page buffers for {len(keys)} keys of {self.parts} buffers each"
             )
-        return [_view(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+        return list(ptrs), list(sizes)
+
+    async def _region_ids(self, client: Client) -> list[int] | None:
+        """The pool's files as regions of ``client``'s connection, handed over
+        once per connection; None when the daemon cannot take them."""
+        if self._regions is not None and self._regions[0] is client:
+            return self._regions[1]
+        try:
+            ids = [await client.attach_region(f.fd, timeout=self.timeout) for f in self.files]
+        except ForbiddenError as exc:
+            log.info("the daemon copies no pages itself (%s): they go over the socket", exc)
+            self.files = []
+            return None
+        self._regions = (client, ids)
+        self._count("regions_attached", len(ids))
+        return ids
 
     def batch_get_v1(
         self,
@@ -189,7 +262,10 @@ class KvtierStorage(HiCacheStorage):
         """Each page received straight into the host pool; per page, whether it landed whole."""
         if not keys:
             return []
-        views = self._page_views(keys, host_indices)
+        # Loads take the daemon's shared memory (a lease, then one copy in this
+        # process): measured twice as fast as the daemon writing into a memfd pool.
+        ptrs, sizes = self._page_buffers(keys, host_indices)
+        views = [_view(p, n) for p, n in zip(ptrs, sizes, strict=True)]
         return self._receive(self.names(keys, self.parts), views, self.parts)
 
     def batch_set_v1(
@@ -201,8 +277,15 @@ class KvtierStorage(HiCacheStorage):
         """Each page sent straight from the host pool; all True once the daemon has every byte."""
         if not keys:
             return []
-        views = self._page_views(keys, host_indices)
-        return self._put(self.names(keys, self.parts), views, len(keys))
+        ptrs, sizes = self._page_buffers(keys, host_indices)
+        names = self.names(keys, self.parts)
+        places = place_in(self.files, ptrs, sizes) if self.files else None
+        if places is not None:
+            stored = self._put_in_place(names, places, len(keys))
+            if stored is not None:
+                return stored
+        views = [_view(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+        return self._put(names, views, len(keys))
 
     # ------------------------------------------------------------ tensors (the older interface)
 
@@ -274,12 +357,50 @@ class KvtierStorage(HiCacheStorage):
             log.debug("store of %d page(s) dropped: %s", pages, exc)
             self._count("store_failures")
             return [False] * pages
+        return self._stored_now(names, sum(v.nbytes for v in views), pages, started)
+
+    def _stored_now(
+        self, names: list[bytes], nbytes: int, pages: int, started: float
+    ) -> list[bool]:
+        """Bookkeeping of a store the daemon took: what ``clear`` deletes, counts, metrics."""
         with self._lock:
             self._stored.update(names)
-        nbytes = sum(v.nbytes for v in views)
         self._count("stored_bytes", nbytes)
         self._observe("set", pages, nbytes, time.perf_counter() - started)
         return [True] * pages
+
+    # ------------------------------------------------------------ regions: the daemon copies
+
+    async def _store_in_place(
+        self, client: Client, names: list[bytes], places: list[tuple[int, int, int]]
+    ) -> bool:
+        """One PUT_REGION per pool file; False when the daemon takes no region."""
+        ids = await self._region_ids(client)
+        if ids is None:
+            return False
+        for f, region in enumerate(ids):
+            mine = [i for i, (which, _, _) in enumerate(places) if which == f]
+            if mine:
+                keys = [names[i] for i in mine]
+                spans = [(places[i][1], places[i][2]) for i in mine]
+                await client.put_region(region, keys, spans, timeout=self.timeout)
+        return True
+
+    def _put_in_place(
+        self, names: list[bytes], places: list[tuple[int, int, int]], pages: int
+    ) -> list[bool] | None:
+        """Pages the daemon reads out of the pool itself; None when it takes no
+        region (the caller goes over the socket)."""
+        started = time.perf_counter()
+        try:
+            taken = self.link.call(lambda c: self._store_in_place(c, names, places))
+        except FAILURES as exc:
+            log.debug("store of %d page(s) dropped: %s", pages, exc)
+            self._count("store_failures")
+            return [False] * pages
+        if not taken:
+            return None
+        return self._stored_now(names, sum(p[2] for p in places), pages, started)
 
     # ------------------------------------------------------------ the rest
 
@@ -336,4 +457,4 @@ class KvtierStorage(HiCacheStorage):
             self._bandwidth[what].append(nbytes / max(seconds, 1e-9) / 1e9)
 
 
-__all__ = ["KvtierStorage", "rank_suffix"]
+__all__ = ["KvtierStorage", "PoolFile", "place_in", "pool_files", "rank_suffix"]

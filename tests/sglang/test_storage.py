@@ -196,6 +196,40 @@ def test_two_ranks_share_pages_and_other_models_and_ranks_do_not(
             e.close()
 
 
+def test_a_memfd_host_pool_is_read_by_the_daemon_itself(daemon: Daemon) -> None:
+    a = Engine(daemon.socket_path, allocator="shm")  # SGLang's memfd-backed host pool
+    plain = Engine(daemon.socket_path, allocator="shm", regions=False)
+    try:
+        assert len(a.storage.files) == 1 and plain.storage.files == []
+        keys = hashes(4, base=70)
+        src, pages = a.fill(4)
+        received = daemon.total("kvtier_received_bytes_total")
+        assert a.storage.batch_set_v1(keys, src) == [True] * 4
+        # Keys and offsets crossed the socket; the daemon read the pages itself.
+        assert daemon.total("kvtier_received_bytes_total") - received < 4096
+        assert daemon.total("kvtier_shared_region_bytes_total", direction="in") == 4 * 2 * PART
+        assert a.storage.batch_set_v1(hashes(2, base=80), a.fill(2)[0]) == [True] * 2
+        assert a.storage.counts["regions_attached"] == 1  # once per connection
+        # Loads take the shared arena (faster than the daemon writing the pool).
+        missing = hashes(1, base=99)
+        dst = a.pool.alloc(5 * PAGE)
+        assert a.storage.batch_get_v1(keys + missing, dst) == [True] * 4 + [False]
+        assert [a.page_bytes(dst, i) for i in range(4)] == pages
+        assert daemon.total("kvtier_shared_region_bytes_total", direction="out") == 0
+        # Turned off: the same pages over the socket.
+        src, pages = plain.fill(2)
+        received = daemon.total("kvtier_received_bytes_total")
+        assert plain.storage.batch_set_v1(hashes(2, base=90), src) == [True] * 2
+        assert daemon.total("kvtier_received_bytes_total") - received >= 2 * 2 * PART
+        out = a.pool.alloc(2 * PAGE)
+        assert a.storage.batch_get_v1(hashes(2, base=90), out) == [True] * 2
+        assert [a.page_bytes(out, i) for i in range(2)] == pages
+        assert daemon.stats()["shared"]["regions"] == 1
+    finally:
+        for e in (a, plain):
+            e.close()
+
+
 def test_a_page_another_writer_is_storing_waits_bounded_then_reads_as_a_miss(
     daemon: Daemon,
 ) -> None:
@@ -239,7 +273,7 @@ def test_a_page_that_lands_while_its_lookup_waits_reads_as_a_hit(daemon: Daemon)
 
 def test_the_daemon_killed_and_restarted_means_misses_then_recovery(workdir: Path) -> None:
     d = start_with_disk(workdir)
-    e = Engine(d.socket_path)
+    e = Engine(d.socket_path, allocator="shm")
     try:
         keys = hashes(2, base=40)
         src, pages = e.fill(2)
@@ -260,6 +294,7 @@ def test_the_daemon_killed_and_restarted_means_misses_then_recovery(workdir: Pat
         assert e.storage.batch_exists(keys) == 2
         assert e.storage.batch_get_v1(keys, dst) == [True, True]
         assert [e.page_bytes(dst, i) for i in range(2)] == pages
+        assert e.storage.counts["regions_attached"] == 2  # handed again to the new daemon
         maps = d.stats()["maps"]
         assert maps["reservations"] == 0 and maps["probes_inflight"] == 0
         assert maps["request_states"] == 0 and maps["timers"] == 0
