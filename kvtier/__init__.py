@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier._version import __version__
 from kvtier.client import BlockingClient, Client
 from kvtier.errors import ErrorCode, KvtierError
-from kvtier.model import LookupMode, LookupReply, PutStatus, ReserveStatus, State
+from kvtier.model import LookupMode, LookupReply, PutHint, PutStatus, ReserveStatus, State
 
 if TYPE_CHECKING:
     from kvtier.config import Config, load_config
@@ -26,6 +26,7 @@ __all__ = [
     "KvtierError",
     "LookupMode",
     "LookupReply",
+    "PutHint",
     "PutStatus",
     "ReserveStatus",
     "State",

@@ -239,13 +239,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     chains = rp.load_trace(Path(args.trace))
     unique = rp.unique_blocks(chains)
     if args.nodes:
+        if args.hints:
+            raise ConfigError("--hints replays one cache; fleets replay without hints")
         return _replay_fleet(args, chains, unique)
+    tails = rp.tail_hints(Path(args.trace)) if args.hints else None
     show = sys.stderr.isatty() and not args.json
     results: list[rp.Result] = []
     if args.socket:
         bar = rp.progress_bar("daemon") if show else None
         daemon = loops.run(
-            rp.replay_daemon(chains, Path(args.socket), block_size=args.block_size, progress=bar)
+            rp.replay_daemon(
+                chains, Path(args.socket), block_size=args.block_size, tails=tails, progress=bar
+            )
         )
         results.append(daemon)
         capacities = [(f"{daemon.blocks} blocks", daemon.blocks)]
@@ -259,7 +264,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for capacity in capacities:
             bar = rp.progress_bar(f"{policy} {capacity[0]}") if show else None
             results.append(
-                rp.replay(chains, policy, capacity, block_size=args.block_size, progress=bar)
+                rp.replay(
+                    chains,
+                    policy,
+                    capacity,
+                    block_size=args.block_size,
+                    tails=tails,
+                    progress=bar,
+                )
             )
     if show:
         sys.stderr.write("\r" + " " * 70 + "\r")
@@ -376,6 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="policy to replay (repeatable, or all; default: lru and harc)",
     )
     p.add_argument("--block-size", type=int, default=4096, help="bytes per block")
+    p.add_argument(
+        "--hints",
+        action="store_true",
+        help="put each request's partial last block (from input_length) with the TAIL hint",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="draw hit ratio against capacity")
     p.add_argument(

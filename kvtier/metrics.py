@@ -300,6 +300,16 @@ class _Collector(Collector):
             "PENDING keys answered MISS to a request past its max_pending_wait",
             value=c.lookup_pending_expired.value,
         )
+        yield _counter(
+            "kvtier_put_hints",
+            "Blocks stored with a writer's hint, by hint (tail: admitted first in eviction order)",
+            c.put_hints,
+        )
+        yield CounterMetricFamily(
+            "kvtier_lookup_peeks",
+            "LOOKUPs that only peeked: answered without touching the eviction order",
+            value=c.lookup_peeks.value,
+        )
         deferred = c.lookup_deferred_seconds
         family = HistogramMetricFamily(
             "kvtier_lookup_deferred_seconds",

@@ -56,6 +56,21 @@ class PutStatus(enum.IntEnum):
     EXISTS = 1
 
 
+class PutHint(enum.IntFlag):
+    """What a writer knows about a block that recency and frequency do not
+    tell (one byte per key of a PUT; docs/eviction.md, "Hints")."""
+
+    NONE = 0
+    #: the end of its request's chain that no later request is likely to
+    #: share (a partial last chunk, a one-shot request's unique suffix): RAM
+    #: admits it at the cold end, first to go unless it is read again
+    TAIL = 0x01
+
+
+#: the hint bits a daemon knows; any other bit is refused
+KNOWN_PUT_HINTS: int = PutHint.TAIL.value
+
+
 class ReserveStatus(enum.IntEnum):
     """Per-key answer to RESERVE."""
 
@@ -75,6 +90,10 @@ class Lookup:
     request_tag: bytes = b""
     #: the length every key has, when the encoding said so (0: mixed or unknown)
     key_len: int = field(default=0, compare=False)
+    #: a look that does not mean a read (a router or scheduler comparing
+    #: nodes): the answer as usual, but the eviction order is left as it was
+    #: and nothing is read ahead from the disk
+    peek: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,7 +168,12 @@ class CacheService(Protocol):
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None: ...
 
     def put(
-        self, keys: Sequence[bytes], values: Sequence[Buffer], *, copy: bool = False
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        *,
+        copy: bool = False,
+        hints: bytes | None = None,
     ) -> list[PutStatus]: ...
 
     def stage(self, length: int, key: bytes) -> memoryview | None: ...

@@ -14,6 +14,13 @@ for each block. Against a running daemon, each request is one LOOKUP in
 prefix mode (its hits are touched, as for any engine) and one PUT of the
 blocks after the leading run; the daemon's RAM capacity sets the offline
 replay it is compared with.
+
+With hints (``--hints``), each request's last block carries the TAIL hint
+a writer would give it when it is partial: the trace's ``input_length``
+does not fill its blocks, the block size (in tokens) being the power of two
+that makes the block counts of most requests match their lengths. An
+engine knows this of its own blocks (LMCache stores a partial last chunk);
+the trace says it too.
 """
 
 from __future__ import annotations
@@ -81,6 +88,33 @@ def load_trace(path: Path) -> list[Chain]:
     return chains
 
 
+def tail_hints(path: Path) -> list[bool]:
+    """Per request of the trace at ``path``: whether its last block is partial
+    (a TAIL hint), from ``input_length``; all False when the trace has none."""
+    lengths: list[tuple[int, int]] = []
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as fh:
+        for line in fh:
+            if line.strip():
+                row = json.loads(line)
+                lengths.append((int(row.get("input_length") or 0), len(row["hash_ids"])))
+    tokens = block_tokens(lengths)
+    if tokens is None:
+        return [False] * len(lengths)
+    return [n > 0 and tokens_in % tokens != 0 for tokens_in, n in lengths]
+
+
+def block_tokens(lengths: Sequence[tuple[int, int]]) -> int | None:
+    """The block size in tokens (a power of two, 1..64 Ki) under which most
+    requests' (input_length, blocks) agree; None when none fits most."""
+    best, best_fit = None, 0
+    for shift in range(17):
+        size = 1 << shift
+        fit = sum(1 for tokens, n in lengths if tokens and -(-tokens // size) == n)
+        if fit > best_fit:
+            best, best_fit = size, fit
+    return best if best_fit * 2 > len(lengths) else None
+
+
 def unique_blocks(chains: Iterable[Chain]) -> int:
     return len({i for chain in chains for i in chain})
 
@@ -116,9 +150,12 @@ def replay(
     capacity: tuple[str, int],
     *,
     block_size: int = 4096,
+    tails: Sequence[bool] | None = None,
     progress: Progress | None = None,
 ) -> Result:
-    """Replay ``chains`` through a RAM tier of ``capacity`` blocks under ``policy``."""
+    """Replay ``chains`` through a RAM tier of ``capacity`` blocks under
+    ``policy``; ``tails``: per chain, whether its new last block is put with
+    the TAIL hint."""
     label, blocks = capacity
     ram = RamTier(blocks * block_size, make_policy(policy))
     value = memoryview(bytes(block_size))  # every block shares one buffer
@@ -134,14 +171,15 @@ def replay(
             run += 1
         hits += run
         requested += len(keys)
-        for key in keys:
+        last = len(keys) - 1 if tails is not None and tails[n] else -1
+        for i, key in enumerate(keys):
             if contains(key):
                 get(key)
             else:
-                put(key, value)
+                put(key, value, cold=i == last)
         if progress is not None and n % step == 0:
             progress(n, len(chains))
-    return Result(policy, label, blocks, hits, requested)
+    return Result(policy + ("+hints" if tails is not None else ""), label, blocks, hits, requested)
 
 
 class Routing(enum.Enum):
@@ -303,10 +341,13 @@ async def replay_daemon(
     socket: Path,
     *,
     block_size: int = 4096,
+    tails: Sequence[bool] | None = None,
     progress: Progress | None = None,
 ) -> Result:
-    """Replay ``chains`` against the daemon on ``socket`` (LOOKUP PREFIX, then PUT)."""
+    """Replay ``chains`` against the daemon on ``socket`` (LOOKUP PREFIX, then
+    PUT; ``tails``: the last block of a chain marked so carries the TAIL hint)."""
     from kvtier.client.aio import Client
+    from kvtier.model import PutHint
 
     value = bytes(block_size)
     hits = requested = 0
@@ -324,7 +365,10 @@ async def replay_daemon(
             requested += len(keys)
             rest = keys[reply.prefix_hits :]
             if rest:
-                await client.put_many(rest, [value] * len(rest))
+                hints = None
+                if tails is not None and tails[n]:
+                    hints = [PutHint.NONE] * (len(rest) - 1) + [PutHint.TAIL]
+                await client.put_many(rest, [value] * len(rest), hints=hints)
             if progress is not None and n % step == 0:
                 progress(n, len(chains))
     return Result("daemon", f"{blocks} blocks", blocks, hits, requested)
@@ -358,10 +402,14 @@ def infinite(chains: Sequence[Chain]) -> Result:
     return Result("infinite", "all", len(seen), hits, requested)
 
 
+#: the rows others are compared with: LRU, with hints when the run has them
+LRU_ROWS = ("lru", "lru+hints")
+
+
 def compared(results: Sequence[Result], ceiling: Result) -> list[dict[str, Any]]:
     """Each result as a dict, with its ratio to LRU's at the same capacity
     (when LRU was replayed) and to the infinite cache's."""
-    lru = {r.capacity: r.ratio for r in results if r.policy == "lru"}
+    lru = {r.capacity: r.ratio for r in results if r.policy in LRU_ROWS}
     out: list[dict[str, Any]] = []
     for r in results:
         row = r.as_dict()
@@ -393,7 +441,7 @@ def table(results: Sequence[Result], ceiling: Result | None = None) -> str:
     if ceiling is None:
         return "\n".join(lines)
     lines.append(f"{'infinite':10}" + f"{ceiling.ratio:>10.3f}" * len(capacities))
-    lru = {c: by[("lru", c)].ratio for c in capacities if ("lru", c) in by}
+    lru = {c: by[(p, c)].ratio for p in LRU_ROWS for c in capacities if (p, c) in by}
     if lru:
         lines.append("ratio to lru")
         lines += rows(lambda r: f"{r.ratio / lru[r.capacity]:.3f}" if lru.get(r.capacity) else "")

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from kvtier import wire
-from kvtier.model import Lookup, LookupMode, LookupReply, PutStatus, Reserve, State
+from kvtier.model import Lookup, LookupMode, LookupReply, PutHint, PutStatus, Reserve, State
 from kvtier.wire import FrameReader, Op
 
 
@@ -105,18 +105,38 @@ def test_lookup_reply_round_trip() -> None:
 def test_put_round_trip_single_value_is_zero_copy() -> None:
     meta, _data = wire.encode_put([b"k"], [b"value"])
     body = bytearray(b"value")
-    keys, values = wire.decode_put(meta, body)
-    assert keys == [b"k"]
+    keys, values, hints = wire.decode_put(meta, body)
+    assert keys == [b"k"] and hints is None
     assert values[0] is body
 
 
 def test_put_round_trip_many_values_are_copied_out() -> None:
     meta, data = wire.encode_put([b"a", b"b", b"c"], [b"1", b"", b"333"])
     joined = b"".join(data)
-    keys, values = wire.decode_put(meta, joined)
+    keys, values, _ = wire.decode_put(meta, joined)
     assert keys == [b"a", b"b", b"c"]
     assert [bytes(v) for v in values] == [b"1", b"", b"333"]
     assert all(isinstance(v, bytes) for v in values)
+
+
+def test_put_hints_travel_one_byte_per_key_and_unknown_bits_are_refused() -> None:
+    meta, data = wire.encode_put([b"a", b"b"], [b"1", b"22"], [PutHint.NONE, PutHint.TAIL])
+    keys, _, hints = wire.decode_put(meta, b"".join(data), hinted=True)
+    assert keys == [b"a", b"b"] and hints == bytes([0, PutHint.TAIL])
+    bad, _ = wire.encode_put([b"a"], [b"1"], [0x80])
+    with pytest.raises(wire.CodecError, match="hint"):
+        wire.decode_put(bad, b"1", hinted=True)
+    with pytest.raises(wire.CodecError, match="trailing"):
+        wire.decode_put(meta, b"122")  # hints present but the flag not set
+
+
+def test_a_lookup_peek_round_trips_and_unknown_flags_are_refused() -> None:
+    req = Lookup([b"k"], LookupMode.PREFIX, peek=True)
+    assert wire.decode_lookup(wire.encode_lookup(req)) == req
+    raw = bytearray(wire.encode_lookup(req))
+    raw[1] = 0x80
+    with pytest.raises(wire.CodecError, match="flags"):
+        wire.decode_lookup(bytes(raw))
 
 
 def test_put_length_mismatch_raises() -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvtier import wire
 from kvtier.errors import BatchTooLargeError
-from kvtier.model import Lookup, LookupMode, Reserve
+from kvtier.model import Lookup, LookupMode, PutHint, Reserve
 
 MAX_KEYS = 65536
 #: what a decoder may raise on bad input: the codec's own error, or the batch limit
@@ -112,8 +112,12 @@ def test_puts_and_reserves_round_trip(pairs: list[tuple[bytes, bytes]]) -> None:
     keys = [k for k, _ in pairs]
     values = [v for _, v in pairs]
     meta, data = wire.encode_put(keys, values)
-    got_keys, got_values = wire.decode_put(meta, b"".join(bytes(d) for d in data), MAX_KEYS)
-    assert got_keys == keys and [bytes(v) for v in got_values] == values
+    body = b"".join(bytes(d) for d in data)
+    got_keys, got_values, hints = wire.decode_put(meta, body, MAX_KEYS)
+    assert got_keys == keys and [bytes(v) for v in got_values] == values and hints is None
+    tails = [PutHint.TAIL if len(v) % 2 else PutHint.NONE for v in values]
+    meta, _ = wire.encode_put(keys, values, tails)
+    assert wire.decode_put(meta, body, MAX_KEYS, hinted=True)[2] == bytes(tails)
     req = Reserve(keys, [len(v) for v in values], 1.5)
     assert wire.decode_reserve(wire.encode_reserve(req), MAX_KEYS) == req
 

@@ -153,3 +153,25 @@ def test_lookup_hits_reach_the_policy_before_the_next_write() -> None:
     ram.touch_later([k(0), k(9)], 2)  # a lookup hit k(0); k(9) is not resident
     stored, evicted = ram.put(k(3), b"x")
     assert stored and [key for key, _ in evicted] == [k(1)]  # k(0) was refreshed first
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_cold_key_goes_first_unless_it_is_read_again(name: str) -> None:
+    budget = Budget(4, make_policy(name))
+    fill(budget, [k(0), k(1), k(2)])
+    budget.admit(k(3), 1, cold=True)  # a TAIL hint: the newest, yet first to go
+    assert budget.evict_for(1) == [k(3)]
+    budget.admit(k(4), 1, cold=True)
+    budget.touch(k(4))  # read again: an ordinary key now
+    assert budget.evict_for(1) != [k(4)]
+
+
+def test_cold_keys_keep_the_lru_order_of_a_history_arc() -> None:
+    policy = HistoryARCPolicy()
+    assert policy.mode is Mode.LRU
+    for i in range(3):
+        policy.admit(k(i))
+    policy.admit(k(10), cold=True)
+    policy.admit(k(11), cold=True)
+    policy.touch(k(0))
+    assert list(policy.candidates()) == [k(11), k(10), k(1), k(2), k(0)]

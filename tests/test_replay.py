@@ -58,6 +58,34 @@ async def test_a_daemon_reaches_the_offline_figure(chains: list[rp.Chain], sock_
     assert online.hits > 0
 
 
+def test_tail_hints_come_from_partial_last_blocks_and_help_lru(chains: list[rp.Chain]) -> None:
+    tails = rp.tail_hints(TRACE)
+    assert len(tails) == len(chains)
+    # 512-token blocks, as Mooncake's: the first request, 40160 tokens, ends partial.
+    assert rp.block_tokens([(40160, 79), (512, 1), (1024, 2)]) == 512
+    assert tails[0] and 0.5 < sum(tails) / len(tails) < 1.0
+    for capacity in rp.parse_capacities("5%,10%,20%", rp.unique_blocks(chains)):
+        plain = rp.replay(chains, "lru", capacity)
+        hinted = rp.replay(chains, "lru", capacity, tails=tails)
+        assert hinted.policy == "lru+hints" and hinted.ratio > plain.ratio, capacity
+
+
+async def test_a_daemon_takes_the_same_hints_as_the_offline_replay(
+    chains: list[rp.Chain], sock_dir: Path
+) -> None:
+    part = chains[:600]
+    tails = rp.tail_hints(TRACE)[:600]
+    blocks = rp.unique_blocks(part) // 10
+    async with running_daemon(
+        sock_dir, ram={"capacity": blocks * 1024, "policy": "lru"}, disk={"enabled": False}
+    ) as d:
+        online = await rp.replay_daemon(part, d.socket_path, block_size=1024, tails=tails)
+        sent = d.metrics.registry.get_sample_value("kvtier_put_hints_total", {"hint": "tail"})
+    offline = rp.replay(part, "lru", ("10%", blocks), block_size=1024, tails=tails)
+    assert (online.hits, online.requested) == (offline.hits, offline.requested)
+    assert sent is not None and sent > 0
+
+
 def test_capacities_parse_as_percentages_or_counts() -> None:
     assert rp.parse_capacities("5%, 2000", 10_000) == [("5%", 500), ("2000", 2000)]
     with pytest.raises(ConfigError, match="percentage or a block count"):

@@ -35,8 +35,17 @@ from kvtier.errors import (
     ValueTooLargeError,
     error_from_code,
 )
-from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Reserve, ReserveStatus
-from kvtier.wire import FLAG_DURABLE, Frame, HelloReply, Op
+from kvtier.model import (
+    Buffer,
+    Lookup,
+    LookupMode,
+    LookupReply,
+    PutHint,
+    PutStatus,
+    Reserve,
+    ReserveStatus,
+)
+from kvtier.wire import FLAG_DURABLE, FLAG_HINTS, Frame, HelloReply, Op
 
 if TYPE_CHECKING:
     import ssl
@@ -348,11 +357,15 @@ class Client:
         wait: float = 0.0,
         max_pending_wait: float = 0.0,
         request_tag: bytes = b"",
+        peek: bool = False,
         timeout: Timeout = ...,
     ) -> LookupReply:
-        """Per-key states of ``keys`` and the usable prefix (``prefix_hits``, ``defer``)."""
+        """Per-key states of ``keys`` and the usable prefix (``prefix_hits``, ``defer``).
+
+        ``peek``: a look that is not a read (a router comparing nodes): the
+        daemon leaves its eviction order as it was and reads nothing ahead."""
         meta = wire.encode_lookup(
-            Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag)
+            Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag, peek=peek)
         )
         frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
         return wire.decode_lookup_reply(frame.meta)
@@ -425,15 +438,19 @@ class Client:
         value: Buffer,
         *,
         durable: bool = False,
+        hint: PutHint = PutHint.NONE,
         timeout: Timeout = ...,
     ) -> PutStatus:
-        """Store one block; EXISTS if it was already there (PUT is idempotent)."""
-        if self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES:
+        """Store one block; EXISTS if it was already there (PUT is idempotent).
+        ``hint``: what the writer knows of its reuse (docs/eviction.md)."""
+        staged = self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES
+        if staged and not hint:
+            assert self._shm is not None
             status = await self._shm.put(key, value, durable, self._timeout(timeout))
             if status is not None:
                 return status
-        meta, data = wire.encode_put([key], [value])
-        flags = FLAG_DURABLE if durable else 0
+        meta, data = wire.encode_put([key], [value], [hint] if hint else None)
+        flags = (FLAG_DURABLE if durable else 0) | (FLAG_HINTS if hint else 0)
         frame = await self._call(Op.PUT, meta, data, flags, timeout)
         return wire.decode_put_reply(frame.meta)[0]
 
@@ -443,39 +460,63 @@ class Client:
         values: Sequence[Buffer],
         *,
         durable: bool = False,
+        hints: Sequence[PutHint] | None = None,
         timeout: Timeout = ...,
     ) -> list[PutStatus]:
-        """Store blocks, pipelined. Large values travel one per frame."""
-        if len(keys) != len(values):
-            raise ValueError("put_many needs one value per key")
+        """Store blocks, pipelined. Large values travel one per frame.
+        ``hints``: one :class:`~kvtier.model.PutHint` per key (hinted blocks
+        travel over the socket, never through staging)."""
+        if len(keys) != len(values) or (hints is not None and len(hints) != len(keys)):
+            raise ValueError("put_many needs one value (and one hint) per key")
+        if hints is not None and not any(hints):
+            hints = None
         if (
-            self._shm is not None
+            hints is None
+            and self._shm is not None
             and self._stage_writes
             and any(len(v) >= SOLO_VALUE_BYTES for v in values)
         ):
 
             async def over_socket(ks: Sequence[bytes], vs: Sequence[Buffer]) -> list[PutStatus]:
-                return await self._put_socket(ks, vs, durable, timeout)
+                return await self._put_socket(ks, vs, None, durable, timeout)
 
             return await self._shm.put_many(
                 keys, values, durable, self._timeout(timeout), over_socket
             )
-        return await self._put_socket(keys, values, durable, timeout)
+        return await self._put_socket(keys, values, hints, durable, timeout)
 
     async def _put_socket(
-        self, keys: Sequence[bytes], values: Sequence[Buffer], durable: bool, timeout: Timeout
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        hints: Sequence[PutHint] | None,
+        durable: bool,
+        timeout: Timeout,
     ) -> list[PutStatus]:
-        flags = FLAG_DURABLE if durable else 0
+        flags = (FLAG_DURABLE if durable else 0) | (FLAG_HINTS if hints is not None else 0)
+        batches = put_batches(
+            values,
+            keys_bytes=[len(k) for k in keys],
+            max_frame=self._max_frame(),
+            max_batch=self._max_batch(),
+        )
         futs = [
-            self._send(Op.PUT, *wire.encode_put(k, v), flags=flags)
-            for k, v in put_batches(
-                keys, values, max_frame=self._max_frame(), max_batch=self._max_batch()
+            self._send(
+                Op.PUT,
+                *wire.encode_put(
+                    [keys[i] for i in batch],
+                    [values[i] for i in batch],
+                    None if hints is None else [hints[i] for i in batch],
+                ),
+                flags=flags,
             )
+            for batch in batches
         ]
         frames = await self._await(futs, self._timeout(timeout))
-        out: list[PutStatus] = []
-        for frame in frames:
-            out.extend(wire.decode_put_reply(frame.meta))
+        out = [PutStatus.STORED] * len(keys)
+        for batch, frame in zip(batches, frames, strict=True):
+            for i, status in zip(batch, wire.decode_put_reply(frame.meta), strict=True):
+                out[i] = status
         return out
 
     @contextlib.asynccontextmanager

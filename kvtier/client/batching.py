@@ -3,7 +3,8 @@
 Large blocks travel one per frame: the daemon receives such a body
 straight into the block's place in RAM, and the shared-memory path stages
 blocks from the same size up. Small ones share frames, up to half the
-daemon's frame limit and its batch limit each.
+daemon's frame limit and its batch limit each. Frames are cut, not
+reordered blocks: answers go back to each block's place.
 """
 
 from __future__ import annotations
@@ -15,28 +16,29 @@ from kvtier.model import Buffer
 #: values at least this large travel one per frame (or through staging)
 SOLO_VALUE_BYTES = 64 * 1024
 
-Batch = tuple[Sequence[bytes], Sequence[Buffer]]
+#: the positions, in the caller's lists, of the blocks one frame carries
+Batch = list[int]
 
 
 def put_batches(
-    keys: Sequence[bytes], values: Sequence[Buffer], *, max_frame: int, max_batch: int
+    values: Sequence[Buffer], *, keys_bytes: Sequence[int], max_frame: int, max_batch: int
 ) -> list[Batch]:
+    """The frames a PUT of ``values`` (keys of ``keys_bytes`` bytes) is cut
+    into, as positions: a caller puts each answer back in its block's place."""
     budget = max_frame // 2
     batches: list[Batch] = []
-    cur_k: list[bytes] = []
-    cur_v: list[Buffer] = []
+    cur: Batch = []
     size = 0
-    for key, value in zip(keys, values, strict=True):
+    for i, value in enumerate(values):
         n = len(value)
         if n >= SOLO_VALUE_BYTES:
-            batches.append(([key], [value]))
+            batches.append([i])
             continue
-        if cur_k and (size + n + len(key) > budget or len(cur_k) >= max_batch):
-            batches.append((cur_k, cur_v))
-            cur_k, cur_v, size = [], [], 0
-        cur_k.append(key)
-        cur_v.append(value)
-        size += n + len(key) + 6
-    if cur_k:
-        batches.append((cur_k, cur_v))
+        if cur and (size + n + keys_bytes[i] > budget or len(cur) >= max_batch):
+            batches.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n + keys_bytes[i] + 6
+    if cur:
+        batches.append(cur)
     return batches

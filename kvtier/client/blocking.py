@@ -24,7 +24,7 @@ from kvtier._version import __version__
 from kvtier.client.aio import Client, Timeout
 from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.errors import KvtierError
-from kvtier.model import Buffer, LookupMode, LookupReply, PutStatus, ReserveStatus
+from kvtier.model import Buffer, LookupMode, LookupReply, PutHint, PutStatus, ReserveStatus
 from kvtier.wire import Frame, HelloReply
 
 if TYPE_CHECKING:
@@ -204,6 +204,7 @@ class BlockingClient:
         wait: float = 0.0,
         max_pending_wait: float = 0.0,
         request_tag: bytes = b"",
+        peek: bool = False,
         timeout: Timeout = ...,
     ) -> LookupReply:
         return self._run(
@@ -214,6 +215,7 @@ class BlockingClient:
                 wait=wait,
                 max_pending_wait=max_pending_wait,
                 request_tag=request_tag,
+                peek=peek,
                 timeout=timeout,
             )
         )
@@ -250,9 +252,15 @@ class BlockingClient:
             self._run(held.__aexit__(None, None, None))
 
     def put(
-        self, key: bytes, value: Buffer, *, durable: bool = False, timeout: Timeout = ...
+        self,
+        key: bytes,
+        value: Buffer,
+        *,
+        durable: bool = False,
+        hint: PutHint = PutHint.NONE,
+        timeout: Timeout = ...,
     ) -> PutStatus:
-        return self._run(self._client.put(key, value, durable=durable, timeout=timeout))
+        return self._run(self._client.put(key, value, durable=durable, hint=hint, timeout=timeout))
 
     def put_many(
         self,
@@ -260,9 +268,12 @@ class BlockingClient:
         values: Sequence[Buffer],
         *,
         durable: bool = False,
+        hints: Sequence[PutHint] | None = None,
         timeout: Timeout = ...,
     ) -> list[PutStatus]:
-        return self._run(self._client.put_many(keys, values, durable=durable, timeout=timeout))
+        return self._run(
+            self._client.put_many(keys, values, durable=durable, hints=hints, timeout=timeout)
+        )
 
     def attach_region(self, fd: int, *, timeout: Timeout = ...) -> int:
         return self._run(self._client.attach_region(fd, timeout=timeout))

@@ -70,6 +70,10 @@ class CoreCounters:
         self.promotions = Counts("tier", "outcome")
         self.demotions = Counts("tier", "outcome")
         self.writes_dropped = Counts("tier", "cause")
+        #: blocks stored with a writer's hint, by hint; and lookups that only peeked
+        self.put_hints = Counts("hint")
+        self.put_tail = self.put_hints.bind("tail")
+        self.lookup_peeks = Counts().bind()
 
     def __repr__(self) -> str:
         return (

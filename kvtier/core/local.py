@@ -55,9 +55,14 @@ class LocalView:
         self._service.unpin(keys, values)
 
     def put(
-        self, keys: Sequence[bytes], values: Sequence[Buffer], *, copy: bool = False
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        *,
+        copy: bool = False,
+        hints: bytes | None = None,
     ) -> list[PutStatus]:
-        return self._service.put(keys, values, source=self._source, copy=copy)
+        return self._service.put(keys, values, source=self._source, copy=copy, hints=hints)
 
     def stage(self, length: int, key: bytes) -> memoryview | None:
         return self._service.stage(length, key)

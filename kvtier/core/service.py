@@ -67,6 +67,7 @@ from kvtier.model import (
     Lookup,
     LookupMode,
     LookupReply,
+    PutHint,
     PutStatus,
     Reserve,
     ReserveStatus,
@@ -276,6 +277,8 @@ class Service:
 
         ``local``: answer from the local tiers only (a peer's request)."""
         check_lookup(self.limits, req)
+        if req.peek:
+            self.counters.lookup_peeks.value += 1
         locator = self.local_locator if local else self.locator
         now = self._now()
         # Probes a waiting lookup has seen end: a key whose probe failed is
@@ -366,9 +369,9 @@ class Service:
         # A HIT is a read to come: the eviction policy hears of it (later,
         # before the next write, so the reply does not wait for it).
         touched = len(keys) if req.mode == LookupMode.KEYS else hits
-        if touched and HIT in states:
+        if touched and HIT in states and not req.peek:
             self.ram.touch_later(keys, touched)
-        if on_disk and self.disk_cfg.promote_on_lookup:
+        if on_disk and self.disk_cfg.promote_on_lookup and not req.peek:
             # Start loading the usable disk hits into RAM: the GET comes next.
             limit = hits if req.mode != LookupMode.KEYS else len(keys)
             for i in on_disk:
@@ -698,15 +701,26 @@ class Service:
         *,
         source: str | None = None,
         copy: bool = False,
+        hints: bytes | None = None,
     ) -> list[PutStatus]:
         """Store into RAM; lower tiers follow their write policy.
 
         ``source``: the tier the blocks came from (a peer's push): they are
         kept locally and never written back out to a remote tier. ``copy``:
-        the values' memory is about to be reused; RAM keeps copies."""
+        the values' memory is about to be reused; RAM keeps copies.
+        ``hints``: one :class:`~kvtier.model.PutHint` per key (a TAIL block
+        is admitted at the cold end of RAM's eviction order)."""
         check_keys(self.limits, keys)
         check_values(self.limits, values, self.ram.capacity)
-        return [self._store_local(k, v, source, copy) for k, v in zip(keys, values, strict=True)]
+        if hints is None:
+            return [
+                self._store_local(k, v, source, copy) for k, v in zip(keys, values, strict=True)
+            ]
+        self.counters.put_tail.value += sum(1 for h in hints if h & PutHint.TAIL)
+        return [
+            self._store_local(k, v, source, copy, bool(h & PutHint.TAIL))
+            for k, v, h in zip(keys, values, hints, strict=True)
+        ]
 
     def stage(self, length: int, key: bytes) -> memoryview | None:
         """Room in RAM's shared arena to receive a PUT body of ``length`` bytes
@@ -770,14 +784,19 @@ class Service:
             )
 
     def _store_local(
-        self, key: bytes, value: Buffer, promoted_from: str | None = None, copy: bool = False
+        self,
+        key: bytes,
+        value: Buffer,
+        promoted_from: str | None = None,
+        copy: bool = False,
+        cold: bool = False,
     ) -> PutStatus:
         """Store into RAM and complete a pending write of ``key``, if any."""
         res = self.pending.table.get(key)
         if res is not None:
             self.pending.claim(res)
         try:
-            stored, evicted = self.ram.put(key, value, copy=copy)
+            stored, evicted = self.ram.put(key, value, copy=copy, cold=cold)
         except KvtierError:
             if res is not None:
                 self.pending.end(res, End.ABORTED)

@@ -45,7 +45,7 @@ from kvtier.client import Client
 from kvtier.client.redial import Redial
 from kvtier.errors import KvtierError
 from kvtier.integrations.engine import block_key
-from kvtier.model import HIT, LookupMode
+from kvtier.model import HIT, LookupMode, PutHint
 
 log = logging.getLogger("kvtier.lmcache")
 
@@ -186,18 +186,23 @@ class KvtierConnector(RemoteConnector):
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         """Send the chunks and return once the daemon has every byte (LMCache
         frees them as soon as this returns). A failed store is dropped."""
+        blobs = [_bytes_of(obj) for obj in memory_objs]
+        # A partial chunk ends its request's prefix: no longer prompt shares it
+        # (the next one carries more tokens in that chunk), so it goes first.
+        hints = [
+            PutHint.TAIL if len(b) < self.full_chunk_size_bytes else PutHint.NONE for b in blobs
+        ]
         try:
             client = await self._redial.client()
             await client.put_many(
-                [self.key(k) for k in keys],
-                [_bytes_of(obj) for obj in memory_objs],
-                timeout=self.timeout * 10,
+                [self.key(k) for k in keys], blobs, hints=hints, timeout=self.timeout * 10
             )
         except KvtierError as exc:
             log.debug("store of %d chunk(s) dropped: %s", len(keys), exc)
             self._count("store_failures")
             return
-        self._count("stored_bytes", sum(len(_bytes_of(obj)) for obj in memory_objs))
+        self._count("stored_bytes", sum(len(b) for b in blobs))
+        self._count("tail_chunks", sum(1 for h in hints if h))
 
     # ------------------------------------------------------------ the rest
 

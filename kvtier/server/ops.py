@@ -144,8 +144,11 @@ class Ops:
 
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:
         try:
-            keys, values = wire.decode_put(frame.meta, frame.data, self.max_batch)
-            statuses = self.service.put(keys, values)
+            hinted = bool(frame.header.flags & wire.FLAG_HINTS)
+            keys, values, hints = wire.decode_put(
+                frame.meta, frame.data, self.max_batch, hinted=hinted
+            )
+            statuses = self.service.put(keys, values, hints=hints)
         finally:
             self.service.drop_staged(frame.data)  # unless stored
         if frame.header.flags & wire.FLAG_DURABLE:

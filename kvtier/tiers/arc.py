@@ -153,6 +153,9 @@ class ARCPolicy:
         self._t1: OrderedDict[bytes, int] = OrderedDict()
         self._t2: OrderedDict[bytes, int] = OrderedDict()
         self._tick = 0
+        #: cold keys (TAIL hints) enter T1 at its LRU end with ticks below 0,
+        #: each older than the last, so T1 stays in order of its ticks
+        self._cold_tick = 0
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         #: target size of T1, adapted by ghost hits
@@ -173,7 +176,7 @@ class ARCPolicy:
         """Whether a key admitted without a ghost hit starts in T2."""
         return False
 
-    def admit(self, key: bytes) -> None:
+    def admit(self, key: bytes, cold: bool = False) -> None:
         b1, b2 = self._b1, self._b2
         self._tick = now = self._tick + 1
         if key in b1:
@@ -186,6 +189,10 @@ class ARCPolicy:
             self._t2[key] = now
         elif self._frequent(key):
             self._t2[key] = now
+        elif cold:
+            self._cold_tick -= 1
+            self._t1[key] = self._cold_tick
+            self._t1.move_to_end(key, last=False)
         else:
             self._t1[key] = now
         self.c = max(self.c, len(self))
@@ -231,7 +238,7 @@ class _Shadow:
         self.policy = policy
         self.hits = 0.0
 
-    def access(self, key: bytes, capacity: int) -> None:
+    def access(self, key: bytes, capacity: int, cold: bool = False) -> None:
         policy = self.policy
         if key in policy._t1 or key in policy._t2:
             self.hits += 1
@@ -239,7 +246,7 @@ class _Shadow:
             return
         while len(policy) >= capacity:
             policy.evict(next(policy.candidates()))
-        policy.admit(key)
+        policy.admit(key, cold)
 
 
 class _LRUShadow:
@@ -249,7 +256,7 @@ class _LRUShadow:
         self.order: OrderedDict[bytes, None] = OrderedDict()
         self.hits = 0.0
 
-    def access(self, key: bytes, capacity: int) -> None:
+    def access(self, key: bytes, capacity: int, cold: bool = False) -> None:
         order = self.order
         if key in order:
             self.hits += 1
@@ -258,6 +265,8 @@ class _LRUShadow:
         while len(order) >= capacity:
             order.popitem(last=False)
         order[key] = None
+        if cold:
+            order.move_to_end(key, last=False)
 
 
 class Mode(enum.Enum):
@@ -290,7 +299,7 @@ class HistoryARCPolicy(ARCPolicy):
     def _frequent(self, key: bytes) -> bool:
         return self._seen_before and self.mode is Mode.HISTORY
 
-    def _sample(self, key: bytes) -> None:
+    def _sample(self, key: bytes, cold: bool = False) -> None:
         # One key in ``rate``, with shadows of at least MIN_SHADOW keys (a
         # cache under twice that is replayed whole); a smaller cache is LRU.
         c = self.c
@@ -301,9 +310,9 @@ class HistoryARCPolicy(ARCPolicy):
             return
         capacity = c // rate
         with_, without, lru = self._with, self._without, self._lru
-        with_.access(key, capacity)
-        without.access(key, capacity)
-        lru.access(key, capacity)
+        with_.access(key, capacity, cold)
+        without.access(key, capacity, cold)
+        lru.access(key, capacity, cold)
         self._sampled += 1
         if self._sampled % (capacity // DECIDE) == 0:
             # Decided every 1/DECIDE shadow capacity of sampled accesses, not
@@ -322,10 +331,10 @@ class HistoryARCPolicy(ARCPolicy):
             without.hits /= 2
             lru.hits /= 2
 
-    def admit(self, key: bytes) -> None:
+    def admit(self, key: bytes, cold: bool = False) -> None:
         self._seen_before = self.seen.add(key)
-        self._sample(key)
-        super().admit(key)
+        self._sample(key, cold)
+        super().admit(key, cold)
 
     def touch(self, key: bytes) -> None:
         self._sample(key)
@@ -350,9 +359,9 @@ class _HistoryShadow(ARCPolicy):
     def _frequent(self, key: bytes) -> bool:
         return self._seen_before
 
-    def admit(self, key: bytes) -> None:
+    def admit(self, key: bytes, cold: bool = False) -> None:
         self._seen_before = self.seen.add(key)
-        super().admit(key)
+        super().admit(key, cold)
 
     _seen_before = False
 

@@ -60,11 +60,12 @@ class Budget:
 
     # -- membership
 
-    def admit(self, key: bytes, size: int) -> None:
+    def admit(self, key: bytes, size: int, cold: bool = False) -> None:
+        """``key`` is resident now; ``cold``: first in the eviction order."""
         assert key not in self._sizes, "a key is admitted once"
         self._sizes[key] = size
         self.used += size
-        self._policy.admit(key)
+        self._policy.admit(key, cold)
 
     def touch(self, key: bytes) -> None:
         self._policy.touch(key)

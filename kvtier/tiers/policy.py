@@ -17,8 +17,9 @@ K = TypeVar("K", bound=Hashable)
 
 
 class EvictionPolicy(Protocol[K]):
-    def admit(self, key: K) -> None:
-        """``key`` became resident."""
+    def admit(self, key: K, cold: bool = False) -> None:
+        """``key`` became resident; ``cold`` (a writer's TAIL hint): put it first
+        in the eviction order, where it stays unless it is touched."""
 
     def touch(self, key: K) -> None:
         """``key`` was read or written again."""
@@ -48,9 +49,9 @@ class LRUPolicy(Generic[K]):
     def __len__(self) -> int:
         return len(self._order)
 
-    def admit(self, key: K) -> None:
+    def admit(self, key: K, cold: bool = False) -> None:
         self._order[key] = None
-        self._order.move_to_end(key)
+        self._order.move_to_end(key, last=not cold)
 
     def touch(self, key: K) -> None:
         if key in self._order:

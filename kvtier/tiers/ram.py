@@ -197,13 +197,14 @@ class RamTier(LocalTier):
     # -- writes
 
     def put(
-        self, key: bytes, value: Buffer, *, copy: bool = False
+        self, key: bytes, value: Buffer, *, copy: bool = False, cold: bool = False
     ) -> tuple[bool, list[tuple[bytes, Buffer]]]:
         """Store ``key``. Returns (stored, evicted pairs); stored is False if resident.
 
         A value :meth:`stage` handed out becomes the block itself; ``copy``:
         the value's memory is not the caller's to give (a view of a buffer
-        about to be reused), so the tier keeps a copy.
+        about to be reused), so the tier keeps a copy. ``cold``: the writer
+        expects no reuse (a TAIL hint): admitted first in the eviction order.
         """
         if self._touches:
             self._apply_touches()
@@ -224,7 +225,7 @@ class RamTier(LocalTier):
                 slots.adopt(value)  # type: ignore[arg-type]
                 self.budget.release(slot.size)  # held since stage(): now used
                 self._values[key] = value
-                self.budget.admit(key, slot.size)
+                self.budget.admit(key, slot.size, cold)
                 return True, []
             size = slots.block_size(length)
             evicted = self._make_room(size)
@@ -235,12 +236,14 @@ class RamTier(LocalTier):
             if view is not None:
                 view[:] = value
                 self._values[key] = view
-                self.budget.admit(key, size)
+                self.budget.admit(key, size, cold)
                 return True, evicted
-            return True, evicted + self._admit_heap(key, value, copy=True)
-        return True, self._admit_heap(key, value, copy=copy)
+            return True, evicted + self._admit_heap(key, value, copy=True, cold=cold)
+        return True, self._admit_heap(key, value, copy=copy, cold=cold)
 
-    def _admit_heap(self, key: bytes, value: Buffer, *, copy: bool) -> list[tuple[bytes, Buffer]]:
+    def _admit_heap(
+        self, key: bytes, value: Buffer, *, copy: bool, cold: bool
+    ) -> list[tuple[bytes, Buffer]]:
         size = len(value)
         evicted = self._make_room(size)
         # A view into a larger buffer (one block of a batched PUT's frame)
@@ -249,7 +252,7 @@ class RamTier(LocalTier):
         if copy or (isinstance(value, memoryview) and _is_slice(value)):
             value = bytes(value)
         self._values[key] = value
-        self.budget.admit(key, size)
+        self.budget.admit(key, size, cold)
         return evicted
 
     def _make_room(self, size: int) -> list[tuple[bytes, Buffer]]:

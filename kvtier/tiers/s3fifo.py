@@ -43,7 +43,7 @@ class S3FIFOPolicy:
     def __len__(self) -> int:
         return len(self._small) + len(self._main) + len(self._aside)
 
-    def admit(self, key: bytes) -> None:
+    def admit(self, key: bytes, cold: bool = False) -> None:
         self._restore()
         self._freq[key] = 0
         if key in self._ghost:
@@ -51,6 +51,8 @@ class S3FIFOPolicy:
             self._main[key] = None
         else:
             self._small[key] = None
+            if cold:  # first out of the small queue
+                self._small.move_to_end(key, last=False)
         self.c = max(self.c, len(self))
 
     def touch(self, key: bytes) -> None:

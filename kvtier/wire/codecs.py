@@ -17,7 +17,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvtier.errors import BatchTooLargeError
-from kvtier.model import Buffer, Lookup, LookupMode, LookupReply, PutStatus, Reserve
+from kvtier.model import (
+    KNOWN_PUT_HINTS,
+    Buffer,
+    Lookup,
+    LookupMode,
+    LookupReply,
+    PutStatus,
+    Reserve,
+)
 from kvtier.wire.framing import MAX_KEY_BYTES_V1, CodecError
 
 MISSING = 0xFFFFFFFF  # a GET reply length meaning "no such block"
@@ -26,7 +34,8 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _KEYS_HEAD = struct.Struct("<IH")  # count, uniform key length (0: a lengths array follows)
-_LOOKUP_HEAD = struct.Struct("<BBHdd")  # mode, reserved, window, wait, max_pending_wait
+_LOOKUP_HEAD = struct.Struct("<BBHdd")  # mode, flags, window, wait, max_pending_wait
+LOOKUP_PEEK = 0x01  # LOOKUP flag: a look that is not a read (Lookup.peek)
 _LOOKUP_REPLY_HEAD = struct.Struct("<IB3xI")  # prefix hits, defer, count
 
 #: Formats never depend on a request's size: arrays of u16/u32 go through
@@ -207,7 +216,13 @@ def encode_lookup(req: Lookup) -> bytes:
         raise CodecError("request tag longer than 255 bytes")
     return b"".join(
         (
-            _LOOKUP_HEAD.pack(int(req.mode), 0, req.window, req.wait, req.max_pending_wait),
+            _LOOKUP_HEAD.pack(
+                int(req.mode),
+                LOOKUP_PEEK if req.peek else 0,
+                req.window,
+                req.wait,
+                req.max_pending_wait,
+            ),
             _U8.pack(len(tag)),
             tag,
             encode_keys(req.keys),
@@ -218,11 +233,13 @@ def encode_lookup(req: Lookup) -> bytes:
 def decode_lookup(buf: Buffer, max_keys: int | None = None) -> Lookup:
     if len(buf) < _LOOKUP_HEAD.size + 1:
         raise CodecError("truncated LOOKUP")
-    mode, _reserved, window, wait, max_pending_wait = _LOOKUP_HEAD.unpack_from(buf, 0)
+    mode, flags, window, wait, max_pending_wait = _LOOKUP_HEAD.unpack_from(buf, 0)
     try:
         lookup_mode = LookupMode(mode)
     except ValueError as exc:
         raise CodecError(f"unknown lookup mode {mode}") from exc
+    if flags & ~LOOKUP_PEEK:
+        raise CodecError(f"unknown LOOKUP flags 0x{flags:02x}")
     offset = _LOOKUP_HEAD.size
     (tag_len,) = _U8.unpack_from(buf, offset)
     offset += 1
@@ -231,7 +248,9 @@ def decode_lookup(buf: Buffer, max_keys: int | None = None) -> Lookup:
         raise CodecError("truncated request tag")
     keys, end, key_len = decode_keys(buf, offset + tag_len, max_keys)
     _expect_end(buf, end)
-    return Lookup(keys, lookup_mode, window, wait, max_pending_wait, tag, key_len)
+    return Lookup(
+        keys, lookup_mode, window, wait, max_pending_wait, tag, key_len, bool(flags & LOOKUP_PEEK)
+    )
 
 
 def encode_lookup_reply(reply: LookupReply) -> bytes:
@@ -283,27 +302,44 @@ def decode_get_reply(meta: Buffer, data: Buffer) -> list[memoryview | None]:
 # --------------------------------------------------------------------------- PUT
 
 
-def encode_put(keys: Sequence[bytes], values: Sequence[Buffer]) -> tuple[bytes, list[Buffer]]:
+def encode_put(
+    keys: Sequence[bytes], values: Sequence[Buffer], hints: Sequence[int] | None = None
+) -> tuple[bytes, list[Buffer]]:
+    """Meta and data of a PUT; with ``hints`` (one :class:`PutHint` per key)
+    the frame must carry :data:`FLAG_HINTS`."""
     if len(keys) != len(values):
         raise CodecError("PUT needs one value per key")
     lengths = [len(v) for v in values]
     meta = encode_keys(keys) + _pack_u32s(lengths)
+    if hints is not None:
+        if len(hints) != len(keys):
+            raise CodecError("PUT hints need one byte per key")
+        meta += bytes(hints)
     return meta, list(values)
 
 
 def decode_put(
-    meta: Buffer, data: Buffer, max_keys: int | None = None
-) -> tuple[list[bytes], list[Buffer]]:
-    """Keys and values. A value is a zero-copy view when the frame holds one."""
+    meta: Buffer, data: Buffer, max_keys: int | None = None, *, hinted: bool = False
+) -> tuple[list[bytes], list[Buffer], bytes | None]:
+    """Keys, values and (``hinted``: the frame has FLAG_HINTS) one hint byte
+    per key. A value is a zero-copy view when the frame holds one."""
     keys, offset, _ = decode_keys(meta, 0, max_keys)
     lengths, end = _decode_u32_array(meta, offset, len(keys))
+    hints = None
+    if hinted:
+        hints = bytes(meta[end : end + len(keys)])
+        if len(hints) != len(keys):
+            raise CodecError("PUT hints need one byte per key")
+        if any(h & ~KNOWN_PUT_HINTS for h in hints):
+            raise CodecError("unknown PUT hint bits")
+        end += len(keys)
     _expect_end(meta, end)
     if sum(lengths) != len(data):
         raise CodecError(
             f"PUT value lengths add up to {sum(lengths)} bytes but the frame carries {len(data)}"
         )
     if len(keys) == 1:
-        return keys, [data]
+        return keys, [data], hints
     # Several values share one receive buffer: copy each out so that a block
     # evicted later does not keep its neighbours' memory alive.
     view = memoryview(data)
@@ -312,7 +348,7 @@ def decode_put(
     for length in lengths:
         values.append(bytes(view[pos : pos + length]))
         pos += length
-    return keys, values
+    return keys, values, hints
 
 
 def encode_put_reply(statuses: Sequence[PutStatus]) -> bytes:

@@ -26,7 +26,8 @@ HEADER_SIZE = HEADER.size  # 24
 
 FLAG_REPLY = 0x0001
 FLAG_DURABLE = 0x0002  # PUT: acknowledge once the block is durable
-KNOWN_REQUEST_FLAGS = FLAG_DURABLE
+FLAG_HINTS = 0x0004  # PUT: one hint byte per key follows the lengths (PutHint)
+KNOWN_REQUEST_FLAGS = FLAG_DURABLE | FLAG_HINTS
 
 #: Hard ceilings of the v1 encoding (the configured limits must be below them).
 MAX_KEY_BYTES_V1 = 0xFFFF

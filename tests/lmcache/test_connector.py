@@ -139,6 +139,9 @@ def test_lmcache_builds_our_connector_and_round_trips_chunks(eng: Engine, daemon
     assert eng.connector.remove_sync(key(1)) is True
     assert eng.run(eng.connector.exists(key(1))) is False
     assert eng.ours.counts["stored_bytes"] == len(full_bytes) + len(part_bytes)
+    # The partial chunk ends its prefix: stored with the TAIL hint, the full one without.
+    assert eng.ours.counts["tail_chunks"] == 1
+    assert daemon.total("kvtier_put_hints_total", hint="tail") == 1
 
 
 def test_two_engines_share_blocks_and_namespaces_keep_them_apart(
