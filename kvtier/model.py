@@ -222,6 +222,10 @@ class SharedService(Protocol):
 
     def open_region(self, owner: ConnId) -> tuple[int, bytes]: ...
 
+    def open_process_region(
+        self, owner: ConnId, pid: int, probe: tuple[int, int, int]
+    ) -> tuple[int, bytes]: ...
+
     def attach_region(self, token: bytes, fd: int) -> int: ...
 
     def check_region(
@@ -234,6 +238,7 @@ class SharedService(Protocol):
         region_id: int,
         keys: Sequence[bytes],
         spans: Sequence[tuple[int, int]],
+        checksums: Sequence[int] | None = None,
     ) -> list[PutStatus]: ...
 
     async def get_region(

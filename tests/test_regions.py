@@ -112,7 +112,7 @@ async def test_bad_region_requests_are_refused_and_others_carry_on(
         with pytest.raises(BadArgumentError, match="room holds"):
             await c.get_region(region, [b"big"], [(0, 100)])
         assert "pinned=0" in repr(daemon.service.ram.budget)  # the refused GET let go
-        malformed = struct.pack("<I", region) + wire.encode_keys([b"k"]) + b"\x00" * 4
+        malformed = struct.pack("<IB", region, 0) + wire.encode_keys([b"k"]) + b"\x00" * 4
         with pytest.raises(ProtocolError, match=r"one \(offset, length\) per key"):
             await c.request(wire.Op.PUT_REGION, malformed)
         assert await other.ping(b"x") == b"x"

@@ -76,8 +76,10 @@ async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) ->
     assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
 
 
-async def test_by_default_reads_use_shared_memory_and_writes_the_socket(daemon: Daemon) -> None:
-    async with await Client.connect(daemon.socket_path) as c:
+async def test_without_cross_memory_reads_use_shared_memory_and_writes_the_socket(
+    daemon: Daemon,
+) -> None:
+    async with await Client.connect(daemon.socket_path, cross_memory=False) as c:
         assert c.shared
         before = received_bytes(daemon)
         await c.put(b"k", block(7))  # over the socket, into its arena slot

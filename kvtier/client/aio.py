@@ -15,18 +15,22 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+import os
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
-from kvtier import wire
+from kvtier import cma, wire
 from kvtier._version import __version__
-from kvtier.client.batching import SOLO_VALUE_BYTES, put_batches
+from kvtier.client.batching import CROSS_MEMORY_BYTES, SOLO_VALUE_BYTES, put_batches
 from kvtier.client.protocol import ClientProtocol, expire
-from kvtier.client.shared import SharedSession, fetch, hand_region
+from kvtier.client.shared import SharedSession, checksum, fetch, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
 from kvtier.errors import (
+    BadArgumentError,
     ConnectionClosedError,
     DaemonUnavailableError,
     ForbiddenError,
@@ -81,6 +85,13 @@ class Client:
         self._shm: SharedSession | None = None
         #: large blocks are written through staging rooms (with shared memory)
         self._stage_writes = False
+        #: large blocks are read by the daemon out of this process's memory
+        #: (cross-memory attach): asked for, and the region once attached
+        #: (None: not tried yet; 0: not available, the socket it is)
+        self._cross_memory = False
+        self._process_region: int | None = None
+        #: bytes the daemon reads to prove it can read this process's memory
+        self._probe = os.urandom(64)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -92,6 +103,13 @@ class Client:
         """Whether blocks travel through shared memory on this connection."""
         return self._shm is not None
 
+    @property
+    def process_region(self) -> int | None:
+        """The daemon's region id of this process's memory, once the first
+        large PUT attached it (cross-memory attach); 0 where that is not
+        possible; None before."""
+        return self._process_region
+
     @classmethod
     async def connect(
         cls,
@@ -101,6 +119,7 @@ class Client:
         name: str = f"kvtier-python/{__version__}",
         shared: bool = True,
         stage_writes: bool = False,
+        cross_memory: bool = True,
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
 
@@ -110,6 +129,10 @@ class Client:
         ``stage_writes``: write large blocks through shared memory too
         (staging and COMMIT); off, they go over the socket, which the daemon
         receives straight into the block's place (faster from one client).
+        ``cross_memory``: with shared memory and without ``stage_writes``, let
+        the daemon copy large blocks of a PUT straight out of this process's
+        memory (process_vm_readv; see docs/shared-memory.md), falling back to
+        the socket where it cannot.
         """
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
@@ -124,6 +147,7 @@ class Client:
         client = cls(protocol, path, timeout, name)
         client._want_shared = shared
         client._stage_writes = stage_writes
+        client._cross_memory = cross_memory
         try:
             try:
                 client.server = await client.hello()
@@ -443,6 +467,9 @@ class Client:
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent).
         ``hint``: what the writer knows of its reuse (docs/eviction.md)."""
+        plain = not hint and not durable and not self._stage_writes
+        if plain and len(value) >= CROSS_MEMORY_BYTES and await self._process_region_id():
+            return (await self._put_cross_memory([key], [value], [0], timeout))[0]
         staged = self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES
         if staged and not hint:
             assert self._shm is not None
@@ -483,7 +510,74 @@ class Client:
             return await self._shm.put_many(
                 keys, values, durable, self._timeout(timeout), over_socket
             )
+        large = [i for i, v in enumerate(values) if len(v) >= CROSS_MEMORY_BYTES]
+        direct = hints is None and not durable and large and not self._stage_writes
+        if direct and await self._process_region_id():
+            return await self._put_cross_memory(keys, values, large, timeout)
         return await self._put_socket(keys, values, hints, durable, timeout)
+
+    async def _process_region_id(self) -> int:
+        """This process's memory as a region of the daemon's (attached once per
+        connection); 0 when cross-memory copies are off or not possible."""
+        if self._process_region is None:
+            self._process_region = 0
+            offer = self.server.shared if self.server is not None else None
+            if self._cross_memory and offer is not None and cma.AVAILABLE:
+                self._process_region = await self._attach_process()
+        return self._process_region
+
+    async def _attach_process(self) -> int:
+        transport = self._protocol.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        daemon_pid = _peer_pid(sock)
+        if daemon_pid:
+            cma.allow_tracer(daemon_pid)
+        address, length = cma.address_of(self._probe)
+        probe = wire.ProcessProbe(address, length, checksum(self._probe))
+        try:
+            frame = await self._call(Op.REGION, wire.encode_process_region(probe))
+        except (ForbiddenError, BadArgumentError, ProtocolError) as exc:
+            log.info("cross-memory copies not possible (%s); blocks go over the socket", exc)
+            return 0
+        return wire.decode_region_reply(frame.meta)[0]
+
+    async def _put_cross_memory(
+        self, keys: Sequence[bytes], values: Sequence[Buffer], large: list[int], timeout: Timeout
+    ) -> list[PutStatus]:
+        """The large blocks read by the daemon out of this process's memory (one
+        PUT_REGION per batch, checksummed); the small ones over the socket."""
+        out = [PutStatus.STORED] * len(keys)
+        region = self._process_region or 0
+        chosen = set(large)
+        small = [i for i in range(len(keys)) if i not in chosen]
+        calls: list[Awaitable[list[PutStatus]]] = []
+        batches: list[list[int]] = []
+        step = self._max_batch()
+        for lo in range(0, len(large), step):
+            batch = large[lo : lo + step]
+            io = wire.RegionIO(
+                region,
+                [keys[i] for i in batch],
+                [cma.address_of(values[i]) for i in batch],
+                [checksum(values[i]) for i in batch],
+            )
+            calls.append(self._region_put(io, timeout))
+            batches.append(batch)
+        if small:
+            calls.append(
+                self._put_socket(
+                    [keys[i] for i in small], [values[i] for i in small], None, False, timeout
+                )
+            )
+            batches.append(small)
+        for batch, statuses in zip(batches, await asyncio.gather(*calls), strict=True):
+            for i, status in zip(batch, statuses, strict=True):
+                out[i] = status
+        return out
+
+    async def _region_put(self, io: wire.RegionIO, timeout: Timeout) -> list[PutStatus]:
+        frame = await self._call(Op.PUT_REGION, wire.encode_region_io(io), timeout=timeout)
+        return wire.decode_put_reply(frame.meta)
 
     async def _put_socket(
         self,
@@ -640,3 +734,13 @@ def _landed(key: bytes, view: memoryview, frame: Frame) -> int | None:
             f"block {key.hex()} is {len(value)} bytes; its destination holds {len(view)}"
         )
     return len(value)
+
+
+def _peer_pid(sock: object) -> int:
+    """The pid at the other end of a Unix socket (the daemon), or 0."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return 0
+    pid: int = struct.unpack("<iII", raw)[0]
+    return pid

@@ -44,11 +44,17 @@ class BlockingClient:
         name: str = f"kvtier-python-blocking/{__version__}",
         shared: bool = True,
         stage_writes: bool = False,
+        cross_memory: bool = True,
     ) -> None:
         """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>` does."""
         self._start(
             Client.connect(
-                path, timeout=timeout, name=name, shared=shared, stage_writes=stage_writes
+                path,
+                timeout=timeout,
+                name=name,
+                shared=shared,
+                stage_writes=stage_writes,
+                cross_memory=cross_memory,
             )
         )
 
@@ -73,9 +79,17 @@ class BlockingClient:
         name: str = f"kvtier-python-blocking/{__version__}",
         shared: bool = True,
         stage_writes: bool = False,
+        cross_memory: bool = True,
     ) -> BlockingClient:
         """The same as the constructor: connect and negotiate (HELLO)."""
-        return cls(path, timeout=timeout, name=name, shared=shared, stage_writes=stage_writes)
+        return cls(
+            path,
+            timeout=timeout,
+            name=name,
+            shared=shared,
+            stage_writes=stage_writes,
+            cross_memory=cross_memory,
+        )
 
     @classmethod
     def connect_tcp(
@@ -158,6 +172,10 @@ class BlockingClient:
     @property
     def closed(self) -> bool:
         return self._client.closed
+
+    @property
+    def process_region(self) -> int | None:
+        return self._client.process_region
 
     @property
     def shared(self) -> bool:

@@ -92,6 +92,8 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, server: Server, conn_id: int) -> None:
         self.server = server
         self.conn_id = ConnId(conn_id)
+        #: the connecting process's credentials (Unix socket), once connected
+        self.peer: Peer | None = None
         #: before the peer gate admits it, a connection may send one small frame
         self.reader = wire.FrameReader(
             server.max_frame if server.gate is None else _GATE_FRAME, sink=self._receive_into
@@ -133,7 +135,7 @@ class Connection(asyncio.BufferedProtocol):
         # uvloop's transports implement the Transport API without subclassing it
         self.transport = cast(asyncio.Transport, transport)
         self.flow = FlowControl(self.transport)
-        peer = peer_of(transport.get_extra_info("socket"))
+        peer = self.peer = peer_of(transport.get_extra_info("socket"))
         if not self.server.peers.allows(peer):
             self._refuse(peer)
             return

@@ -246,16 +246,23 @@ class Ops:
 
     def region(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)
-        if frame.meta or frame.data:
-            raise wire.CodecError("REGION carries nothing")
-        return Reply(wire.encode_region_reply(*shared.open_region(conn.conn_id)))
+        if frame.data:
+            raise wire.CodecError("REGION carries no data")
+        probe = wire.decode_region(frame.meta)
+        if probe is None:  # a memory file, handed over the handoff socket
+            return Reply(wire.encode_region_reply(*shared.open_region(conn.conn_id)))
+        pid = conn.peer.pid if conn.peer is not None else 0
+        opened = shared.open_process_region(
+            conn.conn_id, pid, (probe.address, probe.length, probe.checksum)
+        )
+        return Reply(wire.encode_region_reply(*opened))
 
     def put_region(self, conn: Connection, frame: Frame) -> Later:
         shared = self._shared_of(conn)
         if frame.data:
             raise wire.CodecError("PUT_REGION carries no data: the blocks are in the region")
         io = wire.decode_region_io(frame.meta, self.max_batch)
-        done = shared.put_region(conn.conn_id, io.region, io.keys, io.spans)
+        done = shared.put_region(conn.conn_id, io.region, io.keys, io.spans, io.checksums)
         return Later(done, lambda statuses: Reply(wire.encode_put_reply(statuses)))
 
     def get_region(self, conn: Connection, frame: Frame) -> Later:

@@ -59,8 +59,13 @@ REGION_TAG = b"KVREG1\0\0"
 REGION_ATTACHED = struct.Struct("<BQH")
 #: REGION's reply: the region id, then its token
 _REGION = struct.Struct("<I16s")
-#: PUT_REGION / GET_REGION head: the region id
-_REGION_IO = struct.Struct("<I")
+#: REGION's request for the caller's own memory (cross-memory attach): the
+#: kind, then a probe the daemon reads to prove it can (address, length, XXH3-64)
+_PROCESS_REGION = struct.Struct("<BQQQ")
+REGION_PROCESS = 1
+#: PUT_REGION / GET_REGION head: the region id and flags
+_REGION_IO = struct.Struct("<IB")
+REGION_CHECKSUMS = 0x01  # PUT_REGION: one XXH3-64 per block follows the spans
 #: one block's place in a region: offset, length (PUT) or room (GET)
 _SPAN = struct.Struct("<QQ")
 
@@ -191,11 +196,40 @@ def decode_commit(buf: Buffer) -> Commit:
 class RegionIO:
     """Blocks to copy between a region and RAM: ``spans[i]`` is key i's
     (offset, length) in the region: the block's length for PUT_REGION, the
-    room it may fill for GET_REGION."""
+    room it may fill for GET_REGION. In a process region an offset is an
+    address. ``checksums`` (PUT_REGION): each block's XXH3-64, checked by the
+    daemon after its copy (a block that changed meanwhile stores nothing)."""
 
     region: int
     keys: list[bytes]
     spans: list[tuple[int, int]]
+    checksums: list[int] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ProcessProbe:
+    """A few bytes of the client's memory the daemon must read to prove it can."""
+
+    address: int
+    length: int
+    checksum: int
+
+
+def encode_process_region(probe: ProcessProbe) -> bytes:
+    return _PROCESS_REGION.pack(REGION_PROCESS, probe.address, probe.length, probe.checksum)
+
+
+def decode_region(buf: Buffer) -> ProcessProbe | None:
+    """REGION's request: None for a memory file (handed over the handoff
+    socket), or the probe of a process region."""
+    if not buf:
+        return None
+    if len(buf) != _PROCESS_REGION.size:
+        raise CodecError("REGION carries nothing, or a process region's probe")
+    kind, address, length, checksum = _PROCESS_REGION.unpack(buf)
+    if kind != REGION_PROCESS:
+        raise CodecError(f"unknown region kind {kind}")
+    return ProcessProbe(address, length, checksum)
 
 
 def encode_region_reply(region: int, token: bytes) -> bytes:
@@ -212,22 +246,33 @@ def decode_region_reply(buf: Buffer) -> tuple[int, bytes]:
 def encode_region_io(io: RegionIO) -> bytes:
     if len(io.spans) != len(io.keys):
         raise ValueError(f"{len(io.keys)} keys but {len(io.spans)} spans")
+    sums = io.checksums
+    if sums is not None and len(sums) != len(io.keys):
+        raise ValueError(f"{len(io.keys)} keys but {len(sums)} checksums")
     return (
-        _REGION_IO.pack(io.region)
+        _REGION_IO.pack(io.region, REGION_CHECKSUMS if sums is not None else 0)
         + encode_keys(io.keys)
         + b"".join(_SPAN.pack(off, n) for off, n in io.spans)
+        + (b"".join(_U64.pack(c) for c in sums) if sums is not None else b"")
     )
 
 
 def decode_region_io(buf: Buffer, max_batch: int) -> RegionIO:
     if len(buf) < _REGION_IO.size:
         raise CodecError("truncated region request")
-    (region,) = _REGION_IO.unpack_from(buf, 0)
+    region, flags = _REGION_IO.unpack_from(buf, 0)
+    if flags & ~REGION_CHECKSUMS:
+        raise CodecError(f"unknown region request flags 0x{flags:02x}")
     keys, end, _ = decode_keys(buf, _REGION_IO.size, max_batch)
-    if len(buf) - end != len(keys) * _SPAN.size:
+    per_key = _SPAN.size + (8 if flags & REGION_CHECKSUMS else 0)
+    if len(buf) - end != len(keys) * per_key:
         raise CodecError("a region request carries one (offset, length) per key")
-    spans = [(int(o), int(n)) for o, n in _SPAN.iter_unpack(memoryview(buf)[end:])]
-    return RegionIO(int(region), keys, spans)
+    stop = end + len(keys) * _SPAN.size
+    spans = [(int(o), int(n)) for o, n in _SPAN.iter_unpack(memoryview(buf)[end:stop])]
+    sums = None
+    if flags & REGION_CHECKSUMS:
+        sums = [int(c) for (c,) in _U64.iter_unpack(memoryview(buf)[stop:])]
+    return RegionIO(int(region), keys, spans, sums)
 
 
 def encode_region_lengths(lengths: Sequence[int | None]) -> bytes:

@@ -38,10 +38,11 @@ import secrets
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
+from kvtier import cma
 from kvtier.core.service import check_keys, check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
@@ -49,6 +50,8 @@ from kvtier.model import Buffer, ConnId, Leased, Limits, PutStatus
 from kvtier.tiers.ram import Arena, OutOfArena, RamTier, Slot
 
 log = logging.getLogger("kvtier.shared")
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -74,6 +77,9 @@ class Region:
     token: bytes = field(repr=False)
     #: the client's descriptor, once handed over the handoff socket; -1 before
     fd: int = -1
+    #: a process region: the client's pid, whose memory the daemon reads and
+    #: writes by address (cross-memory attach); 0 for a memory file
+    pid: int = 0
     #: the file's size when it was handed over: every block must lie inside it
     size: int = 0
     #: copies running in worker threads now: the descriptor is closed only at 0
@@ -287,11 +293,37 @@ class SharedBlocks:
         region.fd, region.size = fd, st.st_size
         return region.size
 
+    def open_process_region(
+        self, owner: ConnId, pid: int, probe: tuple[int, int, int]
+    ) -> tuple[int, bytes]:
+        """A region over the memory of ``owner``'s process (``pid``, from its
+        socket's credentials: a client can only name its own memory). The
+        daemon reads ``probe`` (address, length, XXH3-64) first, to prove it
+        may: this is where a missing permission, a seccomp profile or a PID
+        namespace that hides the client shows, and the client falls back."""
+        address, length, checksum = probe
+        if pid <= 0 or not cma.AVAILABLE:
+            raise ForbiddenError("cross-memory attach: the client's process is not visible here")
+        if not 0 < length <= 4096:
+            raise BadArgumentError("a cross-memory probe is 1 to 4096 bytes")
+        seen = bytearray(length)
+        try:
+            cma.read_from(pid, address, memoryview(seen))
+        except OSError as exc:
+            raise ForbiddenError(f"cross-memory attach refused: {exc}") from None
+        if xxhash.xxh3_64_intdigest(seen) != checksum:
+            raise BadArgumentError("cross-memory probe: the bytes read do not match")
+        region_id, token = self.open_region(owner)
+        region = self._regions[region_id]
+        del self._tokens[token]
+        region.pid, region.size = pid, 1 << 64
+        return region_id, bytes(16)
+
     def _region_of(self, owner: ConnId, region_id: int, spans: Sequence[tuple[int, int]]) -> Region:
         region = self._regions.get(region_id)
         if region is None or region.owner != owner:
             raise BadArgumentError(f"no region {region_id} belongs to this connection")
-        if region.fd < 0:
+        if region.fd < 0 and region.pid == 0:
             raise BadArgumentError(f"region {region_id} has no descriptor yet")
         for i, (offset, length) in enumerate(spans):
             if offset + length > region.size:
@@ -311,9 +343,13 @@ class SharedBlocks:
         region_id: int,
         keys: Sequence[bytes],
         spans: Sequence[tuple[int, int]],
+        checksums: Sequence[int] | None = None,
     ) -> list[PutStatus]:
         """Store the blocks at ``spans`` of the region under ``keys``: each is
-        read straight into its RAM slot, off the event loop."""
+        read straight into its RAM slot, off the event loop. With
+        ``checksums``, a block whose bytes do not match its XXH3-64 after the
+        copy (the writer changed it meanwhile, or lied) fails the request and
+        nothing is stored."""
         check_keys(self._limits, keys)
         region = self._region_of(owner, region_id, spans)
         check_sizes(self._limits, [n for _, n in spans], "value")
@@ -329,12 +365,26 @@ class SharedBlocks:
         if not todo:
             return statuses
         offsets = [spans[i][0] for i in todo]
+        wanted = None if checksums is None else [checksums[i] for i in todo]
 
         def release() -> None:
             for view in views:
                 self._drop_staged(view)  # unless stored
 
-        await self._copy(region, lambda: _read_into(region.fd, views, offsets), release)
+        def copy() -> list[int]:
+            _read_into(region, views, offsets)
+            if wanted is None:
+                return []
+            return [i for i, v in enumerate(views) if xxhash.xxh3_64_intdigest(v) != wanted[i]]
+
+        torn = await self._copy(region, copy, release)
+        if torn:
+            release()
+            self.commits_refused += 1
+            raise BadArgumentError(
+                f"block {todo[torn[0]]} does not match its checksum after the copy "
+                "(changed while it was read, or a wrong checksum); nothing stored"
+            )
         try:
             stored = self._put([keys[i] for i in todo], views)
         finally:
@@ -368,16 +418,14 @@ class SharedBlocks:
         present = [(v, off) for v, (off, _) in zip(values, spans, strict=True) if v is not None]
         await self._copy(
             region,
-            lambda: _write_from(region.fd, present),
+            lambda: _write_from(region, present),
             lambda: self._unpin(keys, values),
         )
         self._unpin(keys, values)
         self.region_bytes_out += sum(len(v) for v, _ in present)
         return [None if v is None else len(v) for v in values]
 
-    async def _copy(
-        self, region: Region, copy: Callable[[], None], release: Callable[[], None]
-    ) -> None:
+    async def _copy(self, region: Region, copy: Callable[[], T], release: Callable[[], None]) -> T:
         """``copy`` in a worker thread while ``region`` is in use; see :func:`off_loop`."""
         region.busy += 1
 
@@ -386,10 +434,11 @@ class SharedBlocks:
             self._let_go(region)
 
         try:
-            await off_loop(copy, abandoned)
+            result = await off_loop(copy, abandoned)
         except OSError as exc:
             raise TierError(f"region {region.region_id}: {exc}") from exc
         self._let_go(region)
+        return result
 
     def _let_go(self, region: Region) -> None:
         region.busy -= 1
@@ -456,8 +505,13 @@ def _close(region: Region) -> None:
         region.fd = -1
 
 
-def _read_into(fd: int, views: Sequence[memoryview], offsets: Sequence[int]) -> None:
-    """Fill each view from ``fd`` at its offset (a worker thread's work)."""
+def _read_into(region: Region, views: Sequence[memoryview], offsets: Sequence[int]) -> None:
+    """Fill each view from the region at its offset (a worker thread's work)."""
+    if region.pid:
+        for view, address in zip(views, offsets, strict=True):
+            cma.read_from(region.pid, address, view)
+        return
+    fd = region.fd
     for view, offset in zip(views, offsets, strict=True):
         done = 0
         while done < len(view):
@@ -467,8 +521,13 @@ def _read_into(fd: int, views: Sequence[memoryview], offsets: Sequence[int]) -> 
             done += n
 
 
-def _write_from(fd: int, blocks: Sequence[tuple[Buffer, int]]) -> None:
-    """Write each block to ``fd`` at its offset (a worker thread's work)."""
+def _write_from(region: Region, blocks: Sequence[tuple[Buffer, int]]) -> None:
+    """Write each block into the region at its offset (a worker thread's work)."""
+    if region.pid:
+        for value, address in blocks:
+            cma.write_to(region.pid, address, value)
+        return
+    fd = region.fd
     for value, offset in blocks:
         view = memoryview(value)
         done = 0
@@ -476,7 +535,7 @@ def _write_from(fd: int, blocks: Sequence[tuple[Buffer, int]]) -> None:
             done += os.pwritev(fd, [view[done:]], offset + done)
 
 
-async def off_loop(copy: Callable[[], None], abandoned: Callable[[], None]) -> None:
+async def off_loop(copy: Callable[[], T], abandoned: Callable[[], None]) -> T:
     """Run ``copy`` in a worker thread and wait for it.
 
     Returned: the caller releases what the copy used. Raised: ``abandoned``
@@ -486,10 +545,10 @@ async def off_loop(copy: Callable[[], None], abandoned: Callable[[], None]) -> N
     """
     done = asyncio.get_running_loop().run_in_executor(None, copy)
     try:
-        await asyncio.shield(done)
+        return await asyncio.shield(done)
     except asyncio.CancelledError:
 
-        def ended(fut: asyncio.Future[None]) -> None:
+        def ended(fut: asyncio.Future[T]) -> None:
             if not fut.cancelled():
                 fut.exception()  # read: nobody is left to report it to
             abandoned()
