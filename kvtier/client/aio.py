@@ -25,7 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier import cma, wire
 from kvtier._version import __version__
-from kvtier.client.batching import CROSS_MEMORY_BYTES, SOLO_VALUE_BYTES, put_batches
+from kvtier.client.batching import (
+    CROSS_MEMORY_BYTES,
+    CROSS_MEMORY_REQUEST_BYTES,
+    SOLO_VALUE_BYTES,
+    put_batches,
+)
 from kvtier.client.protocol import ClientProtocol, expire
 from kvtier.client.shared import SharedSession, checksum, fetch, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
@@ -552,7 +557,9 @@ class Client:
         small = [i for i in range(len(keys)) if i not in chosen]
         calls: list[Awaitable[list[PutStatus]]] = []
         batches: list[list[int]] = []
-        step = self._max_batch()
+        # A few MiB per request: the daemon copies one while this loop
+        # checksums the next, and two requests may copy at once.
+        step = max(1, min(self._max_batch(), CROSS_MEMORY_REQUEST_BYTES // len(values[large[0]])))
         for lo in range(0, len(large), step):
             batch = large[lo : lo + step]
             io = wire.RegionIO(

@@ -20,6 +20,9 @@ SOLO_VALUE_BYTES = 64 * 1024
 #: 1.2x to 4x a PUT over the socket, below it the extra round trip to a
 #: worker thread costs more than the socket's copies
 CROSS_MEMORY_BYTES = 512 * 1024
+#: bytes of blocks one such request names: small enough that the daemon
+#: copies one while the writer checksums the next
+CROSS_MEMORY_REQUEST_BYTES = 4 * 1024 * 1024
 
 #: the positions, in the caller's lists, of the blocks one frame carries
 Batch = list[int]
