@@ -536,8 +536,10 @@ NOTES = """## Reading the figures
 
 * Paths: **kvtier** is the Python client as it comes (reads through shared
   memory: a lease, then one copy out of the arena into the caller's buffer;
-  writes over the socket, received by the daemon straight into the block's
-  arena slot). **kvtier-staged** also writes through shared memory (a
+  blocks of 512 KiB and more written by the daemon reading them out of the
+  client's memory, cross-memory attach, one copy into the block's arena
+  slot; smaller ones over the socket, received straight into the slot).
+  **kvtier-staged** also writes through shared memory (a
   staging room, then COMMIT). **kvtier-socket** is a client that does not
   opt in (`shared=False`). *memcpy* copies the same working set once in the
   client process: the floor of any data path on this machine.

@@ -42,8 +42,9 @@ def received_bytes(d: Daemon) -> float:
 
 async def test_large_blocks_are_read_out_of_the_writers_memory(daemon: Daemon) -> None:
     async with await Client.connect(daemon.socket_path) as c:
+        assert await c.put(b"one", block(1)) == PutStatus.STORED  # alone: over the socket
+        assert c.process_region is None
         before = received_bytes(daemon)
-        assert await c.put(b"one", block(1)) == PutStatus.STORED
         keys = [b"small", b"one", b"two", b"three"]
         values: list[Buffer] = [
             b"s" * 100,
@@ -55,7 +56,8 @@ async def test_large_blocks_are_read_out_of_the_writers_memory(daemon: Daemon) -
         assert statuses == [PutStatus.STORED, PutStatus.EXISTS, PutStatus.STORED, PutStatus.STORED]
         # Keys, addresses and checksums crossed the socket (and the small block).
         assert received_bytes(daemon) - before < 8192
-        assert shared_stats(daemon)["region_bytes_in"] == MiB + MiB + 2 * MiB
+        assert c.process_region
+        assert shared_stats(daemon)["region_bytes_in"] == MiB + 2 * MiB  # "one" was not read
         for key, value in zip(keys, values, strict=True):
             got = await c.get(key)
             assert got is not None and bytes(got) == bytes(value)
@@ -64,7 +66,7 @@ async def test_large_blocks_are_read_out_of_the_writers_memory(daemon: Daemon) -
 
 async def test_a_wrong_checksum_stores_nothing(daemon: Daemon) -> None:
     async with await Client.connect(daemon.socket_path) as c:
-        assert await c.put(b"warm", block(9)) == PutStatus.STORED  # attaches the region
+        await c.put_many([b"w1", b"w2"], [block(8), block(9)])  # attaches the region
         region = c.process_region
         assert region
         value = block(4)
@@ -99,7 +101,7 @@ from kvtier.client.blocking import BlockingClient
 from kvtier.wire import Op
 
 c = BlockingClient(sys.argv[1])
-c.put(b"warm", bytes(1 << 20))  # attaches this process's memory
+c.put_many([b"w1", b"w2"], [bytes(1 << 20), bytes(1 << 20)])  # attaches this process's memory
 value = bytes([7]) * (1 << 20)
 io = wire.RegionIO(
     c.process_region, [b"orphan"], [cma.address_of(value)], None

@@ -111,8 +111,8 @@ class Client:
     @property
     def process_region(self) -> int | None:
         """The daemon's region id of this process's memory, once the first
-        large PUT attached it (cross-memory attach); 0 where that is not
-        possible; None before."""
+        ``put_many`` of several large blocks attached it (cross-memory attach);
+        0 where that is not possible; None before."""
         return self._process_region
 
     @classmethod
@@ -135,9 +135,9 @@ class Client:
         (staging and COMMIT); off, they go over the socket, which the daemon
         receives straight into the block's place (faster from one client).
         ``cross_memory``: with shared memory and without ``stage_writes``, let
-        the daemon copy large blocks of a PUT straight out of this process's
-        memory (process_vm_readv; see docs/shared-memory.md), falling back to
-        the socket where it cannot.
+        the daemon copy the large blocks of a ``put_many`` of several straight
+        out of this process's memory (process_vm_readv; see
+        docs/shared-memory.md), falling back to the socket where it cannot.
         """
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
@@ -472,9 +472,6 @@ class Client:
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent).
         ``hint``: what the writer knows of its reuse (docs/eviction.md)."""
-        plain = not hint and not durable and not self._stage_writes
-        if plain and len(value) >= CROSS_MEMORY_BYTES and await self._process_region_id():
-            return (await self._put_cross_memory([key], [value], [0], timeout))[0]
         staged = self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES
         if staged and not hint:
             assert self._shm is not None
@@ -515,8 +512,12 @@ class Client:
             return await self._shm.put_many(
                 keys, values, durable, self._timeout(timeout), over_socket
             )
+        # Several large blocks in one call: the daemon reads them out of this
+        # process's memory, a few MiB per request, which measured faster than
+        # the socket (one block alone is not: the request's worker-thread
+        # round trip costs about what the socket's copies do).
         large = [i for i, v in enumerate(values) if len(v) >= CROSS_MEMORY_BYTES]
-        direct = hints is None and not durable and large and not self._stage_writes
+        direct = hints is None and not durable and len(large) > 1 and not self._stage_writes
         if direct and await self._process_region_id():
             return await self._put_cross_memory(keys, values, large, timeout)
         return await self._put_socket(keys, values, hints, durable, timeout)

@@ -15,10 +15,10 @@ from kvtier.model import Buffer
 
 #: values at least this large travel one per frame (or through staging)
 SOLO_VALUE_BYTES = 64 * 1024
-#: values at least this large are read by the daemon out of the writer's own
-#: memory when it can (cross-memory attach): from 512 KiB up that measured
-#: 1.2x to 4x a PUT over the socket, below it the extra round trip to a
-#: worker thread costs more than the socket's copies
+#: values at least this large, several to a ``put_many``, are read by the
+#: daemon out of the writer's own memory when it can (cross-memory attach);
+#: below it the request's round trip to a worker thread costs more than the
+#: socket's copies
 CROSS_MEMORY_BYTES = 512 * 1024
 #: bytes of blocks one such request names: small enough that the daemon
 #: copies one while the writer checksums the next
