@@ -151,6 +151,7 @@ bench: bench-deps
 	  --policy all --plot docs/eviction.png
 	$(BIN)/python -m benchmarks.workloads
 	$(BIN)/python -m benchmarks.policies
+	$(BIN)/python -m benchmarks.streaming
 
 # A long mixed workload with misbehaving clients and S3 outages that verifies
 # every byte, then checks the daemon drained and shuts down promptly.

@@ -1,0 +1,130 @@
+"""make bench: LOOKUP latency while writers stream blocks into a full daemon.
+
+A RAM-only daemon of 512 MiB is filled first, so every store evicts (the
+steady state an engine produces); a 512-block chain stays resident (each
+lookup touches it). In one run: p50/p99/max of a prefix LOOKUP of the chain
+from this process, idle, then while another process streams fresh 1 MiB
+blocks from 8 concurrent writers, once over the socket (one block per PUT)
+and once in batches of 4 that the daemon copies out of the writer's memory
+(cross-memory attach, docs/shared-memory.md). Prints the figures and the
+ratios to idle, and the writers' GB/s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from kvtier.client.aio import Client
+from kvtier.model import LookupMode
+from tests.enginedaemon import start
+
+MiB = 1024 * 1024
+RAM = 512 * MiB
+CHAIN = 512
+IDLE_LOOKUPS = 2000
+
+_WRITER = """
+import asyncio, os, sys, time
+from kvtier.client.aio import Client
+
+async def main(path, mode, blocks):
+    batch = 4 if mode == "cross-memory" else 1
+    value = os.urandom(1 << 20)
+    clients = [await Client.connect(path, cross_memory=mode == "cross-memory") for _ in range(8)]
+    print("go", flush=True)
+    started = time.perf_counter()
+    async def write(w, c):
+        for n in range(0, blocks // 8, batch):
+            keys = [f"s-{mode}-{w}-{n + i}".encode() for i in range(batch)]
+            await c.put_many(keys, [value] * batch)
+    await asyncio.gather(*(write(w, c) for w, c in enumerate(clients)))
+    print(f"{blocks * (1 << 20) / (time.perf_counter() - started) / 1e9:.2f}", flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def percentiles(samples: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return statistics.median(ordered), p99, ordered[-1]
+
+
+async def lookups_until(client: Client, chain: list[bytes], done: asyncio.Event) -> list[float]:
+    out: list[float] = []
+    while not done.is_set() or len(out) < 50:
+        started = time.perf_counter()
+        reply = await client.lookup(chain, mode=LookupMode.PREFIX)
+        out.append((time.perf_counter() - started) * 1e6)
+        assert reply.prefix_hits == CHAIN
+    return out
+
+
+async def under_writers(
+    sock: str, client: Client, chain: list[bytes], mode: str
+) -> tuple[list[float], str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        textwrap.dedent(_WRITER),
+        sock,
+        mode,
+        str(1024),
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    assert (await proc.stdout.readline()).strip() == b"go"
+    done = asyncio.Event()
+    measuring = asyncio.ensure_future(lookups_until(client, chain, done))
+    rate = (await proc.stdout.readline()).decode().strip()
+    done.set()
+    samples = await measuring
+    await proc.wait()
+    return samples, rate
+
+
+async def measure(sock: str) -> list[tuple[str, list[float], str]]:
+    async with await Client.connect(sock) as client:
+        filler = os.urandom(MiB)
+        for n in range(0, RAM // MiB, 16):  # full: every later store evicts
+            keys = [f"fill-{n + i}".encode() for i in range(16)]
+            await client.put_many(keys, [filler] * 16)
+        chain = [f"chain-{i:04d}".encode() for i in range(CHAIN)]
+        await client.put_many(chain, [b"c" * 4096] * CHAIN)
+        idle: list[float] = []
+        for _ in range(IDLE_LOOKUPS):
+            started = time.perf_counter()
+            await client.lookup(chain, mode=LookupMode.PREFIX)
+            idle.append((time.perf_counter() - started) * 1e6)
+        rows = [("idle", idle, "")]
+        for mode in ("socket", "cross-memory"):
+            samples, rate = await under_writers(sock, client, chain, mode)
+            rows.append((f"8 writers, {mode}", samples, rate))
+    return rows
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="kvt-stream-", dir="/tmp") as tmp:
+        daemon = start(Path(tmp), "--no-disk", "--ram-capacity", str(RAM))
+        try:
+            rows = asyncio.run(measure(str(daemon.socket_path)))
+        finally:
+            daemon.stop()
+    base = percentiles(rows[0][1])
+    print("prefix LOOKUP of 512 blocks   p50 us   p99 us   max us  p99/idle  writers GB/s")
+    for name, samples, rate in rows:
+        p50, p99, worst = percentiles(samples)
+        print(f"{name:28} {p50:8.0f} {p99:8.0f} {worst:8.0f} {p99 / base[1]:8.2f}x  {rate:>12}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
