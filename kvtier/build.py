@@ -174,6 +174,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         node_id=node_id,
         shared=shared,
         shared_offer=offer,
+        events=service,
         # Who may connect is checked at accept; an allowed user still has a
         # deadline for its first frame where the socket is shared.
         handshake_timeout=sc.handshake_timeout
@@ -218,6 +219,7 @@ def _watch(parts: Parts) -> None:
     if peer_server is not None:
         m.watch_peer_listener(peer_server.counters, lambda: len(peer_server.connections))
     m.watch_core(parts.service.counters, parts.service.map_sizes)
+    m.watch_events(parts.service.events.stats)
     m.watch_tiers(lambda: [t.stats() for t in parts.service.tiers()])
     if parts.disk is not None:
         m.watch_disk(parts.disk.stats)

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvtier.core.counts import CoreCounters, MapSizes
+from kvtier.core.events import EventStats
 from kvtier.core.shared.blocks import SharedStats
 from kvtier.counters import Counts, HistogramCell, Histograms
 from kvtier.server.server import ServerCounters
@@ -81,6 +82,7 @@ class _Sources:
     peer_listener: ServerCounters | None = None
     peer_connections_open: Callable[[], int] = lambda: 0
     shared: Callable[[], SharedStats] | None = None
+    events: Callable[[], EventStats] | None = None
 
 
 class _Collector(Collector):
@@ -105,6 +107,31 @@ class _Collector(Collector):
             yield from self._peer_listener(s.peer_listener)
         if s.shared is not None:
             yield from self._shared(s.shared())
+        if s.events is not None:
+            yield from self._events(s.events())
+
+    def _events(self, st: EventStats) -> Iterator[Metric]:
+        published = CounterMetricFamily(
+            "kvtier_events_published",
+            "Block events published (SUBSCRIBE), by kind: stored, evicted, deleted",
+            labels=["kind"],
+        )
+        for kind, n in st.published.items():
+            published.add_metric([kind], n)
+        yield published
+        yield GaugeMetricFamily(
+            "kvtier_event_subscribers",
+            "Connections streaming block events now",
+            value=st.subscribers,
+        )
+        yield CounterMetricFamily(
+            "kvtier_event_gaps",
+            "Overflows of a subscriber's event queue (it lost events and resyncs from a snapshot)",
+            value=st.gaps,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_event_sequence", "The last block event's sequence number", value=st.seq
+        )
 
     def _shared(self, st: SharedStats) -> Iterator[Metric]:
         leases = GaugeMetricFamily(
@@ -493,6 +520,9 @@ class Metrics:
 
     def watch_shared(self, stats: Callable[[], SharedStats]) -> None:
         self._sources.shared = stats
+
+    def watch_events(self, stats: Callable[[], EventStats]) -> None:
+        self._sources.events = stats
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self._sources.disk = stats

@@ -56,6 +56,33 @@ class PutStatus(enum.IntEnum):
     EXISTS = 1
 
 
+class EventKind(enum.IntEnum):
+    """What a block event says (SUBSCRIBE; docs/protocol.md, "Events")."""
+
+    STORED = 1  # a local tier now holds the block
+    EVICTED = 2  # no local tier holds it any more (evicted)
+    DELETED = 3  # deleted by a client
+    GAP = 4  # events were lost from this sequence number: resync from a snapshot
+    SNAPSHOT = 5  # a block held when the snapshot was taken (tier: where)
+    SNAPSHOT_END = 6  # the snapshot is complete; live events follow
+
+
+class EventTier(enum.IntEnum):
+    """The local tier a block event names."""
+
+    NONE = 0
+    RAM = 1
+    DISK = 2
+
+
+@dataclass(slots=True, frozen=True)
+class BlockEvent:
+    seq: int
+    kind: EventKind
+    key: bytes = b""
+    tier: EventTier = EventTier.NONE
+
+
 class PutHint(enum.IntFlag):
     """What a writer knows about a block that recency and frequency do not
     tell (one byte per key of a PUT; docs/eviction.md, "Hints")."""
@@ -201,6 +228,25 @@ class StatsRecord(Protocol):
     """A typed stats record that renders as a STATS reply section."""
 
     def as_dict(self) -> dict[str, Any]: ...
+
+
+class Subscriber(Protocol):
+    """One subscription's queue of block events (the core's ``Subscription``)."""
+
+    ready: asyncio.Event
+    closed: bool
+
+    def take(self, most: int) -> list[BlockEvent]: ...
+
+
+class EventSource(Protocol):
+    """What SUBSCRIBE streams: the service's block events."""
+
+    def subscribe(self, limit: int) -> Subscriber: ...
+
+    def unsubscribe(self, sub: Subscriber) -> None: ...
+
+    def snapshot(self) -> list[BlockEvent]: ...
 
 
 class SharedService(Protocol):

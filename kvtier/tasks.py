@@ -9,7 +9,9 @@ rather than holding shutdown forever.
 
 Invariants: a task is in the set from :meth:`TaskSet.spawn` until it is
 done; after :meth:`TaskSet.stop` the set is empty (what is left running
-is abandoned and counted) and spawning raises. Imports nothing of kvtier.
+is abandoned and counted) and spawning raises; :meth:`TaskSet.settle`
+waits for every task but those named :data:`LASTING_TASK` (a stream that
+ends with its connection). Imports nothing of kvtier.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from typing import Any, TypeVar
 log = logging.getLogger("kvtier.tasks")
 
 T = TypeVar("T")
+
+#: names a task that lasts as long as its connection (a SUBSCRIBE stream):
+#: waiting for the daemon to settle does not wait for it
+LASTING_TASK = "kvtier-lasting:"
 
 
 class TaskSet:
@@ -53,8 +59,12 @@ class TaskSet:
             log.error("background task %s failed", task.get_name(), exc_info=exc)
 
     async def settle(self) -> None:
-        """Wait until every task started so far (and any they start) is done."""
-        while pending := [t for t in self._tasks if t is not asyncio.current_task()]:
+        """Wait until every task started so far (and any they start) is done,
+        streams that last as long as their connection aside."""
+        me = asyncio.current_task()
+        while pending := [
+            t for t in self._tasks if t is not me and not t.get_name().startswith(LASTING_TASK)
+        ]:
             await asyncio.wait(pending)
 
     async def stop(self, timeout: float) -> list[asyncio.Task[Any]]:

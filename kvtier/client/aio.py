@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from pathlib import Path
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,7 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.model import (
+    BlockEvent,
     Buffer,
     Lookup,
     LookupMode,
@@ -688,6 +689,43 @@ class Client:
             frame = await self._call(Op.GET_REGION, wire.encode_region_io(io), timeout=timeout)
             out.extend(wire.decode_region_lengths(frame.meta))
         return out
+
+    async def subscribe(
+        self, *, snapshot: bool = False, limit: int = 0
+    ) -> AsyncGenerator[list[BlockEvent], None]:
+        """The daemon's block events, batch by batch, for as long as the caller
+        iterates (use a connection of its own: it carries nothing else).
+
+        ``snapshot``: first every block held now (SNAPSHOT events, then
+        SNAPSHOT_END), then live events, none lost in between. ``limit``:
+        events the daemon may queue for this subscriber (0: its default); past
+        it the subscriber gets a GAP event and should subscribe again with a
+        snapshot. The iteration ends at the daemon's shutdown."""
+        proto = self._protocol
+        if proto.transport is None or proto.transport.is_closing():
+            raise proto.closed_exc or ConnectionClosedError("the client is closed")
+        rid = next(self._ids)
+        stream: asyncio.Queue[Frame | Exception] = asyncio.Queue()
+        proto.streams[rid] = stream
+        try:
+            proto.transport.writelines(
+                wire.frame_parts(Op.SUBSCRIBE, rid, wire.encode_subscribe(snapshot, limit))
+            )
+            while True:
+                item = await stream.get()
+                proto.stream_taken(stream)
+                if isinstance(item, Exception):
+                    raise item
+                if item.header.status:
+                    raise error_from_code(item.header.status, wire.decode_error(item.meta))
+                events = wire.decode_events(item.meta)
+                if events:
+                    yield events
+                if not item.header.flags & wire.FLAG_MORE:
+                    return
+        finally:
+            proto.streams.pop(rid, None)
+            proto.stream_taken(stream)
 
     async def delete(self, key: bytes, *, timeout: Timeout = ...) -> bool:
         return (await self.delete_many([key], timeout=timeout))[0]

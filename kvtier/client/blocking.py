@@ -24,7 +24,15 @@ from kvtier._version import __version__
 from kvtier.client.aio import Client, Timeout
 from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.errors import KvtierError
-from kvtier.model import Buffer, LookupMode, LookupReply, PutHint, PutStatus, ReserveStatus
+from kvtier.model import (
+    BlockEvent,
+    Buffer,
+    LookupMode,
+    LookupReply,
+    PutHint,
+    PutStatus,
+    ReserveStatus,
+)
 from kvtier.wire import Frame, HelloReply
 
 if TYPE_CHECKING:
@@ -315,6 +323,22 @@ class BlockingClient:
         timeout: Timeout = ...,
     ) -> list[int | None]:
         return self._run(self._client.get_region(region, keys, spans, timeout=timeout))
+
+    def subscribe(self, *, snapshot: bool = False, limit: int = 0) -> Iterator[list[BlockEvent]]:
+        """The daemon's block events, batch by batch (see the async client)."""
+        events = self._client.subscribe(snapshot=snapshot, limit=limit)
+
+        async def step() -> list[BlockEvent]:
+            return await anext(events)
+
+        try:
+            while True:
+                try:
+                    yield self._run(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(events.aclose())
 
     def delete(self, key: bytes, *, timeout: Timeout = ...) -> bool:
         return self._run(self._client.delete(key, timeout=timeout))

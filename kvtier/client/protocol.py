@@ -21,6 +21,9 @@ from kvtier.model import Buffer
 from kvtier.wire import Frame
 from kvtier.wire.flow_control import FlowControl
 
+#: reply frames a stream may hold unread before the connection stops reading
+STREAM_BACKLOG = 64
+
 
 class ClientProtocol(asyncio.BufferedProtocol):
     def __init__(self, max_frame: int) -> None:
@@ -29,6 +32,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
         self.pending: dict[int, asyncio.Future[Frame]] = {}
         #: caller buffers that GET replies land in, by request id (get_into)
         self.sinks: dict[int, memoryview] = {}
+        #: streaming requests (SUBSCRIBE): their reply frames, in order, by request id
+        self.streams: dict[int, asyncio.Queue[Frame | Exception]] = {}
         self.closed_exc: Exception | None = None
         self.flow: FlowControl | None = None
         self.closed_event = asyncio.Event()
@@ -68,6 +73,12 @@ class ClientProtocol(asyncio.BufferedProtocol):
                 # Unasked: the server refuses this connection and closes it.
                 self._fail(error_from_code(frame.header.status, wire.decode_error(frame.meta)))
                 continue
+            stream = self.streams.get(frame.header.request_id)
+            if stream is not None:
+                stream.put_nowait(frame)
+                if stream.qsize() >= STREAM_BACKLOG and self.transport is not None:
+                    self.transport.pause_reading()  # the stream's reader resumes it
+                continue
             fut = self.pending.pop(frame.header.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(frame)
@@ -90,6 +101,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
+        for stream in self.streams.values():
+            stream.put_nowait(exc)
 
     def pause_writing(self) -> None:
         if self.flow is not None:
@@ -98,6 +111,11 @@ class ClientProtocol(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         if self.flow is not None:
             self.flow.resume_writing()
+
+    def stream_taken(self, stream: asyncio.Queue[Frame | Exception]) -> None:
+        """A stream's reader took a frame: read again once it has caught up."""
+        if stream.qsize() < STREAM_BACKLOG // 4 and self.transport is not None:
+            self.transport.resume_reading()
 
     async def drain(self) -> None:
         if self.flow is not None:

@@ -32,6 +32,7 @@ from typing import Any
 from kvtier.config import DiskConfig, LookupConfig
 from kvtier.core.counts import CoreCounters, MapSizes, ProbeFailure, ProbeUse, Promoted
 from kvtier.core.deferral import DeferralTracker
+from kvtier.core.events import EventLog, Subscription
 from kvtier.core.lookup import (
     Location,
     Locator,
@@ -61,8 +62,11 @@ from kvtier.model import (
     PENDING,
     RETRY,
     STATE_NAMES,
+    BlockEvent,
     Buffer,
     ConnId,
+    EventKind,
+    EventTier,
     Limits,
     Lookup,
     LookupMode,
@@ -72,6 +76,7 @@ from kvtier.model import (
     Reserve,
     ReserveStatus,
     Spawn,
+    Subscriber,
 )
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
@@ -194,11 +199,16 @@ class Service:
         # tier to consult, no key is ever REMOTE or PROBING, so nothing is
         # forwarded and two daemons can never bounce a probe.
         self.local_locator = Locator(ram.resident(), disk, self.pending.table, [])
+        #: what this node holds, as events for routers (SUBSCRIBE)
+        self.events = EventLog()
         writers = [spec.writer(self._invalidate) for spec in remotes]
         if disk is not None:
             policy = WritePolicy(self.disk_cfg.write_policy)
             pending = self.disk_cfg.max_pending_write_bytes
-            writers.insert(0, Writer(disk.name, policy, pending, disk.write, disk.contains, True))
+            writers.insert(
+                0, Writer(disk.name, policy, pending, self._disk_write, disk.contains, True)
+            )
+            disk.on_evict = self._disk_evicted
         self.propagation = Propagation(
             [w for w in writers if w.policy is not WritePolicy.NONE or w.local],
             self.counters,
@@ -234,6 +244,7 @@ class Service:
         self.closing = True
         if self._closing is not None and not self._closing.done():
             self._closing.set_result(None)
+        self.events.close()
 
     def close(self) -> None:
         """End every pending write, probe and disk read (waiters answered MISS)."""
@@ -774,6 +785,9 @@ class Service:
         try:
             if disk is not None:
                 await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
+                if self.events.subscriptions:
+                    for key, _ in held:
+                        self.events.emit(EventKind.STORED, key, EventTier.DISK)
         finally:
             for _, v in held:
                 ram.let_go(v)
@@ -803,6 +817,8 @@ class Service:
             raise
         if res is not None:
             self.pending.end(res, End.COMPLETED)
+        if stored and self.events.subscriptions:  # (no subscriber: no event)
+            self.events.emit(EventKind.STORED, key, EventTier.RAM)
         self._invalidate(key)
         self._evicted(evicted)
         local = self.propagation.local
@@ -817,9 +833,24 @@ class Service:
     def _evicted(self, evicted: list[tuple[bytes, Buffer]]) -> None:
         if not evicted:
             return
+        disk, events = self.disk, self.events
         for victim, _ in evicted:
             self._invalidate(victim)
+            if events.subscriptions and (disk is None or not disk.contains(victim)):
+                events.emit(EventKind.EVICTED, victim)  # gone from this node
         self.propagation.evicted(evicted)
+
+    async def _disk_write(self, key: bytes, value: Buffer) -> None:
+        assert self.disk is not None
+        await self.disk.write(key, value)
+        if self.events.subscriptions:
+            self.events.emit(EventKind.STORED, key, EventTier.DISK)
+
+    def _disk_evicted(self, keys: list[bytes]) -> None:
+        if self.events.subscriptions:
+            for key in keys:
+                if not self.ram.contains(key):
+                    self.events.emit(EventKind.EVICTED, key)
 
     def delete(
         self, keys: Sequence[bytes], *, local: bool = False
@@ -851,8 +882,32 @@ class Service:
         """Delete from RAM and disk only."""
         disk = self.disk
         out = [self.ram.remove(k) | (disk is not None and disk.discard(k)) for k in keys]
-        for key in keys:
+        for key, held in zip(keys, out, strict=True):
             self._invalidate(key)
+            if held and self.events.subscriptions:
+                self.events.emit(EventKind.DELETED, key)
+        return out
+
+    # ------------------------------------------------------------ EVENTS
+
+    def subscribe(self, limit: int) -> Subscription:
+        return self.events.subscribe(limit)
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self.events.unsubscribe(sub)
+
+    def snapshot(self) -> list[BlockEvent]:
+        """Every block held now, as SNAPSHOT events at the current sequence
+        number, then SNAPSHOT_END (taken in one step: later events follow it)."""
+        seq, ram, disk = self.events.seq, self.ram.resident(), self.disk
+        out = [BlockEvent(seq, EventKind.SNAPSHOT, k, EventTier.RAM) for k in list(ram)]
+        if disk is not None:
+            out += [
+                BlockEvent(seq, EventKind.SNAPSHOT, k, EventTier.DISK)
+                for k in disk.indexed()
+                if k not in ram
+            ]
+        out.append(BlockEvent(seq, EventKind.SNAPSHOT_END))
         return out
 
     # ------------------------------------------------------------ STATS

@@ -40,6 +40,7 @@ from kvtier.errors import (
 from kvtier.model import Buffer, ConnId
 from kvtier.server.gate import Refusal
 from kvtier.server.sockets import Peer, peer_of
+from kvtier.tasks import LASTING_TASK
 from kvtier.wire import FLAG_REPLY, Frame, Op
 from kvtier.wire.flow_control import FlowControl
 
@@ -77,6 +78,8 @@ class Later:
     reply: Callable[[Any], Reply] | None = None
     #: ends with the caller: cancelled when the connection goes (a waiting lookup)
     cancel_on_close: bool = False
+    #: lasts as long as the connection (a stream): settling does not wait for it
+    lasting: bool = False
 
 
 def _close_if_unstarted(answer: Awaitable[Any], _task: asyncio.Task[None]) -> None:
@@ -353,6 +356,8 @@ class Connection(asyncio.BufferedProtocol):
             self._finish(header.opcode, header.request_id, answer, op_name, started)
         )
         task.add_done_callback(partial(_close_if_unstarted, answer.answer))
+        if answer.lasting:
+            task.set_name(f"{LASTING_TASK}{op_name} #{self.conn_id.value}")
         if answer.cancel_on_close:
             # A waiting lookup only waits for its caller: when the caller goes,
             # so does it (the probes it joined are shared and carry on).
@@ -386,6 +391,15 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             if reply.on_sent is not None:
                 self._after_flush(reply.on_sent)
+
+    async def push(self, opcode: int, request_id: int, meta: Buffer) -> None:
+        """One more reply to a streaming request (flag MORE), once the
+        transport can take it: a slow reader holds its stream, not the daemon."""
+        if self.flow is not None:
+            await self.flow.drain()
+        self._write(
+            wire.frame_parts(opcode, request_id, meta, (), flags=FLAG_REPLY | wire.FLAG_MORE)
+        )
 
     def _after_flush(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the transport has written out what it holds: it

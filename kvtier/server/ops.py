@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
 from kvtier.errors import ForbiddenError, UnsupportedVersionError
-from kvtier.model import Buffer, CacheService, Leased, LookupReply, SharedService
+from kvtier.model import Buffer, CacheService, EventSource, Leased, LookupReply, SharedService
 from kvtier.server.connection import Later, Reply
 from kvtier.wire import Frame, Op
 
@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from kvtier.server.connection import Connection
 
 Handler = Callable[["Connection", Frame], "Reply | Later"]
+
+#: events one subscriber may have queued by default, and at most (past it:
+#: a gap, and the subscriber resyncs from a snapshot)
+EVENT_QUEUE = 65536
+MAX_EVENT_QUEUE = 1 << 20
+#: events per streamed frame
+EVENT_BATCH = 1024
 
 
 class Ops:
@@ -37,8 +44,11 @@ class Ops:
         node_id: str = "",
         shared: SharedService | None = None,
         shared_offer: wire.SharedOffer | None = None,
+        events: EventSource | None = None,
     ) -> None:
         self.service = service
+        #: the block events SUBSCRIBE streams; None: not offered (a peer port)
+        self.events = events
         #: leases and staging for clients that opt in at HELLO; None: not offered
         self.shared = shared
         self.shared_offer = shared_offer if shared is not None else None
@@ -67,6 +77,7 @@ class Ops:
             Op.REGION: self.region,
             Op.PUT_REGION: self.put_region,
             Op.GET_REGION: self.get_region,
+            Op.SUBSCRIBE: self.subscribe,
         }
 
     def __repr__(self) -> str:
@@ -278,6 +289,44 @@ class Ops:
             return await shared.get_region(conn.conn_id, io.region, io.keys, io.spans, got)
 
         return Later(write(), lambda lengths: Reply(wire.encode_region_lengths(lengths)))
+
+    # -- events: what this node holds, streamed to a router or an engine
+
+    def subscribe(self, conn: Connection, frame: Frame) -> Later:
+        """The connection becomes a stream of block events (replies flagged
+        MORE), after a snapshot of what is held if asked; it ends when the
+        connection closes, or with a last empty batch at shutdown."""
+        if self.events is None:
+            raise ForbiddenError("block events are not served here")
+        if frame.data:
+            raise wire.CodecError("SUBSCRIBE carries no data")
+        snapshot, limit = wire.decode_subscribe(frame.meta)
+        limit = min(limit or EVENT_QUEUE, MAX_EVENT_QUEUE)
+        stream = self._stream(conn, frame.header.request_id, self.events, snapshot, limit)
+        return Later(
+            stream, lambda _: Reply(wire.encode_events([])), cancel_on_close=True, lasting=True
+        )
+
+    async def _stream(
+        self, conn: Connection, request_id: int, source: EventSource, snapshot: bool, limit: int
+    ) -> None:
+        sub = source.subscribe(limit)  # before the snapshot: nothing falls between
+        try:
+            if snapshot:
+                held = source.snapshot()
+                for lo in range(0, len(held), EVENT_BATCH):
+                    await conn.push(
+                        Op.SUBSCRIBE, request_id, wire.encode_events(held[lo : lo + EVENT_BATCH])
+                    )
+            while True:
+                await sub.ready.wait()
+                if sub.closed:
+                    return
+                events = sub.take(EVENT_BATCH)
+                if events:
+                    await conn.push(Op.SUBSCRIBE, request_id, wire.encode_events(events))
+        finally:
+            source.unsubscribe(sub)
 
     def _only_keys(self, frame: Frame, op: str) -> list[bytes]:
         keys, end, _ = wire.decode_keys(frame.meta, 0, self.max_batch)

@@ -20,7 +20,7 @@ from typing import Any
 from kvtier import wire
 from kvtier._version import __version__
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
-from kvtier.model import CacheService, SharedService, Spawn
+from kvtier.model import CacheService, EventSource, SharedService, Spawn
 from kvtier.server.connection import Connection
 from kvtier.server.gate import PeerGate, Refusal
 from kvtier.server.ops import Ops
@@ -68,6 +68,7 @@ class Server:
         node_id: str = "",
         shared: SharedService | None = None,
         shared_offer: wire.SharedOffer | None = None,
+        events: EventSource | None = None,
         handshake_timeout: float | None = None,
         max_unauthenticated: int | None = None,
     ) -> None:
@@ -98,6 +99,7 @@ class Server:
             server_stats=self.stats,
             shared=shared,
             shared_offer=shared_offer,
+            events=events,
         )
         self._shared = shared
         self.connections: set[Connection] = set()

@@ -6,6 +6,7 @@ the tiers, the server, the client or metrics.
 """
 
 from kvtier.wire.codecs import *  # noqa: F403
+from kvtier.wire.events import *  # noqa: F403
 from kvtier.wire.framing import *  # noqa: F403
 from kvtier.wire.hello import *  # noqa: F403
 from kvtier.wire.shared import *  # noqa: F403

@@ -27,6 +27,7 @@ HEADER_SIZE = HEADER.size  # 24
 FLAG_REPLY = 0x0001
 FLAG_DURABLE = 0x0002  # PUT: acknowledge once the block is durable
 FLAG_HINTS = 0x0004  # PUT: one hint byte per key follows the lengths (PutHint)
+FLAG_MORE = 0x0008  # reply: more replies follow for this request (SUBSCRIBE)
 KNOWN_REQUEST_FLAGS = FLAG_DURABLE | FLAG_HINTS
 
 #: Hard ceilings of the v1 encoding (the configured limits must be below them).
@@ -53,6 +54,7 @@ class Op(enum.IntEnum):
     REGION = 0x38
     PUT_REGION = 0x39
     GET_REGION = 0x3A
+    SUBSCRIBE = 0x40
 
 
 class CodecError(Exception):

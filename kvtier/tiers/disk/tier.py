@@ -34,7 +34,7 @@ import asyncio
 import errno
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -77,6 +77,9 @@ class DiskTier(LocalTier):
         self.root = Path(root)
         #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
         self.budget = Budget(capacity, policy)
+        #: told the keys each eviction removes from the index (the service's
+        #: block events)
+        self.on_evict: Callable[[list[bytes]], None] | None = None
         self.fsync = fsync
         #: the disk's I/O threads: every blocking file operation runs here
         self.executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
@@ -186,7 +189,14 @@ class DiskTier(LocalTier):
 
     def _evict(self, need: int) -> list[Path]:
         """Remove victims from the index; returns their paths to unlink."""
-        return [self.path_of(k) for k in self.budget.evict_for(need)]
+        victims = self.budget.evict_for(need)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
+        return [self.path_of(k) for k in victims]
+
+    def indexed(self) -> list[bytes]:
+        """The keys indexed now."""
+        return list(self.budget)
 
     # -- reads
 
