@@ -46,7 +46,7 @@ from kvtier import loops
 from kvtier.client import Client
 from kvtier.client.redial import Backoff, Redial
 from kvtier.errors import KvtierError
-from kvtier.model import HIT, MISS, Buffer, LookupMode
+from kvtier.model import HIT, MISS, BlockEvent, Buffer, EventKind, LookupMode
 
 log = logging.getLogger("kvtier.engine")
 
@@ -135,6 +135,112 @@ class DaemonLink:
         return await Client.connect(self.socket_path, timeout=self.timeout)
 
 
+class RemovalWatch:
+    """Which of the blocks this engine stored the daemon no longer holds.
+
+    A connection of its own streams the daemon's block events (SUBSCRIBE) on
+    the link's loop; an EVICTED or DELETED event for a block this engine
+    stored queues its key for :meth:`take`. After a GAP, or the connection
+    dropped and dialled again (with backoff), it resubscribes with a
+    snapshot and queues every stored block the snapshot lacks. Keys of
+    blocks stored by others never enter it. Thread-safe: stores are recorded
+    on the link's loop, removals taken from the engine's thread.
+    """
+
+    def __init__(self, link: DaemonLink, backoff: Backoff) -> None:
+        self._link = link
+        self._backoff = backoff
+        #: the daemon's keys of blocks this engine stored and still believes held
+        self._held: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._removed: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        #: set whenever a removal is queued (a test or a caller may wait on it)
+        self.arrived = threading.Event()
+        #: set once the first subscription is in place
+        self.subscribed = threading.Event()
+        self.resyncs = 0
+        self._task = link.submit(self._run())
+
+    def __repr__(self) -> str:
+        return f"<RemovalWatch held={len(self._held)} resyncs={self.resyncs}>"
+
+    def stored(self, names: Sequence[bytes]) -> None:
+        with self._lock:
+            self._held.update(names)
+
+    def take(self) -> list[bytes]:
+        out: list[bytes] = []
+        while True:
+            try:
+                out.append(self._removed.get_nowait())
+            except queue.Empty:
+                self.arrived.clear()
+                return out
+
+    def close(self) -> None:
+        self._task.cancel()
+
+    def _gone(self, names: Sequence[bytes]) -> None:
+        with self._lock:
+            gone = [n for n in names if n in self._held]
+            self._held.difference_update(gone)
+        for name in gone:
+            self._removed.put(name)
+        if gone:
+            self.arrived.set()
+
+    async def _run(self) -> None:
+        snapshot = False
+        while True:
+            try:
+                client = await Client.connect(self._link.socket_path, timeout=self._link.timeout)
+            except (KvtierError, OSError) as exc:
+                delay = self._backoff.failed(time.monotonic())
+                log.debug("event stream: dialling failed (%s); again in %.2fs", exc, delay)
+                await asyncio.sleep(
+                    delay
+                )  # allow-sleep: backoff between dials of a daemon that is down
+                snapshot = True
+                continue
+            self._backoff.succeeded()
+            try:
+                snapshot = await self._follow(client, snapshot)
+            except (KvtierError, OSError) as exc:
+                log.debug("event stream interrupted (%s); resubscribing", exc)
+                snapshot = True
+            finally:
+                await client.close()
+
+    async def _follow(self, client: Client, snapshot: bool) -> bool:
+        """Follow one subscription; returns whether the next needs a snapshot."""
+        held_now: set[bytes] | None = set() if snapshot else None
+        events = client.subscribe(snapshot=snapshot)
+        self.subscribed.set()
+        try:
+            async for batch in events:
+                for event in batch:
+                    if event.kind is EventKind.GAP:
+                        self.resyncs += 1
+                        return True
+                    held_now = self._apply(event, held_now)
+        finally:
+            await events.aclose()
+        return True  # the stream ended (the daemon shut down): resync on return
+
+    def _apply(self, event: BlockEvent, held_now: set[bytes] | None) -> set[bytes] | None:
+        kind = event.kind
+        if kind is EventKind.EVICTED or kind is EventKind.DELETED:
+            self._gone([event.key])
+        elif kind is EventKind.SNAPSHOT and held_now is not None:
+            held_now.add(event.key)
+        elif kind is EventKind.SNAPSHOT_END and held_now is not None:
+            with self._lock:
+                missing = [n for n in self._held if n not in held_now]
+            self._gone(missing)
+            return None
+        return held_now
+
+
 class Answer(enum.Enum):
     HIT = "hit"
     MISS = "miss"
@@ -207,6 +313,9 @@ class EngineTier:
         self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
         #: the daemon connection and the loop all I/O runs on
         self._link = DaemonLink(socket_path, timeout=timeout, backoff=backoff, clock=clock)
+        self._backoff = backoff
+        #: the blocks this engine stored that the daemon let go (watch_removals)
+        self._watch: RemovalWatch | None = None
 
     def __repr__(self) -> str:
         return (
@@ -262,6 +371,21 @@ class EngineTier:
         """Start sending ``rows`` under ``keys``; the result comes from :meth:`finished`."""
         self._jobs.add(self._submit(self._store(job_id, list(keys), list(rows))))
 
+    def watch_removals(self) -> RemovalWatch:
+        """Follow the daemon's block events from now on: :meth:`removed` then
+        tells which blocks this engine stored the daemon no longer holds."""
+        if self._watch is None:
+            self._watch = RemovalWatch(self._link, Backoff(*self._backoff))
+        return self._watch
+
+    def removed(self) -> list[bytes]:
+        """Engine keys of blocks this engine stored that the daemon let go
+        (evicted from its last local tier, or deleted) since the last call."""
+        if self._watch is None:
+            return []
+        cut = len(self.namespace)
+        return [name[cut:] for name in self._watch.take()]
+
     def finished(self) -> list[JobDone]:
         """Jobs that finished since the last call; failed loads' keys now answer MISS."""
         out: list[JobDone] = []
@@ -299,6 +423,8 @@ class EngineTier:
 
     def close(self) -> None:
         self.drain(self.timeout)
+        if self._watch is not None:
+            self._watch.close()
         self._link.close()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -396,6 +522,8 @@ class EngineTier:
         try:
             client = await self._connected()
             names = [self.key(k) for k in keys]
+            if self._watch is not None:  # before the PUT: no eviction can come first
+                self._watch.stored(names)
             sizes = [memoryview(r).nbytes for r in rows]
             # Tasks start in creation order: the RESERVE leaves ahead of the
             # PUT on the same connection, so other engines read PENDING while

@@ -16,6 +16,7 @@ delivered. Imports vLLM (only here) and kvtier's client side.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -23,9 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -34,7 +37,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.integrations.engine import Answer, EngineTier
+from kvtier.integrations.engine import Answer, EngineTier, RemovalWatch
+
+log = logging.getLogger("kvtier.vllm")
 
 #: vLLM metric name -> (our count's name, or a prefix of names by label), doc, labels
 _METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -82,6 +87,8 @@ class KvtierTier(SecondaryTierManager):
         timeout: float = 10.0,
         reserve_stores: bool = True,
         failed_ttl: float = 30.0,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -102,6 +109,23 @@ class KvtierTier(SecondaryTierManager):
             reserve_stores=reserve_stores,
             failed_ttl=failed_ttl,
         )
+        #: KV events for vLLM's stream (``enable_kv_events``, as vLLM's fs tier
+        #: takes it): stores as they finish; removals as the daemon reports them
+        self._events: list[OffloadingEvent] | None = None
+        #: the daemon's event stream this tier follows, while events are on
+        self.removal_watch: RemovalWatch | None = None
+        self.locality = Locality(locality) if locality is not None else None
+        if enable_kv_events:
+            config = getattr(offloading_spec, "kv_events_config", None)
+            if config is not None and not config.enable_kv_cache_events:
+                log.warning(
+                    "enable_kv_events is set on tier %r but KV cache events are off "
+                    "globally; the tier emits none",
+                    tier_type,
+                )
+            else:
+                self._events = []
+                self.removal_watch = self._engine.watch_removals()
         #: jobs submitted and not reported yet
         self._jobs: dict[int, TransferJob] = {}
         #: the engine tier's counts when get_stats last reported them
@@ -138,6 +162,8 @@ class KvtierTier(SecondaryTierManager):
                 loaded = set(done.loaded)
                 successful = [k for k in job.keys if bytes(k) in loaded]
                 self._engine.mark_failed([bytes(k) for k in job.keys if bytes(k) not in loaded])
+            if self._events is not None and done.ok and not job.is_promotion:
+                self._events.append(self._event(list(job.keys), removed=False))
             results.append(
                 JobResult(
                     job_id=done.job_id,
@@ -148,6 +174,29 @@ class KvtierTier(SecondaryTierManager):
                 )
             )
         return results
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Blocks stored to kvtier since the last call, then blocks the daemon
+        no longer holds (evicted from its last local tier, or deleted), all
+        with medium STORAGE; stores are marked ``removal_expected`` so vLLM's
+        tracker keeps them self-describing after the CPU tier lets them go."""
+        if self._events is None:
+            return []
+        out, self._events = self._events, []
+        gone = self._engine.removed()
+        if gone:
+            out.append(self._event([OffloadKey(k) for k in gone], removed=True))
+        return out
+
+    def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(
+            keys=keys,
+            medium=Medium.STORAGE,
+            removed=removed,
+            locality=self.locality,
+            ownership=self.tier_type,
+            removal_expected=not removed,
+        )
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs)

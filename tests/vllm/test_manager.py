@@ -15,7 +15,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
+    Medium,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
@@ -27,6 +29,7 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
+from kvtier import BlockingClient
 from tests.vllm.conftest import Daemon
 
 CHUNKS = 4
@@ -190,3 +193,41 @@ def test_a_block_whose_writer_never_finishes_reads_miss_after_the_readers_bound(
         settle(manager)
     finally:
         manager.shutdown()
+
+
+def test_stores_and_the_daemons_removals_come_out_as_kv_events(daemon: Daemon) -> None:
+    manager, rows = engine(daemon, enable_kv_events=True, locality="LOCAL")
+    try:
+        (tier,) = manager.secondary_tiers
+        watch = tier.removal_watch  # type: ignore[attr-defined]
+        assert watch is not None and watch.subscribed.wait(10)
+        writer = ReqContext("writer")
+        manager.on_new_request(writer)
+        key = make_offload_key(b"evented" * 3, 0)
+        store(manager, rows, writer, key, 5)
+        settle(manager)
+        (stored,) = [e for e in manager.take_events() if e.medium is Medium.STORAGE]
+        assert stored.keys == [key] and not stored.removed
+        assert stored.removal_expected and stored.locality is Locality.LOCAL
+        assert stored.ownership == tier.tier_type
+        # The daemon lets the block go (here: deleted): the tier says so.
+        with BlockingClient(daemon.socket_path) as c:
+            assert c.delete(bytes(key))
+        assert watch.arrived.wait(10)
+        (removed,) = [e for e in manager.take_events() if e.medium is Medium.STORAGE]
+        assert removed.keys == [key] and removed.removed
+        assert list(manager.take_events()) == []  # each said once
+        manager.on_request_finished(writer)
+    finally:
+        manager.shutdown()
+
+
+def test_without_kv_events_the_tier_emits_none(
+    stack: tuple[TieringOffloadingManager, np.ndarray],
+) -> None:
+    manager, rows = stack
+    writer = ReqContext("writer")
+    manager.on_new_request(writer)
+    store(manager, rows, writer, make_offload_key(b"quiet" * 4, 0), 1)
+    assert [e for e in manager.take_events() if e.medium is Medium.STORAGE] == []
+    manager.on_request_finished(writer)
