@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.config import (
     Config,
+    EventsConfig,
     LookupConfig,
     PeerConfig,
     RemoteTierConfig,
@@ -32,6 +34,7 @@ from kvtier.core.timers import Scheduler
 from kvtier.metrics import Metrics
 from kvtier.model import Limits
 from kvtier.server.gate import PeerGate
+from kvtier.server.kv_events import KVEventPublisher
 from kvtier.server.server import Server
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.base import Tier
@@ -77,6 +80,8 @@ class Parts:
     server: Server
     #: the peer port's server (None unless ``peer.listen``)
     peer_server: Server | None
+    #: KV events for routers on ZMQ (None unless ``events.endpoint``)
+    publisher: KVEventPublisher | None = None
 
     def __repr__(self) -> str:
         remotes = [spec.tier.name for spec in self.remotes]
@@ -207,9 +212,28 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         shared=shared,
         server=server,
         peer_server=peer_server,
+        publisher=build_publisher(config.events, service),
     )
     _watch(parts)
     return parts
+
+
+def build_publisher(ec: EventsConfig, service: Service) -> KVEventPublisher | None:
+    """The KV-event publisher of ``ec`` over the service's block events, or None."""
+    if ec.endpoint is None:
+        return None
+    node = ec.node or socket.gethostname()
+    return KVEventPublisher(
+        service,
+        endpoint=ec.endpoint,
+        replay_endpoint=ec.replay_endpoint,
+        buffer_steps=ec.buffer_steps,
+        hwm=ec.hwm,
+        topic=ec.topic or f"kv@{node}@kvtier",
+        medium=ec.medium,
+        block_size=ec.block_size,
+        key_format=ec.key_format,
+    )
 
 
 def _watch(parts: Parts) -> None:
@@ -230,6 +254,9 @@ def _watch(parts: Parts) -> None:
             m.watch_s3(tier)
     if parts.shared is not None:
         m.watch_shared(parts.shared.stats)
+    if parts.publisher is not None:
+        publisher = parts.publisher
+        m.watch_publisher(lambda: publisher.stats)
 
 
 def handoff_path(config: Config) -> str:

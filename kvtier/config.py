@@ -205,6 +205,34 @@ class MetricsConfig(Section):
     port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
 
 
+class EventsConfig(Section):
+    """KV events for routers, published in vLLM's format (docs/routing.md).
+    The keys are named as vLLM's ``KVEventsConfig`` names them."""
+
+    #: ZMQ PUB address the daemon publishes KV event batches on, e.g.
+    #: "tcp://*:5557" or "ipc:///run/kvtier/events"; none: not published
+    endpoint: str | None = None
+    #: ZMQ ROUTER address that serves missed batches by sequence number; none: no replay
+    replay_endpoint: str | None = None
+    #: batches kept for replay
+    buffer_steps: int = Field(default=10_000, ge=1)
+    #: the PUB socket's high-water mark (messages queued per subscriber)
+    hwm: int = Field(default=100_000, ge=0)
+    #: the topic of every message; default "kv@<node>@kvtier"
+    topic: str = ""
+    #: the medium string of the events (Dynamo maps CPU_TIER2, DISK, NVME and
+    #: STORAGE to its disk tier; EXTERNAL, NETWORK, REMOTE and SHARED to external)
+    medium: str = "STORAGE"
+    #: this node's name in the topic; default: the host name
+    node: str = ""
+    #: tokens per block, as the engine's (the events' block_size)
+    block_size: int = Field(default=16, ge=1)
+    #: how a block's key names the engine's block hash: "vllm" (the vLLM
+    #: tier's keys: the hash's last 8 bytes before a 4-byte group index, as
+    #: vLLM converts them), "tail" (the key's last 8 bytes)
+    key_format: Literal["vllm", "tail"] = "vllm"
+
+
 class LogConfig(Section):
     #: log level; SIGHUP applies a change live
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -264,6 +292,7 @@ class Config(BaseSettings):
         return self
 
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @classmethod

@@ -30,6 +30,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ('[[remote_tiers]] kind = "s3"', config.S3TierConfig),
     ("[peer]", config.PeerConfig),
     ("[metrics]", config.MetricsConfig),
+    ("[events]", config.EventsConfig),
     ("[log]", config.LogConfig),
 ]
 

@@ -70,6 +70,8 @@ class Daemon:
         self.ram, self.disk = parts.ram, parts.disk
         self.peer_tier, self.remote_tiers = parts.peer_tier, parts.remote_tiers
         self.scheduler, self.service, self.shared = parts.scheduler, parts.service, parts.shared
+        #: KV events for routers on ZMQ (None unless ``events.endpoint``)
+        self.publisher = parts.publisher
         self.server, self.peer_server = parts.server, parts.peer_server
         self.handoff: Handoff | None = None
         #: every background task: waiting requests, probes, loads, writes
@@ -172,6 +174,8 @@ class Daemon:
             sock = bind_unix_socket(self.socket_path, self.config.server.socket_mode)
             self._socket_ino = os.stat(self.socket_path).st_ino
             self._bind_handoff()
+            if self.publisher is not None:
+                self.publisher.bind()
             return sock, await self._start_metrics()
         except BaseException:
             if sock is not None:
@@ -179,6 +183,8 @@ class Daemon:
                 self._remove_socket()
             if self.handoff is not None:
                 self.handoff.close()
+            if self.publisher is not None:
+                self.publisher.close()
             for tier in opened:
                 await tier.close()
             raise
@@ -200,14 +206,18 @@ class Daemon:
                 min(1.0, self.config.shared.lease_timeout / 4),
                 lambda: shared.expire(self.scheduler.now()),
             )
+        publishing = None
+        if self.publisher is not None:
+            publishing = tasks.create_task(self.publisher.serve(), name="kvtier-kv-events")
         try:
             await self.server.start(sock, spawn)
             await self._start_peer_listener(spawn)
             self._announce()
             await self._stop.wait()
         finally:
-            if handoff_task is not None:
-                handoff_task.cancel()
+            for task in (handoff_task, publishing):
+                if task is not None:
+                    task.cancel()
 
     def _bind_handoff(self) -> None:
         """The socket that hands the arena to same-host clients, beside the main one."""
@@ -283,6 +293,8 @@ class Daemon:
         self._remove_socket()
         if self.handoff is not None:
             self.handoff.close()
+        if self.publisher is not None:
+            self.publisher.close()
         # Probes and promotions still running are cut short; each resolves
         # its waiters in its own finally. One that ignores its cancellation is
         # abandoned after a bound (and logged), never waited for forever.

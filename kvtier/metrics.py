@@ -26,6 +26,7 @@ from kvtier.core.counts import CoreCounters, MapSizes
 from kvtier.core.events import EventStats
 from kvtier.core.shared.blocks import SharedStats
 from kvtier.counters import Counts, HistogramCell, Histograms
+from kvtier.server.kv_events import PublisherStats
 from kvtier.server.server import ServerCounters
 from kvtier.tiers.base import DiskStats, TierStats
 from kvtier.tiers.peer import PeerTier
@@ -83,6 +84,7 @@ class _Sources:
     peer_connections_open: Callable[[], int] = lambda: 0
     shared: Callable[[], SharedStats] | None = None
     events: Callable[[], EventStats] | None = None
+    publisher: Callable[[], PublisherStats] | None = None
 
 
 class _Collector(Collector):
@@ -109,6 +111,28 @@ class _Collector(Collector):
             yield from self._shared(s.shared())
         if s.events is not None:
             yield from self._events(s.events())
+        if s.publisher is not None:
+            yield from self._publisher(s.publisher())
+
+    def _publisher(self, st: PublisherStats) -> Iterator[Metric]:
+        blocks = CounterMetricFamily(
+            "kvtier_kv_events_blocks",
+            "Blocks announced to routers on the KV event stream, by event",
+            labels=["event"],
+        )
+        blocks.add_metric(["stored"], st.stored)
+        blocks.add_metric(["removed"], st.removed)
+        yield blocks
+        for name, doc, value in (
+            ("kvtier_kv_events_batches", "KV event batches published", st.batches),
+            (
+                "kvtier_kv_events_resyncs",
+                "Times routers were resynced (AllBlocksCleared and every block held)",
+                st.resyncs,
+            ),
+            ("kvtier_kv_events_replays", "Replay requests served", st.replays),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
 
     def _events(self, st: EventStats) -> Iterator[Metric]:
         published = CounterMetricFamily(
@@ -523,6 +547,9 @@ class Metrics:
 
     def watch_events(self, stats: Callable[[], EventStats]) -> None:
         self._sources.events = stats
+
+    def watch_publisher(self, stats: Callable[[], PublisherStats]) -> None:
+        self._sources.publisher = stats
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self._sources.disk = stats

@@ -209,6 +209,7 @@ class Service:
                 0, Writer(disk.name, policy, pending, self._disk_write, disk.contains, True)
             )
             disk.on_evict = self._disk_evicted
+            disk.on_found = self._disk_found
         self.propagation = Propagation(
             [w for w in writers if w.policy is not WritePolicy.NONE or w.local],
             self.counters,
@@ -845,6 +846,13 @@ class Service:
         await self.disk.write(key, value)
         if self.events.subscriptions:
             self.events.emit(EventKind.STORED, key, EventTier.DISK)
+
+    def _disk_found(self, keys: list[bytes]) -> None:
+        """The index rebuild found ``keys`` on the disk: held here (again)."""
+        if self.events.subscriptions:
+            for key in keys:
+                if not self.ram.contains(key):
+                    self.events.emit(EventKind.STORED, key, EventTier.DISK)
 
     def _disk_evicted(self, keys: list[bytes]) -> None:
         if self.events.subscriptions:

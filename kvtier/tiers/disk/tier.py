@@ -80,6 +80,8 @@ class DiskTier(LocalTier):
         #: told the keys each eviction removes from the index (the service's
         #: block events)
         self.on_evict: Callable[[list[bytes]], None] | None = None
+        #: told the keys each bucket of the index rebuild finds
+        self.on_found: Callable[[list[bytes]], None] | None = None
         self.fsync = fsync
         #: the disk's I/O threads: every blocking file operation runs here
         self.executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
@@ -146,10 +148,14 @@ class DiskTier(LocalTier):
         try:
             for i, scan in enumerate(scans):
                 result = await scan
+                indexed = []
                 for key, size in result.entries:
                     if key not in self.budget and key not in self._writing:
                         self.budget.admit(key, size)
-                        found += 1
+                        indexed.append(key)
+                found += len(indexed)
+                if indexed and self.on_found is not None:
+                    self.on_found(indexed)
                 self.temp_removed += result.temp_removed
                 self.corrupt += result.corrupt_removed
                 self.buckets_scanned = i + 1

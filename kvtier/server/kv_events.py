@@ -1,0 +1,274 @@
+"""KV events for routers: the daemon's block events as vLLM KV event batches.
+
+llm-d's KV-cache indexer and Dynamo's KV router learn where blocks are from
+vLLM's KV event stream; this publishes kvtier's blocks on the same stream,
+including blocks no engine on the node computed (promoted from S3 or a
+peer, pushed by a peer). The format is vLLM's (``vllm/distributed/
+kv_events.py``): a ZMQ PUB socket sends three frames per batch, the topic,
+an 8-byte big-endian sequence number and a msgpack ``KVEventBatch``
+(``[ts, events]``, each event a map tagged with its type: ``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``); a ROUTER socket answers a replay
+request (an 8-byte start sequence number) with every buffered batch from
+there, then an end marker (sequence -1).
+
+What is published: a block is BlockStored once when the node first holds
+it (in RAM or on disk) and BlockRemoved once when no local tier holds it
+any more, so a consumer that reference-counts announcements stays right;
+on start, and after the daemon's own event queue overflowed, an
+AllBlocksCleared followed by a BlockStored for every block held resyncs
+routers. Block hashes come from the keys (``key_format``: the vLLM tier's
+keys carry the engine's block hash and group index); token ids, the parent
+hash and LoRA are not known to the daemon and go out empty, so an indexer
+places such a block where it has seen its hash with tokens (from the engine
+itself) and counts it on this node. Imports the shared records only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvtier.model import BlockEvent, EventKind, EventSource
+
+log = logging.getLogger("kvtier.events")
+
+#: events the publisher may have queued in the daemon before it resyncs
+QUEUE = 1 << 20
+#: events per published batch at most
+BATCH = 1024
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class _KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(_KVCacheEvent, tag="BlockStored"):
+    """vLLM's ``BlockStored``: its required fields, then the optional ones used."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    group_idx: int | None = None
+
+
+class BlockRemoved(_KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def vllm_hash(key: bytes) -> tuple[int, int | None]:
+    """(block hash, group index) of a vLLM tier's key (namespace, block hash,
+    4-byte group index), the hash converted as vLLM converts it (its last 8
+    bytes, big-endian)."""
+    return int.from_bytes(key[-12:-4], "big"), int.from_bytes(key[-4:], "big")
+
+
+def tail_hash(key: bytes) -> tuple[int, int | None]:
+    """A key's last 8 bytes, big-endian, as the block hash; no group."""
+    return int.from_bytes(key[-8:], "big"), None
+
+
+KEY_FORMATS: dict[str, Callable[[bytes], tuple[int, int | None]]] = {
+    "vllm": vllm_hash,
+    "tail": tail_hash,
+}
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    """What the publisher did; metrics reads the fields by name."""
+
+    batches: int = 0
+    stored: int = 0
+    removed: int = 0
+    resyncs: int = 0
+    replays: int = 0
+
+
+class KVEventPublisher:
+    """Publishes ``source``'s block events on ZMQ until cancelled."""
+
+    def __init__(
+        self,
+        source: EventSource,
+        *,
+        endpoint: str,
+        replay_endpoint: str | None,
+        buffer_steps: int,
+        hwm: int,
+        topic: str,
+        medium: str,
+        block_size: int,
+        key_format: str = "vllm",
+    ) -> None:
+        self._source = source
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.medium = medium
+        self.block_size = block_size
+        self._hash = KEY_FORMATS[key_format]
+        self._hwm = hwm
+        #: (sequence number, payload) of the last batches, for replay
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = 0
+        #: the hashes announced as held (what a BlockRemoved may retract)
+        self._held: set[int] = set()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self.stats = PublisherStats()
+        #: set after each batch goes out (wait_published)
+        self._sent = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return (
+            f"<KVEventPublisher {self.endpoint} seq={self._seq} held={len(self._held)} "
+            f"buffered={len(self._buffer)}>"
+        )
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def bind(self) -> None:
+        """Open and bind the sockets (at startup: a bad address fails the start)."""
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, self._hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.endpoint)
+        if self.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(self.replay_endpoint)
+
+    def close(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._pub = self._replay = self._ctx = None
+
+    async def serve(self) -> None:
+        """Publish until cancelled (or the daemon's event log closes)."""
+        async with asyncio.TaskGroup() as group:
+            replays = None
+            if self._replay is not None:
+                replays = group.create_task(self._serve_replays(self._replay))
+            try:
+                await self._publish_events()
+            finally:
+                if replays is not None:  # the stream ended: so does the replay
+                    replays.cancel()
+
+    async def _publish_events(self) -> None:
+        source = self._source
+        while True:
+            sub = source.subscribe(QUEUE)
+            try:
+                await self._resync(source.snapshot())
+                while True:
+                    await sub.ready.wait()
+                    if sub.closed:
+                        return
+                    events = sub.take(BATCH)
+                    if events and events[0].kind is EventKind.GAP:
+                        self.stats.resyncs += 1
+                        log.warning("KV events: the publisher fell behind; resyncing routers")
+                        break  # subscribe again, then a fresh snapshot
+                    await self._publish(self._translate(events))
+            finally:
+                source.unsubscribe(sub)
+
+    async def _resync(self, snapshot: list[BlockEvent]) -> None:
+        """AllBlocksCleared, then every block held, in batches."""
+        self._held.clear()
+        first: list[BlockStored | BlockRemoved | AllBlocksCleared] = [AllBlocksCleared()]
+        stored = self._translate(e for e in snapshot if e.kind is EventKind.SNAPSHOT)
+        await self._publish(first + stored[: BATCH - 1])
+        for lo in range(BATCH - 1, len(stored), BATCH):
+            await self._publish(stored[lo : lo + BATCH])
+
+    def _translate(
+        self, events: Iterable[BlockEvent]
+    ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        held = self._held
+        for e in events:
+            if e.kind is EventKind.STORED or e.kind is EventKind.SNAPSHOT:
+                h, group = self._hash(e.key)
+                if h in held:
+                    continue  # on disk too, or again: already announced
+                held.add(h)
+                out.append(
+                    BlockStored([h], None, [], self.block_size, None, self.medium, None, group)
+                )
+                self.stats.stored += 1
+            elif e.kind is EventKind.EVICTED or e.kind is EventKind.DELETED:
+                h, group = self._hash(e.key)
+                if h not in held:
+                    continue
+                held.discard(h)
+                out.append(BlockRemoved([h], self.medium, group))
+                self.stats.removed += 1
+        return out
+
+    async def _publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
+        if not events or self._pub is None:
+            return
+        self._seq += 1
+        payload = self._encoder.encode(KVEventBatch(time.time(), events))
+        self._buffer.append((self._seq, payload))
+        await self._pub.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload))
+        self.stats.batches += 1
+        self._sent.set()
+
+    async def wait_published(self, batches: int) -> None:
+        """Until ``batches`` batches have gone out since the start."""
+        while self.stats.batches < batches:
+            self._sent.clear()
+            await self._sent.wait()
+
+    async def _serve_replays(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames: list[Any] = await sock.recv_multipart()
+            if len(frames) != 3:
+                log.info("KV events: a replay request of %d frames ignored", len(frames))
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= first:
+                    await sock.send_multipart(
+                        (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
+                    )
+            await sock.send_multipart((client, b"", b"", END_SEQ, b""))
+            self.stats.replays += 1
