@@ -52,7 +52,7 @@ def batches(tmp: Path, ctx: zmq.Context[zmq.Socket[bytes]]) -> list[tuple[int, K
     req.connect(f"ipc://{tmp}/replay")
     try:
         req.send_multipart((b"", (1).to_bytes(8, "big")))
-        out = []
+        out: list[tuple[int, KVEventBatch]] = []
         while True:
             _, topic, seq, payload = req.recv_multipart()
             n = int.from_bytes(seq, "big", signed=True)
@@ -64,7 +64,9 @@ def batches(tmp: Path, ctx: zmq.Context[zmq.Socket[bytes]]) -> list[tuple[int, K
         req.close()
 
 
-def until(tmp: Path, ctx: zmq.Context[zmq.Socket[bytes]], sub: zmq.Socket[bytes], n: int) -> list:
+def until(
+    tmp: Path, ctx: zmq.Context[zmq.Socket[bytes]], sub: zmq.Socket[bytes], n: int
+) -> list[object]:
     """The first ``n`` events, waiting on the live stream between looks."""
     for _ in range(50):
         seen = batches(tmp, ctx)
