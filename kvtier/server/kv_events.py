@@ -220,25 +220,49 @@ class KVEventPublisher:
     def _translate(
         self, events: Iterable[BlockEvent]
     ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """vLLM events for ``events``: a run of stores (or removals) of one group
+        is one event listing their hashes, as vLLM lists a request's blocks."""
         out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         held = self._held
+        hashes: list[int] = []
+        run: tuple[bool, int | None] | None = None  # (stored, group) of ``hashes``
+
+        def flush() -> None:
+            if run is not None and hashes:
+                stored, group = run
+                if stored:
+                    out.append(
+                        BlockStored(
+                            list(hashes), None, [], self.block_size, None, self.medium, None, group
+                        )
+                    )
+                else:
+                    out.append(BlockRemoved(list(hashes), self.medium, group))
+            hashes.clear()
+
         for e in events:
-            if e.kind is EventKind.STORED or e.kind is EventKind.SNAPSHOT:
+            kind = e.kind
+            if kind is EventKind.STORED or kind is EventKind.SNAPSHOT:
                 h, group = self._hash(e.key)
                 if h in held:
                     continue  # on disk too, or again: already announced
                 held.add(h)
-                out.append(
-                    BlockStored([h], None, [], self.block_size, None, self.medium, None, group)
-                )
                 self.stats.stored += 1
-            elif e.kind is EventKind.EVICTED or e.kind is EventKind.DELETED:
+                stored = True
+            elif kind is EventKind.EVICTED or kind is EventKind.DELETED:
                 h, group = self._hash(e.key)
                 if h not in held:
                     continue
                 held.discard(h)
-                out.append(BlockRemoved([h], self.medium, group))
                 self.stats.removed += 1
+                stored = False
+            else:
+                continue
+            if run != (stored, group):
+                flush()
+                run = (stored, group)
+            hashes.append(h)
+        flush()
         return out
 
     async def _publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:

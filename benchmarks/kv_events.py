@@ -1,0 +1,116 @@
+"""make bench: what publishing KV events for routers costs LOOKUP.
+
+Two RAM-only daemons, one after the other in the same run: one publishing
+KV events on ZMQ (``[events]``, with a subscriber draining them) and one
+not. Against each, another process stores 4 KiB blocks in batches of 1000
+(each a STORED event, and an EVICTED one once RAM is full) as fast as it
+can, while this process measures a prefix LOOKUP of a resident 512-block
+chain. Prints the events per second, the lookup's p50/p99 with the
+publisher on and off, and their ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import zmq
+
+from benchmarks.streaming import percentiles
+from kvtier.client.aio import Client
+from kvtier.model import LookupMode
+from tests.enginedaemon import start
+
+CHAIN = 512
+BLOCKS = 400_000
+
+_WRITER = """
+import asyncio, sys, time
+from kvtier.client.aio import Client
+
+async def main(path, blocks):
+    async with await Client.connect(path) as c:
+        print("go", flush=True)
+        started = time.perf_counter()
+        for n in range(0, blocks, 1000):
+            await c.put_many([b"w%d" % (n + i) for i in range(1000)], [b"x" * 4096] * 1000)
+        print(f"{blocks / (time.perf_counter() - started):.0f}", flush=True)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def measure(sock: str) -> tuple[list[float], str]:
+    async with await Client.connect(sock) as client:
+        chain = [f"chain-{i:04d}".encode() for i in range(CHAIN)]
+        await client.put_many(chain, [b"c" * 4096] * CHAIN)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            textwrap.dedent(_WRITER),
+            sock,
+            str(BLOCKS),
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        assert (await proc.stdout.readline()).strip() == b"go"
+        samples: list[float] = []
+        done = asyncio.ensure_future(proc.stdout.readline())
+        while not done.done() or len(samples) < 50:
+            started = time.perf_counter()
+            await client.lookup(chain, mode=LookupMode.PREFIX)
+            samples.append((time.perf_counter() - started) * 1e6)
+        rate = (await done).decode().strip()
+        await proc.wait()
+        return samples, rate
+
+
+def run(tmp: Path, publish: bool) -> tuple[list[float], str, int]:
+    args = ["--no-disk", "--ram-capacity", "256MiB"]
+    if publish:
+        (tmp / "kvtier.toml").write_text(f'[events]\nendpoint = "ipc://{tmp}/events"\n')
+        args += ["--config", str(tmp / "kvtier.toml")]
+    daemon = start(tmp, *args)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    received = 0
+    if publish:
+        sub.connect(f"ipc://{tmp}/events")
+    try:
+        samples, rate = asyncio.run(measure(str(daemon.socket_path)))
+        while sub.poll(500):  # drain what the subscriber was sent (bounded)
+            sub.recv_multipart()
+            received += 1
+    finally:
+        sub.close()
+        ctx.term()
+        daemon.stop()
+    return samples, rate, received
+
+
+def main() -> int:
+    rows = []
+    for publish in (False, True, False, True):
+        with tempfile.TemporaryDirectory(prefix="kvt-kvev-", dir="/tmp") as tmp:
+            samples, rate, received = run(Path(tmp), publish)
+            rows.append((publish, samples, rate, received))
+    print("KV events      blocks/s stored   LOOKUP p50 us   p99 us")
+    for publish, samples, rate, _ in rows:
+        p50, p99, _ = percentiles(samples)
+        print(f"{'on ' if publish else 'off'}            {rate:>15}   {p50:13.0f}   {p99:6.0f}")
+    off = statistics.median(percentiles(s)[1] for p, s, _, _ in rows if not p)
+    on = statistics.median(percentiles(s)[1] for p, s, _, _ in rows if p)
+    print(f"p99 with the publisher on / off: {on / off:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
