@@ -11,10 +11,12 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 
 async def test_every_series_is_documented(sock_dir: Path) -> None:
-    # With peers configured (the listed one never answers) and a peer port.
+    # With peers configured (the listed one never answers), a peer port and
+    # the KV-event publisher.
     async with running_daemon(
         sock_dir,
         peer={"listen": "127.0.0.1:0", "members": ["127.0.0.1:9"], "token": "t"},
+        events={"endpoint": f"ipc://{sock_dir}/kv-events"},
     ) as daemon:
         await _served_and_documented(daemon)
 
