@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from importlib.metadata import version
 from pathlib import Path
@@ -249,6 +249,106 @@ async def in_process_daemon(
     task = asyncio.create_task(daemon.run())
     await daemon.ready.wait()
     return daemon, task
+
+
+#: the capacity both stores have in the steady-state rows
+STEADY_BYTES = 512 * MiB
+
+
+async def steady_state(tmp: Path, quick: bool, runs: int) -> list[Figure]:
+    """1 MiB PUTs into stores already full at the same capacity: every PUT is a
+    fresh key and evicts, the state an engine's store runs in (an empty store
+    measures page faults instead, which Redis pays more of)."""
+    kv_sock, redis_sock = tmp / "steady-kv.sock", tmp / "steady-redis.sock"
+    kv = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--socket",
+        str(kv_sock),
+        "--no-disk",
+        "--ram-capacity",
+        str(STEADY_BYTES),
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "warning",
+    )
+    redis_bin = shutil.which("redis-server")
+    assert redis_bin is not None
+    rd = await asyncio.create_subprocess_exec(
+        redis_bin,
+        "--port",
+        "0",
+        "--unixsocket",
+        str(redis_sock),
+        "--unixsocketperm",
+        "700",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        str(STEADY_BYTES),
+        "--maxmemory-policy",
+        "allkeys-lru",
+        "--loglevel",
+        "warning",
+        stdout=subprocess.DEVNULL,
+    )
+    figures: list[Figure] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (kv_sock.exists() and redis_sock.exists()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvtier or redis did not start")
+            await asyncio.sleep(0.05)  # allow-sleep: waiting for two sockets to appear
+        async with AsyncExitStack() as stack:
+            kv_clients = [await Client.connect(str(kv_sock)) for _ in range(8)]
+            socket_clients = [await Client.connect(str(kv_sock), shared=False) for _ in range(8)]
+            redis_clients = [aioredis.Redis(unix_socket_path=str(redis_sock)) for _ in range(8)]
+            for c in kv_clients + socket_clients:
+                stack.push_async_callback(c.close)
+            for r in redis_clients:
+                stack.push_async_callback(r.aclose)
+            value = bytes(range(256)) * (MiB // 256)
+            stores: list[Store] = [
+                KvtierStore(kv_clients),
+                KvtierStore(socket_clients, "kvtier-socket"),
+                RedisStore(redis_clients),
+            ]
+            for store in stores:  # full: a third more than fits
+                for n in range(STEADY_BYTES * 4 // 3 // MiB):
+                    await store.put(0, b"fill-%d" % n, value)
+            fresh = iter(range(1 << 62))
+
+            def put_fresh(store: Store) -> Callable[[int, int], Awaitable[Any]]:
+                def op(_i: int, worker: int) -> Awaitable[Any]:
+                    return store.put(worker, b"s-%d" % next(fresh), value)
+
+                return op
+
+            for concurrency in (1, 8):
+                for store in stores:
+                    print(f"  steady {store.name} 1MiB x{concurrency}", file=sys.stderr)
+                    figures.append(
+                        await measure(
+                            f"steady put 1MiB x{concurrency}",
+                            store.name,
+                            put_fresh(store),
+                            ops=ops_for(MiB, quick),
+                            concurrency=concurrency,
+                            work_per_op=MiB,
+                            unit="GB/s",
+                            runs=runs,
+                        )
+                    )
+    finally:
+        for p in (kv, rd):
+            p.terminate()
+            await p.wait()
+    return figures
 
 
 async def probe_sharing(tmp: Path) -> Figure:
@@ -524,6 +624,8 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
                 p.terminate()
             for p in procs:
                 p.wait(30)
+        print("  steady state", file=sys.stderr)
+        figures.extend(await steady_state(tmp, args.quick, runs))
         print("  probe sharing", file=sys.stderr)
         figures.append(await probe_sharing(tmp))
         print("  deferred writes", file=sys.stderr)
@@ -544,7 +646,9 @@ NOTES = """## Reading the figures
   opt in (`shared=False`). *memcpy* copies the same working set once in the
   client process: the floor of any data path on this machine.
 * Every PUT run stores new keys (they are deleted before each run), for
-  Redis as for kvtier.
+  Redis as for kvtier. The *steady* rows store into stores already full at
+  the same capacity (512 MiB; Redis with `allkeys-lru`): every PUT is a
+  fresh key and evicts, as in an engine's long run.
 * One block per request from one client pays a full request round trip per
   block, of the order of a 1 MiB copy here, so single-client rows are far
   from memcpy; the batched rows (16 blocks per request, `MGET`/`MSET` for
