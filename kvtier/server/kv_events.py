@@ -43,8 +43,9 @@ log = logging.getLogger("kvtier.events")
 
 #: events the publisher may have queued in the daemon before it resyncs
 QUEUE = 1 << 20
-#: events per published batch at most
-BATCH = 1024
+#: events per published batch at most: small enough that translating and
+#: encoding one stays a short step of the daemon's loop
+BATCH = 256
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
