@@ -186,7 +186,7 @@ def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str,
     while not (Path(paths["kvtier"]).exists() and Path(paths["redis"]).exists()):
         if time.monotonic() > deadline:
             raise RuntimeError("kvtier or redis did not start")
-        time.sleep(0.05)
+        time.sleep(0.05)  # allow-sleep: waiting for the sockets to appear
     return [kv, rd, raw], paths
 
 

@@ -197,9 +197,7 @@ class RemovalWatch:
             except (KvtierError, OSError) as exc:
                 delay = self._backoff.failed(time.monotonic())
                 log.debug("event stream: dialling failed (%s); again in %.2fs", exc, delay)
-                await asyncio.sleep(
-                    delay
-                )  # allow-sleep: backoff between dials of a daemon that is down
+                await asyncio.sleep(delay)  # allow-sleep: backoff between dials
                 snapshot = True
                 continue
             self._backoff.succeeded()
