@@ -131,6 +131,48 @@ def wait_for_line(proc: subprocess.Popen[bytes], needle: str, timeout: float = 6
     raise RuntimeError(f"process did not print {needle!r}")
 
 
+def kvtier_command(sock: str, ram: str) -> list[str]:
+    """``kvtier serve`` from RAM only on ``sock``, with ``ram`` of it."""
+    return [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--socket",
+        sock,
+        "--no-disk",
+        "--ram-capacity",
+        ram,
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "warning",
+    ]
+
+
+def redis_command(redis_bin: str, sock: str, maxmemory: int = 0) -> list[str]:
+    """Redis on ``sock`` without persistence; with ``maxmemory``, evicting LRU."""
+    limit = ["--maxmemory", str(maxmemory)]
+    if maxmemory:
+        limit += ["--maxmemory-policy", "allkeys-lru"]
+    return [
+        redis_bin,
+        "--port",
+        "0",
+        "--unixsocket",
+        sock,
+        "--unixsocketperm",
+        "700",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        *limit,
+        "--loglevel",
+        "warning",
+    ]
+
+
 def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, str]]:
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
@@ -140,44 +182,8 @@ def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str,
         "redis": str(tmp / "redis.sock"),
         "raw": str(tmp / "raw.sock"),
     }
-    kv = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvtier",
-            "serve",
-            "--socket",
-            paths["kvtier"],
-            "--no-disk",
-            "--ram-capacity",
-            "4GiB",
-            "--metrics-port",
-            "0",
-            "--log-level",
-            "warning",
-        ],
-        stderr=subprocess.PIPE,
-    )
-    rd = subprocess.Popen(
-        [
-            redis_bin,
-            "--port",
-            "0",
-            "--unixsocket",
-            paths["redis"],
-            "--unixsocketperm",
-            "700",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--maxmemory",
-            "0",
-            "--loglevel",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-    )
+    kv = subprocess.Popen(kvtier_command(paths["kvtier"], "4GiB"), stderr=subprocess.PIPE)
+    rd = subprocess.Popen(redis_command(redis_bin, paths["redis"]), stdout=subprocess.PIPE)
     raw = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.raw", paths["raw"]], stdout=subprocess.PIPE, cwd=ROOT
     )
@@ -260,42 +266,11 @@ async def steady_state(tmp: Path, quick: bool, runs: int) -> list[Figure]:
     fresh key and evicts, the state an engine's store runs in (an empty store
     measures page faults instead, which Redis pays more of)."""
     kv_sock, redis_sock = tmp / "steady-kv.sock", tmp / "steady-redis.sock"
-    kv = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "kvtier",
-        "serve",
-        "--socket",
-        str(kv_sock),
-        "--no-disk",
-        "--ram-capacity",
-        str(STEADY_BYTES),
-        "--metrics-port",
-        "0",
-        "--log-level",
-        "warning",
-    )
+    kv = await asyncio.create_subprocess_exec(*kvtier_command(str(kv_sock), str(STEADY_BYTES)))
     redis_bin = shutil.which("redis-server")
     assert redis_bin is not None
     rd = await asyncio.create_subprocess_exec(
-        redis_bin,
-        "--port",
-        "0",
-        "--unixsocket",
-        str(redis_sock),
-        "--unixsocketperm",
-        "700",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--maxmemory",
-        str(STEADY_BYTES),
-        "--maxmemory-policy",
-        "allkeys-lru",
-        "--loglevel",
-        "warning",
-        stdout=subprocess.DEVNULL,
+        *redis_command(redis_bin, str(redis_sock), STEADY_BYTES), stdout=subprocess.DEVNULL
     )
     figures: list[Figure] = []
     try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Sequence
 
 from kvtier.model import Buffer
 
@@ -130,8 +129,3 @@ def _move(call: object, pid: int, here: memoryview, remote: int) -> None:
         if moved == 0:
             raise OSError(f"cross-memory copy from pid {pid} moved nothing at {remote + done:#x}")
         done += moved
-
-
-def spans_of(buffers: Sequence[Buffer]) -> list[tuple[int, int]]:
-    """(address, length) of each buffer."""
-    return [address_of(b) for b in buffers]

@@ -269,3 +269,16 @@ class RawConnection:
             return self.sock.recv(1) == b""
         except ConnectionResetError:
             return True
+
+
+def shared_stats(d: Daemon) -> dict[str, Any]:
+    """The daemon's shared-memory figures (leases, staging, regions)."""
+    assert d.shared is not None
+    return d.shared.stats().as_dict()
+
+
+def received_bytes(d: Daemon) -> float:
+    """Bytes the daemon has received on its sockets (what crossed them)."""
+    value = d.metrics.registry.get_sample_value("kvtier_received_bytes_total")
+    assert value is not None
+    return value

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any
 
 import pytest
 import xxhash
@@ -18,7 +17,7 @@ from kvtier.daemon import Daemon
 from kvtier.errors import BadArgumentError, ForbiddenError
 from kvtier.model import Buffer, PutStatus
 from kvtier.wire import Op
-from tests.helpers import ROOT
+from tests.helpers import ROOT, received_bytes, shared_stats
 
 MiB = 1024 * 1024
 
@@ -27,17 +26,6 @@ pytestmark = pytest.mark.skipif(not cma.AVAILABLE, reason="Linux only")
 
 def block(seed: int, size: int = MiB) -> bytes:
     return (bytes([seed % 251, (seed * 3) % 241]) * (size // 2 + 1))[:size]
-
-
-def shared_stats(d: Daemon) -> dict[str, Any]:
-    assert d.shared is not None
-    return d.shared.stats().as_dict()
-
-
-def received_bytes(d: Daemon) -> float:
-    value = d.metrics.registry.get_sample_value("kvtier_received_bytes_total")
-    assert value is not None
-    return value
 
 
 async def test_large_blocks_are_read_out_of_the_writers_memory(daemon: Daemon) -> None:

@@ -25,6 +25,7 @@ from kvtier.errors import (
     ProtocolError,
 )
 from kvtier.model import PutStatus
+from tests.helpers import received_bytes, shared_stats
 
 MiB = 1024 * 1024
 
@@ -49,17 +50,6 @@ def memfd() -> Iterator[int]:
 
 SPANS = [(0, MiB), (MiB, 256 * 1024), (2 * MiB, 4096)]
 KEYS = [b"big", b"mid", b"small"]
-
-
-def shared_stats(d: Daemon) -> dict[str, Any]:
-    assert d.shared is not None
-    return d.shared.stats().as_dict()
-
-
-def received_bytes(d: Daemon) -> float:
-    value = d.metrics.registry.get_sample_value("kvtier_received_bytes_total")
-    assert value is not None
-    return value
 
 
 async def test_blocks_move_between_a_region_and_ram_without_the_socket(

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import xxhash
@@ -24,7 +23,7 @@ from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.ram import Arena
 from kvtier.wire import Op
-from tests.helpers import ROOT, running_daemon
+from tests.helpers import ROOT, received_bytes, running_daemon, shared_stats
 
 MiB = 1024 * 1024
 
@@ -33,17 +32,6 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux o
 
 def block(seed: int, size: int = MiB) -> bytes:
     return bytes([seed % 251]) * (size - 1) + bytes([seed % 7])
-
-
-def shared_stats(d: Daemon) -> dict[str, Any]:
-    assert d.shared is not None
-    return d.shared.stats().as_dict()
-
-
-def received_bytes(d: Daemon) -> float:
-    value = d.metrics.registry.get_sample_value("kvtier_received_bytes_total")
-    assert value is not None
-    return value
 
 
 async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) -> None:

@@ -154,10 +154,6 @@ class KVEventPublisher:
             f"buffered={len(self._buffer)}>"
         )
 
-    @property
-    def held(self) -> int:
-        return len(self._held)
-
     def bind(self) -> None:
         """Open and bind the sockets (at startup: a bad address fails the start)."""
         self._ctx = zmq.asyncio.Context()
