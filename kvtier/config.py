@@ -229,8 +229,10 @@ class EventsConfig(Section):
     block_size: int = Field(default=16, ge=1)
     #: how a block's key names the engine's block hash: "vllm" (the vLLM
     #: tier's keys: the hash's last 8 bytes before a 4-byte group index, as
-    #: vLLM converts them), "tail" (the key's last 8 bytes)
-    key_format: Literal["vllm", "tail"] = "vllm"
+    #: vLLM converts them), "sglang" (the SGLang integration's keys end with
+    #: SGLang's own event hash of the page, signed), "tail" (the key's last 8
+    #: bytes, unsigned)
+    key_format: Literal["vllm", "sglang", "tail"] = "vllm"
 
 
 class LogConfig(Section):

@@ -53,12 +53,22 @@ log = logging.getLogger("kvtier.engine")
 T = TypeVar("T")
 
 
-def block_key(namespace: bytes, name: str | bytes) -> bytes:
+def block_key(namespace: bytes, name: str | bytes, event_hash: int | None = None) -> bytes:
     """The daemon's key for an engine's block ``name``: its 32-byte BLAKE2b,
     after ``namespace`` and a slash when there is one (so any name length
-    fits the daemon's key limit, and namespaces never collide)."""
+    fits the daemon's key limit, and namespaces never collide).
+
+    ``event_hash``: the engine's own 64-bit hash of the block, as its KV events
+    name it; the key then ends with it (a 24-byte digest, then the hash as 8
+    signed big-endian bytes), so the block carries the hash through every
+    tier and peer and the daemon's KV events name it as the engine does
+    (``[events] key_format``, docs/routing.md)."""
     raw = name.encode() if isinstance(name, str) else name
-    digest = hashlib.blake2b(raw, digest_size=32).digest()
+    if event_hash is None:
+        digest = hashlib.blake2b(raw, digest_size=32).digest()
+    else:
+        tail = event_hash.to_bytes(8, "big", signed=True)
+        digest = hashlib.blake2b(raw, digest_size=24).digest() + tail
     return namespace + b"/" + digest if namespace else digest
 
 

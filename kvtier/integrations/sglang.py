@@ -113,6 +113,20 @@ def place_in(
     return out
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def event_hash(page: str) -> int | None:
+    """SGLang's KV-event hash of the page named ``page`` (its page hash's first
+    64 bits as a signed integer, as SGLang's ``hash_str_to_int64`` makes it),
+    or None for a name that is not a page hash."""
+    head = page[:16]
+    if len(head) < 16 or not all(c in _HEX for c in head):
+        return None
+    value = int(head, 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def rank_suffix(config: HiCacheStorageConfig) -> str:
     """What tells this rank's pages apart from another's with the same hash."""
     model = "-".join((config.model_name or "").split("/"))
@@ -187,14 +201,16 @@ class KvtierStorage(HiCacheStorage):
             self.files = pool_files(mem_pool_host)
 
     def names(self, keys: Sequence[str], parts: int = 1) -> list[bytes]:
-        """The daemon's keys of ``keys``' pages, ``parts`` blocks per page."""
+        """The daemon's keys of ``keys``' pages, ``parts`` blocks per page;
+        each ends with SGLang's event hash of its page (:func:`event_hash`)."""
         out: list[bytes] = []
+        ns = self.namespace
         for key in keys:
-            name = key + self.suffix
+            name, h = key + self.suffix, event_hash(key)
             if parts == 1:
-                out.append(block_key(self.namespace, name))
+                out.append(block_key(ns, name, h))
             else:
-                out.extend(block_key(self.namespace, f"{name}#{j}") for j in range(parts))
+                out.extend(block_key(ns, f"{name}#{j}", h) for j in range(parts))
         return out
 
     # ------------------------------------------------------------ lookups

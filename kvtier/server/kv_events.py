@@ -94,9 +94,17 @@ def tail_hash(key: bytes) -> tuple[int, int | None]:
     return int.from_bytes(key[-8:], "big"), None
 
 
+def sglang_hash(key: bytes) -> tuple[int, int | None]:
+    """The SGLang integration's key: its last 8 bytes are SGLang's own event
+    hash of the page (``hash_str_to_int64``: the page hash's first 64 bits as
+    a signed integer), so the hash matches SGLang's own KV events; no group."""
+    return int.from_bytes(key[-8:], "big", signed=True), None
+
+
 KEY_FORMATS: dict[str, Callable[[bytes], tuple[int, int | None]]] = {
     "vllm": vllm_hash,
     "tail": tail_hash,
+    "sglang": sglang_hash,
 }
 
 
@@ -138,8 +146,12 @@ class KVEventPublisher:
         #: (sequence number, payload) of the last batches, for replay
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
-        #: the hashes announced as held (what a BlockRemoved may retract)
-        self._held: set[int] = set()
+        #: the keys held, as announced (a key stored in RAM and on disk is one)
+        self._held: set[bytes] = set()
+        #: held keys per announced hash: several keys may carry one hash (an
+        #: SGLang page stored as one block per layer buffer); the hash goes out
+        #: as stored with its first key and as removed with its last
+        self._hashes: dict[int, int] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx: zmq.asyncio.Context | None = None
         self._pub: zmq.asyncio.Socket | None = None
@@ -150,7 +162,7 @@ class KVEventPublisher:
 
     def __repr__(self) -> str:
         return (
-            f"<KVEventPublisher {self.endpoint} seq={self._seq} held={len(self._held)} "
+            f"<KVEventPublisher {self.endpoint} seq={self._seq} held={len(self._hashes)} "
             f"buffered={len(self._buffer)}>"
         )
 
@@ -208,6 +220,7 @@ class KVEventPublisher:
     async def _resync(self, snapshot: list[BlockEvent]) -> None:
         """AllBlocksCleared, then every block held, in batches."""
         self._held.clear()
+        self._hashes.clear()
         first: list[BlockStored | BlockRemoved | AllBlocksCleared] = [AllBlocksCleared()]
         stored = self._translate(e for e in snapshot if e.kind is EventKind.SNAPSHOT)
         await self._publish(first + stored[: BATCH - 1])
@@ -220,7 +233,7 @@ class KVEventPublisher:
         """vLLM events for ``events``: a run of stores (or removals) of one group
         is one event listing their hashes, as vLLM lists a request's blocks."""
         out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-        held = self._held
+        held, counts = self._held, self._hashes
         hashes: list[int] = []
         run: tuple[bool, int | None] | None = None  # (stored, group) of ``hashes``
 
@@ -240,17 +253,25 @@ class KVEventPublisher:
         for e in events:
             kind = e.kind
             if kind is EventKind.STORED or kind is EventKind.SNAPSHOT:
-                h, group = self._hash(e.key)
-                if h in held:
+                if e.key in held:
                     continue  # on disk too, or again: already announced
-                held.add(h)
+                held.add(e.key)
+                h, group = self._hash(e.key)
+                n = counts.get(h, 0)
+                counts[h] = n + 1
+                if n:
+                    continue  # another key with this hash announced it
                 self.stats.stored += 1
                 stored = True
             elif kind is EventKind.EVICTED or kind is EventKind.DELETED:
-                h, group = self._hash(e.key)
-                if h not in held:
+                if e.key not in held:
                     continue
-                held.discard(h)
+                held.discard(e.key)
+                h, group = self._hash(e.key)
+                n = counts.pop(h)
+                if n > 1:
+                    counts[h] = n - 1
+                    continue  # another key still carries this hash
                 self.stats.removed += 1
                 stored = False
             else:

@@ -12,10 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
-import zmq
 from vllm.distributed.kv_events import (
     MEDIUM_STORAGE,
     BlockRemoved,
@@ -43,6 +41,7 @@ from vllm.v1.request import Request
 from kvtier import BlockingClient
 from tests.enginedaemon import EngineDaemon, start
 from tests.vllm.test_manager import BLOCK, engine, settle, store
+from tests.zmqevents import EventReader
 
 TOKENS = 16
 TOPIC = "kv@pod-a@tiny-llama"
@@ -72,44 +71,6 @@ def small() -> Iterator[tuple[EngineDaemon, Path]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def replayed(endpoint: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> list[object]:
-    """Every event the publisher has sent so far, through its replay socket,
-    decoded as a router decodes vLLM's batches."""
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    req = ctx.socket(zmq.DEALER)
-    req.setsockopt(zmq.LINGER, 0)
-    req.setsockopt(zmq.RCVTIMEO, 10_000)
-    req.connect(endpoint)
-    try:
-        req.send_multipart((b"", (0).to_bytes(8, "big")))
-        events: list[object] = []
-        expected = 0
-        while True:
-            _, topic, seq, payload = req.recv_multipart()
-            n = int.from_bytes(seq, "big", signed=True)
-            if n == -1:
-                return events
-            assert topic == TOPIC.encode() and n == expected
-            expected += 1
-            events.extend(decoder.decode(payload).events)
-    finally:
-        req.close()
-
-
-def published(
-    endpoint: str, ctx: zmq.Context[zmq.Socket[bytes]], sub: zmq.Socket[bytes], n: int
-) -> list[object]:
-    """The first ``n`` events once vLLM's publisher thread has sent them,
-    waiting on the live stream between looks."""
-    for _ in range(50):
-        events = replayed(endpoint, ctx)
-        if len(events) >= n:
-            return events
-        if sub.poll(200):  # bounded: the next batch, or look again
-            sub.recv_multipart()
-    raise AssertionError(f"fewer than {n} events published")
-
-
 def test_a_block_stored_then_evicted_reaches_routers_self_described(
     small: tuple[EngineDaemon, Path],
 ) -> None:
@@ -121,11 +82,7 @@ def test_a_block_stored_then_evicted_reaches_routers_self_described(
     publisher = ZmqEventPublisher(
         0, endpoint=f"ipc://{tmp}/vllm-events", replay_endpoint=replay, topic=TOPIC
     )
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"ipc://{tmp}/vllm-events")
+    reader = EventReader(f"ipc://{tmp}/vllm-events", replay, TOPIC, KVEventBatch)
     (tier,) = manager.secondary_tiers
     watch = tier.removal_watch  # type: ignore[attr-defined]
 
@@ -161,9 +118,7 @@ def test_a_block_stored_then_evicted_reaches_routers_self_described(
         step()
 
         events = [
-            e
-            for e in published(replay, ctx, sub, 2)
-            if getattr(e, "medium", None) == MEDIUM_STORAGE
+            e for e in reader.events(2, start=0) if getattr(e, "medium", None) == MEDIUM_STORAGE
         ]
         stored, removed = events
         assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
@@ -179,5 +134,4 @@ def test_a_block_stored_then_evicted_reaches_routers_self_described(
     finally:
         manager.shutdown()
         publisher.shutdown()
-        sub.close()
-        ctx.term()
+        reader.close()

@@ -8,9 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
-import zmq
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,6 +21,7 @@ from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from kvtier import BlockingClient
 from tests.enginedaemon import EngineDaemon, start
 from tests.vllm.test_manager import engine, settle, store
+from tests.zmqevents import EventReader
 
 
 @pytest.fixture
@@ -43,51 +42,11 @@ def publishing() -> Iterator[tuple[EngineDaemon, Path]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def batches(tmp: Path, ctx: zmq.Context[zmq.Socket[bytes]]) -> list[tuple[int, KVEventBatch]]:
-    """Every buffered batch, from the replay socket, decoded as vLLM decodes them."""
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    req = ctx.socket(zmq.DEALER)
-    req.setsockopt(zmq.LINGER, 0)
-    req.setsockopt(zmq.RCVTIMEO, 10_000)
-    req.connect(f"ipc://{tmp}/replay")
-    try:
-        req.send_multipart((b"", (1).to_bytes(8, "big")))
-        out: list[tuple[int, KVEventBatch]] = []
-        while True:
-            _, topic, seq, payload = req.recv_multipart()
-            n = int.from_bytes(seq, "big", signed=True)
-            if n == -1:
-                return out
-            assert topic == b"kv@n1@kvtier"
-            out.append((n, decoder.decode(payload)))
-    finally:
-        req.close()
-
-
-def until(
-    tmp: Path, ctx: zmq.Context[zmq.Socket[bytes]], sub: zmq.Socket[bytes], n: int
-) -> list[object]:
-    """The first ``n`` events, waiting on the live stream between looks."""
-    for _ in range(50):
-        seen = batches(tmp, ctx)
-        assert [s for s, _ in seen] == list(range(1, len(seen) + 1))
-        events = [e for _, b in seen for e in b.events]
-        if len(events) >= n:
-            return events
-        if sub.poll(200):  # bounded: the next batch, or look again
-            sub.recv_multipart()
-    raise AssertionError(f"fewer than {n} events published")
-
-
 def test_blocks_the_vllm_tier_stores_reach_routers_in_vllms_own_format(
     publishing: tuple[EngineDaemon, Path],
 ) -> None:
     d, tmp = publishing
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"ipc://{tmp}/events")
+    reader = EventReader(f"ipc://{tmp}/events", f"ipc://{tmp}/replay", "kv@n1@kvtier", KVEventBatch)
     manager, rows = engine(d)
     try:
         writer = ReqContext("writer")
@@ -98,7 +57,7 @@ def test_blocks_the_vllm_tier_stores_reach_routers_in_vllms_own_format(
         settle(manager)
         with BlockingClient(d.socket_path) as c:
             assert c.delete(bytes(key))
-        events = until(tmp, ctx, sub, 3)
+        events = reader.events(3)
         assert isinstance(events[0], AllBlocksCleared)
         stored, removed = events[1], events[2]
         assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
@@ -108,5 +67,4 @@ def test_blocks_the_vllm_tier_stores_reach_routers_in_vllms_own_format(
         manager.on_request_finished(writer)
     finally:
         manager.shutdown()
-        sub.close()
-        ctx.term()
+        reader.close()
