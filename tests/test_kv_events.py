@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
 from kvtier.client.aio import Client
 from kvtier.daemon import Daemon
 from kvtier.model import LookupMode
-from kvtier.tiers.memory import MemoryRemoteTier
-from tests.helpers import running_daemon
+from kvtier.tiers.rendezvous import owner
+from tests.helpers import free_port, running_daemon, wait_until
+from tests.s3server import S3Server, s3_server
 
 RAM_ONLY = {"enabled": False}
 
@@ -128,24 +131,129 @@ async def test_blocks_stored_and_removed_go_out_in_vllms_format(sock_dir: Path) 
         ctx.destroy(linger=0)
 
 
-async def test_a_block_promoted_from_a_remote_tier_is_published(sock_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    yield from s3_server()
+
+
+async def test_a_block_promoted_from_s3_is_published(s3: S3Server, sock_dir: Path) -> None:
     ctx = zmq.asyncio.Context()
     h = bytes(range(3, 35))
-    tier = MemoryRemoteTier("mem")
-    tier.blocks[vllm_key(h)] = b"from elsewhere"
+    tier = s3.tier_config(s3.new_bucket())
+    stored = s3.proxy.when_completed("PUT", f"/{tier['bucket']}/fleet-a/{vllm_key(h).hex()}")
     try:
         async with (
+            running_daemon(sock_dir, remote_tier_configs=[tier], disk=RAM_ONLY) as d,
+            await Client.connect(d.socket_path, shared=False) as c,
+        ):
+            await c.put(vllm_key(h), b"from elsewhere")  # written through to S3
+            assert await asyncio.to_thread(stored.wait, 30)
+        async with (
             running_daemon(
-                sock_dir, remote_tiers=[tier], disk=RAM_ONLY, events=events_config(sock_dir)
+                sock_dir, remote_tier_configs=[tier], disk=RAM_ONLY, events=events_config(sock_dir)
             ) as d,
             await Client.connect(d.socket_path, shared=False) as c,
         ):
-            await published(d, ctx, sock_dir, 1)
-            reply = await c.lookup([vllm_key(h)], mode=LookupMode.PREFIX, wait=5.0)
-            assert reply.prefix_hits == 1
+            assert await published(d, ctx, sock_dir, 1) == [{"type": "AllBlocksCleared"}]
+            reply = await c.lookup([vllm_key(h)], mode=LookupMode.PREFIX, wait=30.0)
+            assert reply.prefix_hits == 1  # probed in S3, promoted into RAM
             events = await published(d, ctx, sock_dir, 2)
             assert events[-1]["type"] == "BlockStored" and events[-1]["block_hashes"] == [as_int(h)]
     finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_block_a_peer_pushes_here_is_published(sock_dir: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    a_dir, b_dir = sock_dir / "a", sock_dir / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    here, there = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    members = [here, there]
+    # A key whose owner is B: stored on A, pushed to B.
+    key = next(
+        k
+        for k in (vllm_key(bytes([i]) * 32) for i in range(256))
+        if owner(k, [m.encode() for m in members]) == there.encode()
+    )
+    try:
+        async with (
+            running_daemon(
+                b_dir,
+                disk=RAM_ONLY,
+                peer={"listen": there, "members": members, "token": "t"},
+                events=events_config(sock_dir),
+            ) as b,
+            running_daemon(
+                a_dir, disk=RAM_ONLY, peer={"listen": here, "members": members, "token": "t"}
+            ) as a,
+            await Client.connect(a.socket_path, shared=False) as c,
+        ):
+            await published(b, ctx, sock_dir, 1)
+            await c.put(key, b"pushed to its owner")
+            events = await published(b, ctx, sock_dir, 2)
+            assert events[-1]["type"] == "BlockStored"
+            assert events[-1]["block_hashes"] == [as_int(key[2:34])]
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_slow_subscriber_misses_batches_and_fills_them_from_replay(
+    sock_dir: Path,
+) -> None:
+    """The PUB socket drops batches past its high-water mark for a subscriber
+    that does not keep up; the subscriber sees the hole in the sequence
+    numbers and asks the replay socket for what it missed."""
+    ctx = zmq.asyncio.Context()
+    config = {**events_config(sock_dir), "hwm": 1}
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 1)
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    batches, per_batch = 400, 256
+    try:
+        async with (
+            running_daemon(sock_dir, disk=RAM_ONLY, events=config) as d,
+            await Client.connect(d.socket_path, shared=False) as c,
+        ):
+            assert d.publisher is not None
+            sub.connect(f"ipc://{sock_dir}/kv-events")
+            # The subscription is live once a batch arrives on it.
+            for i in range(100):
+                await c.put(vllm_key(bytes([0xFF, i]) * 16), b"w")
+                if await sub.poll(100):  # bounded wait for the next batch
+                    break
+            else:
+                raise AssertionError("the subscription never took effect")
+            keys = [vllm_key(i.to_bytes(32, "big")) for i in range(batches * per_batch)]
+            for lo in range(0, len(keys), per_batch):
+                await c.put_many(keys[lo : lo + per_batch], [b"v"] * per_batch)
+            stats = d.publisher.stats
+            await wait_until(lambda: stats.stored >= len(keys), limit=1_000_000)
+            last = d.publisher.stats.batches
+            # Only now does the subscriber read: what the pipes kept.
+            seen: dict[int, list[Any]] = {}
+            while await sub.poll(500):  # bounded: what is left in the pipes
+                _topic, raw, payload = await sub.recv_multipart()
+                seen[int.from_bytes(raw, "big")] = msgspec.msgpack.decode(payload)[1]
+            first = min(seen)
+            missed = [n for n in range(first, last + 1) if n not in seen]
+            assert missed, "the high-water mark dropped nothing"
+            filled = dict(await replay(ctx, sock_dir, missed[0]))
+            assert set(missed) <= set(filled)
+            for n in missed:
+                seen[n] = filled[n][1]
+            announced = {
+                h
+                for n in range(first, last + 1)
+                for e in seen[n]
+                if e["type"] == "BlockStored"
+                for h in e["block_hashes"]
+            }
+            assert {as_int(k[2:34]) for k in keys} <= announced
+    finally:
+        sub.close()
         ctx.destroy(linger=0)
 
 
