@@ -31,10 +31,12 @@ from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.service import Service
 from kvtier.core.shared.blocks import SharedBlocks
 from kvtier.core.timers import Scheduler
+from kvtier.errors import ConfigError
 from kvtier.metrics import Metrics
-from kvtier.model import Limits
+from kvtier.model import Limits, namespace_id
 from kvtier.server.gate import PeerGate
 from kvtier.server.kv_events import KVEventPublisher
+from kvtier.server.ops import NamespaceAccess
 from kvtier.server.server import Server
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.base import Tier
@@ -43,9 +45,10 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.tiers.peer import Peer, PeerCounters, PeerTier
 from kvtier.tiers.peers import RendezvousPicker
-from kvtier.tiers.policy import make_policy
+from kvtier.tiers.policy import EvictionPolicy, make_policy
 from kvtier.tiers.ram import Arena, RamTier
 from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.shares import Quota, Shares
 from kvtier.wire import SharedOffer
 
 #: the peer tier's name: labels its metrics and marks blocks peers pushed here
@@ -96,6 +99,47 @@ class Parts:
         return [spec.tier for spec in self.remotes]
 
 
+def quotas_of(config: Config, ram_bytes: int) -> tuple[dict[bytes, Quota], dict[bytes, Quota]]:
+    """The namespaces' RAM and disk quotas (``[namespaces.<name>]``); raises
+    ConfigError when the guaranteed minimums do not fit in RAM."""
+    ram: dict[bytes, Quota] = {}
+    disk: dict[bytes, Quota] = {}
+    for name, nc in config.namespaces.items():
+        ns = namespace_id(name)
+        ram[ns] = Quota(nc.ram_min, nc.ram_max, nc.weight)
+        disk[ns] = Quota(0, nc.disk_max, nc.weight)
+    guaranteed = sum(q.min for q in ram.values())
+    if guaranteed > ram_bytes:
+        raise ConfigError(
+            f"the namespaces' ram_min add up to {guaranteed} bytes, more than the "
+            f"RAM tier's {ram_bytes}"
+        )
+    return ram, disk
+
+
+def access_of(config: Config) -> NamespaceAccess:
+    """Who may use which namespace, from ``[namespaces.<name>] uids``."""
+    return NamespaceAccess(
+        uids={
+            namespace_id(name): frozenset(nc.uids)
+            for name, nc in config.namespaces.items()
+            if nc.uids is not None
+        },
+        configured=frozenset(namespace_id(name) for name in config.namespaces),
+        strict=config.server.configured_namespaces_only,
+    )
+
+
+def tier_policy(
+    kind: str, capacity: int, quotas: dict[bytes, Quota] | None
+) -> EvictionPolicy[bytes]:
+    """A tier's eviction policy: shared among namespaces (one ``kind`` policy
+    each) when any namespace is configured, else one policy for every block."""
+    if quotas is None:
+        return make_policy(kind)
+    return Shares(capacity, quotas, lambda: make_policy(kind))
+
+
 def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = None) -> Parts:
     """Every part of a daemon for ``config``, wired and not started.
 
@@ -112,15 +156,25 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         # written).
         arena = Arena(ram_bytes + ram_bytes // 4, name="kvtier-ram")
         staging = Arena(shc.staging_bytes, name="kvtier-staging")
-    ram = RamTier(ram_bytes, make_policy(config.ram.policy), arena=arena, min_slot=shc.min_block)
+    ram_quotas, disk_quotas = quotas_of(config, ram_bytes)
+    shared_tiers = bool(config.namespaces)
+    ram = RamTier(
+        ram_bytes,
+        tier_policy(config.ram.policy, ram_bytes, ram_quotas if shared_tiers else None),
+        arena=arena,
+        min_slot=shc.min_block,
+    )
     disk = None
     if config.disk.enabled:
+        disk_bytes = config.disk.capacity_bytes()
         disk = DiskTier(
             config.disk.path,
-            config.disk.capacity_bytes(),
+            disk_bytes,
             fsync=config.disk.fsync,
             io_threads=config.disk.io_threads,
-            policy=make_policy(config.disk.policy),
+            policy=tier_policy(
+                config.disk.policy, disk_bytes, disk_quotas if shared_tiers else None
+            ),
         )
     if remote_tiers is None:
         remotes = [
@@ -180,6 +234,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         shared=shared,
         shared_offer=offer,
         events=service,
+        access=access_of(config),
         # Who may connect is checked at accept; an allowed user still has a
         # deadline for its first frame where the socket is shared.
         handshake_timeout=sc.handshake_timeout

@@ -34,7 +34,7 @@ from pydantic_settings import (
 from kvtier.configtypes import ByteCount, Capacity, Section, SocketMode
 from kvtier.defaults import DEFAULT_METRICS_PORT, default_data_dir, default_socket_path
 from kvtier.errors import ConfigError
-from kvtier.model import STAGING_REUSE_SECONDS
+from kvtier.model import STAGING_REUSE_SECONDS, namespace_id
 from kvtier.sizes import (
     GiB,
     KiB,
@@ -91,6 +91,9 @@ class ServerConfig(Section):
     #: with allowed_uids or allowed_gids set: seconds a new connection has to
     #: send its first frame before it is closed
     handshake_timeout: float = Field(default=5.0, gt=0)
+    #: a HELLO may name only a namespace of a [namespaces.<name>] table (off:
+    #: any name, with the default share; docs/tenancy.md)
+    configured_namespaces_only: bool = False
 
     @model_validator(mode="after")
     def _block_fits_frame(self) -> ServerConfig:
@@ -203,6 +206,9 @@ class MetricsConfig(Section):
     host: str = "127.0.0.1"
     #: 0 picks a free port (logged at startup)
     port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
+    #: namespaces with series of their own at most; the rest are summed in
+    #: one series labelled "other" (bounded cardinality)
+    max_namespaces: int = Field(default=32, ge=0, le=10_000)
 
 
 class EventsConfig(Section):
@@ -233,6 +239,34 @@ class EventsConfig(Section):
     #: SGLang's own event hash of the page, signed), "tail" (the key's last 8
     #: bytes, unsigned)
     key_format: Literal["vllm", "sglang", "tail"] = "vllm"
+
+
+class NamespaceConfig(Section):
+    """One namespace's share of the node (``[namespaces.<name>]``; the default
+    namespace, of clients that name none, is ``[namespaces.default]``). See
+    docs/tenancy.md. SIGHUP applies a change live."""
+
+    #: RAM guaranteed to the namespace: other namespaces' pressure never
+    #: evicts its blocks while it holds no more than this
+    ram_min: ByteCount = 0
+    #: RAM it may hold at most; past it, its own blocks make room for its new
+    #: ones (none: up to the whole tier)
+    ram_max: ByteCount | None = None
+    #: disk it may hold at most; past it, its own blocks on disk go first
+    disk_max: ByteCount | None = None
+    #: its weight in sharing the RAM above every namespace's ram_min: of two
+    #: namespaces that both want more, the one further above its share
+    #: (ram_min plus its weight's part of the rest) gives up room first
+    weight: float = Field(default=1.0, gt=0)
+    #: local users that may use the namespace (checked at HELLO with the
+    #: socket's credentials); none: every user the socket admits
+    uids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> NamespaceConfig:
+        if self.ram_max is not None and self.ram_min > self.ram_max:
+            raise ValueError(f"ram_min ({self.ram_min}) is above ram_max ({self.ram_max})")
+        return self
 
 
 class LogConfig(Section):
@@ -296,6 +330,13 @@ class Config(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    namespaces: dict[str, NamespaceConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _namespace_names(self) -> Config:
+        for name in self.namespaces:
+            namespace_id(name)  # a ValueError names the bad one
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -353,11 +394,25 @@ def render_toml(config: Config) -> str:
                 )
                 out.append("")
             continue
+        if section == "namespaces":
+            for name, table in model.items():
+                out.append(f"[namespaces.{_toml_key(name)}]")
+                out.extend(
+                    f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset"
+                    for key, value in table.items()
+                )
+                out.append("")
+            continue
         out.append(f"[{section}]")
         for key, value in model.items():
             out.append(f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset")
         out.append("")
     return "\n".join(out)
+
+
+def _toml_key(name: str) -> str:
+    bare = name.replace("-", "").replace("_", "").isalnum()
+    return name if bare else '"' + name + '"'
 
 
 def _toml_value(value: Any) -> str:

@@ -31,6 +31,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("[peer]", config.PeerConfig),
     ("[metrics]", config.MetricsConfig),
     ("[events]", config.EventsConfig),
+    ("[namespaces.<name>]", config.NamespaceConfig),
     ("[log]", config.LogConfig),
 ]
 

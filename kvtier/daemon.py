@@ -24,7 +24,7 @@ from aiohttp import web
 
 from kvtier import loops
 from kvtier._version import __version__
-from kvtier.build import PEER_TIER, Parts, build, handoff_path
+from kvtier.build import PEER_TIER, Parts, access_of, build, handoff_path, quotas_of
 from kvtier.config import Config, split_address
 from kvtier.core.propagation import RemoteSpec
 from kvtier.endpoint import start_metrics_server
@@ -126,6 +126,7 @@ class Daemon:
         live = Live(
             writers={w.name: w for w in self.service.propagation.writers},
             shared=self.shared,
+            set_namespaces=self._set_namespaces,
         )
         peer_tier, spawn = self.peer_tier, self._spawn
         picker = peer_tier.picker if peer_tier is not None else None
@@ -141,6 +142,24 @@ class Daemon:
         log.info("reloaded: %s", ", ".join(applied) or "nothing changed that applies live")
         if waiting:
             log.warning("changed but not applied until a restart: %s", ", ".join(waiting))
+
+    def _set_namespaces(self, new: Config) -> bool:
+        """Apply ``new``'s namespaces: who may use which, and the tiers'
+        quotas. False (nothing changed) where quotas would need tiers built
+        with namespaces, or the minimums do not fit."""
+        budgets = [self.ram.budget, *([self.disk.budget] if self.disk is not None else [])]
+        try:
+            ram_quotas, disk_quotas = quotas_of(new, self.ram.capacity)
+        except ConfigError as exc:
+            log.error("reload: %s", exc)
+            return False
+        if new.namespaces and any(b.shares is None for b in budgets):
+            return False  # the tiers were built without namespaces: a restart
+        for budget, quotas in zip(budgets, (ram_quotas, disk_quotas), strict=False):
+            if budget.shares is not None:
+                budget.shares.quotas = quotas
+        self.server.ops.access = access_of(new)
+        return True
 
     def stop(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""

@@ -27,6 +27,64 @@ STAGING_REUSE_SECONDS: Final = 10.0
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 
 
+# -- namespaces (docs/tenancy.md)
+
+#: a key that starts with this byte names its namespace: the byte, the
+#: namespace's length (1..MAX_NAMESPACE_BYTES), its name, then the client's
+#: key. A default-namespace key that starts with the byte is escaped (the
+#: byte, a zero, then the key), so no client of one namespace can name a key
+#: of another. Keys are stored, probed and pushed in this form in every tier.
+NAMESPACE_MARK: Final = 0xFF
+NAMESPACE_ESCAPE: Final = bytes((NAMESPACE_MARK, 0))
+#: the namespace of clients that name none; "default" in config, stats and metrics
+DEFAULT_NAMESPACE: Final = b""
+DEFAULT_NAMESPACE_NAME: Final = "default"
+MAX_NAMESPACE_BYTES: Final = 128
+_NAMESPACE_CHARS = frozenset(
+    b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-/:@+=,"
+)
+
+
+def namespace_id(name: str) -> bytes:
+    """A namespace's name as the daemon keeps it ("default" is the empty one);
+    raises ValueError for a name that is empty, too long, or has other
+    characters than letters, digits and ``._-/:@+=,``."""
+    if name == DEFAULT_NAMESPACE_NAME:
+        return DEFAULT_NAMESPACE
+    raw = name.encode("utf-8", "replace")
+    if not raw or len(raw) > MAX_NAMESPACE_BYTES or not _NAMESPACE_CHARS.issuperset(raw):
+        raise ValueError(
+            f"namespace {name!r}: 1 to {MAX_NAMESPACE_BYTES} letters, digits or ._-/:@+=,"
+        )
+    return raw
+
+
+def namespace_name(ns: bytes) -> str:
+    return ns.decode() if ns else DEFAULT_NAMESPACE_NAME
+
+
+def namespace_prefix(ns: bytes) -> bytes:
+    """What every key of namespace ``ns`` starts with (nothing for the default)."""
+    return bytes((NAMESPACE_MARK, len(ns))) + ns if ns else b""
+
+
+def namespace_of(key: bytes) -> bytes:
+    """The namespace a stored key belongs to."""
+    if not key or key[0] != NAMESPACE_MARK:
+        return DEFAULT_NAMESPACE
+    return key[2 : 2 + key[1]]
+
+
+def client_key(key: bytes, prefix: bytes) -> bytes | None:
+    """``key`` as a client of the namespace with ``prefix`` named it, or None
+    if the key is another namespace's."""
+    if prefix:
+        return key[len(prefix) :] if key.startswith(prefix) else None
+    if not key or key[0] != NAMESPACE_MARK:
+        return key
+    return key[2:] if key[1] == 0 else None
+
+
 class State(enum.IntEnum):
     """Per-key lookup answer (one byte each on the wire)."""
 

@@ -32,6 +32,9 @@ LIVE: dict[str, str] = {
     "peer.max_pending_push_bytes": "the bound of pushes to peers in flight",
     "shared.lease_timeout": "the timeout of leases granted from now on",
     "shared.staging_timeout": "the idle timeout of staging rooms, from their next use",
+    "namespaces": "namespaces' quotas, weights and users (docs/tenancy.md), for the next "
+    "block each tier makes room for and the next HELLO",
+    "server.configured_namespaces_only": "whether a HELLO may name an unconfigured namespace",
 }
 
 
@@ -57,6 +60,9 @@ class Live:
     #: sets the peer member list; returns peers dropped (closed by the caller)
     set_members: Callable[[list[str]], object] | None = None
     shared: SharedBlocks | None = None
+    #: applies a configuration's namespaces (quotas, users); False: it cannot
+    #: live (quotas where the tiers were built without namespaces), nothing changed
+    set_namespaces: Callable[[Config], bool] | None = None
 
 
 def apply(config: Config, new: Config, live: Live) -> tuple[list[str], list[str]]:
@@ -65,7 +71,13 @@ def apply(config: Config, new: Config, live: Live) -> tuple[list[str], list[str]
     applied: list[str] = []
     waiting: list[str] = []
     for name in changed(config, new):
-        if name in LIVE and _apply_one(name, new, live):
+        if name.startswith("namespaces."):  # one table: all of them go in at once
+            if live.set_namespaces is not None and live.set_namespaces(new):
+                config.namespaces = dict(new.namespaces)
+                applied.append(name)
+            else:
+                waiting.append(name)
+        elif name in LIVE and _apply_one(name, new, live):
             section, key = name.split(".", 1)
             setattr(getattr(config, section), key, getattr(getattr(new, section), key))
             applied.append(name)
@@ -89,6 +101,8 @@ def _apply_one(name: str, new: Config, live: Live) -> bool:
             return False  # peering is off: turning it on needs a restart
         value = list(new.peer.members)
         live.set_members(value)
+    elif name == "server.configured_namespaces_only":
+        return live.set_namespaces is not None and live.set_namespaces(new)
     elif name in ("shared.lease_timeout", "shared.staging_timeout"):
         if live.shared is None:
             return False

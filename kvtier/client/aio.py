@@ -45,6 +45,7 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.model import (
+    DEFAULT_NAMESPACE_NAME,
     BlockEvent,
     Buffer,
     Lookup,
@@ -54,6 +55,8 @@ from kvtier.model import (
     PutStatus,
     Reserve,
     ReserveStatus,
+    namespace_id,
+    namespace_prefix,
 )
 from kvtier.wire import FLAG_DURABLE, FLAG_HINTS, Frame, HelloReply, Op
 
@@ -98,6 +101,10 @@ class Client:
         self._process_region: int | None = None
         #: bytes the daemon reads to prove it can read this process's memory
         self._probe = os.urandom(64)
+        #: the namespace named at HELLO, and what the daemon expects before
+        #: every key of it (docs/tenancy.md); empty: the default namespace
+        self.namespace = ""
+        self._prefix = b""
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -126,8 +133,14 @@ class Client:
         shared: bool = True,
         stage_writes: bool = False,
         cross_memory: bool = True,
+        namespace: str = "",
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
+
+        ``namespace``: the namespace this connection's keys belong to
+        (docs/tenancy.md): the daemon keeps them apart from every other
+        namespace's in every tier, and applies the namespace's quotas; empty
+        (or "default"): the default namespace.
 
         ``path`` defaults to the daemon's default socket path. ``shared``:
         read blocks through the daemon's shared memory when it offers it
@@ -154,6 +167,13 @@ class Client:
         client._want_shared = shared
         client._stage_writes = stage_writes
         client._cross_memory = cross_memory
+        client.namespace = namespace
+        if namespace and namespace != DEFAULT_NAMESPACE_NAME:
+            try:
+                client._prefix = namespace_prefix(namespace_id(namespace))
+            except ValueError as exc:
+                await client.close()
+                raise BadArgumentError(str(exc)) from None
         try:
             try:
                 client.server = await client.hello()
@@ -232,7 +252,7 @@ class Client:
         except OSError as exc:
             log.info("shared memory offered but not usable (%s); using the socket", exc)
             return
-        self._shm = SharedSession(self, arena, staging)
+        self._shm = SharedSession(self, arena, staging, self._prefix)
 
     async def __aenter__(self) -> Client:
         return self
@@ -364,7 +384,14 @@ class Client:
         frame = await self._call(
             Op.HELLO,
             wire.encode_hello(
-                wire.Hello(1, wire.VERSION, self.name, self._token, shared=self._want_shared)
+                wire.Hello(
+                    1,
+                    wire.VERSION,
+                    self.name,
+                    self._token,
+                    shared=self._want_shared,
+                    namespace=self.namespace,
+                )
             ),
         )
         return wire.decode_hello_reply(frame.meta)
@@ -395,7 +422,8 @@ class Client:
         ``peek``: a look that is not a read (a router comparing nodes): the
         daemon leaves its eviction order as it was and reads nothing ahead."""
         meta = wire.encode_lookup(
-            Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag, peek=peek)
+            Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag, peek=peek),
+            self._prefix,
         )
         frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
         return wire.decode_lookup_reply(frame.meta)
@@ -407,7 +435,7 @@ class Client:
         """The block stored under ``key``, or None."""
         if self._shm is not None:
             return (await self._shm.get_many([key], self._timeout(timeout)))[0]
-        frame = await self._call(Op.GET, wire.encode_keys([key]), timeout=timeout)
+        frame = await self._call(Op.GET, wire.encode_keys([key], self._prefix), timeout=timeout)
         return wire.decode_get_reply(frame.meta, frame.data)[0]
 
     async def get_many(
@@ -418,7 +446,7 @@ class Client:
         if self._shm is not None and len(keys) <= step:
             return await self._shm.get_many(keys, self._timeout(timeout))
         futs = [
-            self._send(Op.GET, wire.encode_keys(keys[i : i + step]))
+            self._send(Op.GET, wire.encode_keys(keys[i : i + step], self._prefix))
             for i in range(0, len(keys), step)
         ]
         frames = await self._await(futs, self._timeout(timeout))
@@ -440,7 +468,9 @@ class Client:
             raise ValueError("the destination buffer is read-only")
         if self._shm is not None:
             return (await self._shm.get_many_into([key], [view], self._timeout(timeout)))[0]
-        frame = await self._call(Op.GET, wire.encode_keys([key]), timeout=timeout, into=view)
+        frame = await self._call(
+            Op.GET, wire.encode_keys([key], self._prefix), timeout=timeout, into=view
+        )
         return _landed(key, view, frame)
 
     async def get_many_into(
@@ -456,7 +486,7 @@ class Client:
         if self._shm is not None and len(keys) <= self._max_batch():
             return await self._shm.get_many_into(keys, views, self._timeout(timeout))
         futs = [
-            self._send(Op.GET, wire.encode_keys([key]), into=view)
+            self._send(Op.GET, wire.encode_keys([key], self._prefix), into=view)
             for key, view in zip(keys, views, strict=True)
         ]
         frames = await self._await(futs, self._timeout(timeout))
@@ -479,7 +509,7 @@ class Client:
             status = await self._shm.put(key, value, durable, self._timeout(timeout))
             if status is not None:
                 return status
-        meta, data = wire.encode_put([key], [value], [hint] if hint else None)
+        meta, data = wire.encode_put([key], [value], [hint] if hint else None, self._prefix)
         flags = (FLAG_DURABLE if durable else 0) | (FLAG_HINTS if hint else 0)
         frame = await self._call(Op.PUT, meta, data, flags, timeout)
         return wire.decode_put_reply(frame.meta)[0]
@@ -585,7 +615,9 @@ class Client:
         return out
 
     async def _region_put(self, io: wire.RegionIO, timeout: Timeout) -> list[PutStatus]:
-        frame = await self._call(Op.PUT_REGION, wire.encode_region_io(io), timeout=timeout)
+        frame = await self._call(
+            Op.PUT_REGION, wire.encode_region_io(io, self._prefix), timeout=timeout
+        )
         return wire.decode_put_reply(frame.meta)
 
     async def _put_socket(
@@ -610,6 +642,7 @@ class Client:
                     [keys[i] for i in batch],
                     [values[i] for i in batch],
                     None if hints is None else [hints[i] for i in batch],
+                    self._prefix,
                 ),
                 flags=flags,
             )
@@ -667,7 +700,9 @@ class Client:
         for lo in range(0, len(keys), self._max_batch()):
             hi = lo + self._max_batch()
             io = wire.RegionIO(region, list(keys[lo:hi]), list(spans[lo:hi]))
-            frame = await self._call(Op.PUT_REGION, wire.encode_region_io(io), timeout=timeout)
+            frame = await self._call(
+                Op.PUT_REGION, wire.encode_region_io(io, self._prefix), timeout=timeout
+            )
             out.extend(wire.decode_put_reply(frame.meta))
         return out
 
@@ -686,7 +721,9 @@ class Client:
         for lo in range(0, len(keys), self._max_batch()):
             hi = lo + self._max_batch()
             io = wire.RegionIO(region, list(keys[lo:hi]), list(spans[lo:hi]))
-            frame = await self._call(Op.GET_REGION, wire.encode_region_io(io), timeout=timeout)
+            frame = await self._call(
+                Op.GET_REGION, wire.encode_region_io(io, self._prefix), timeout=timeout
+            )
             out.extend(wire.decode_region_lengths(frame.meta))
         return out
 
@@ -731,7 +768,7 @@ class Client:
         return (await self.delete_many([key], timeout=timeout))[0]
 
     async def delete_many(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> list[bool]:
-        frame = await self._call(Op.DELETE, wire.encode_keys(keys), timeout=timeout)
+        frame = await self._call(Op.DELETE, wire.encode_keys(keys, self._prefix), timeout=timeout)
         return wire.decode_delete_reply(frame.meta)
 
     async def reserve(
@@ -750,13 +787,13 @@ class Client:
         :meth:`abort`, the deadline, or this connection closing.
         """
         sizes = list(sizes) if sizes is not None else [0] * len(keys)
-        meta = wire.encode_reserve(Reserve(list(keys), sizes, deadline))
+        meta = wire.encode_reserve(Reserve(list(keys), sizes, deadline), self._prefix)
         frame = await self._call(Op.RESERVE, meta, timeout=timeout)
         return [ReserveStatus(s) for s in wire.decode_status_bytes(frame.meta)]
 
     async def abort(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> list[bool]:
         """Drop this connection's reservations of ``keys``; True where one ended."""
-        frame = await self._call(Op.ABORT, wire.encode_keys(keys), timeout=timeout)
+        frame = await self._call(Op.ABORT, wire.encode_keys(keys, self._prefix), timeout=timeout)
         return [bool(s) for s in wire.decode_status_bytes(frame.meta)]
 
     async def release(self, request_tag: bytes, *, timeout: Timeout = ...) -> bool:

@@ -53,6 +53,7 @@ class BlockingClient:
         shared: bool = True,
         stage_writes: bool = False,
         cross_memory: bool = True,
+        namespace: str = "",
     ) -> None:
         """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>` does."""
         self._start(
@@ -63,6 +64,7 @@ class BlockingClient:
                 shared=shared,
                 stage_writes=stage_writes,
                 cross_memory=cross_memory,
+                namespace=namespace,
             )
         )
 
@@ -88,6 +90,7 @@ class BlockingClient:
         shared: bool = True,
         stage_writes: bool = False,
         cross_memory: bool = True,
+        namespace: str = "",
     ) -> BlockingClient:
         """The same as the constructor: connect and negotiate (HELLO)."""
         return cls(
@@ -97,6 +100,7 @@ class BlockingClient:
             shared=shared,
             stage_writes=stage_writes,
             cross_memory=cross_memory,
+            namespace=namespace,
         )
 
     @classmethod

@@ -117,8 +117,12 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 class SharedSession:
-    def __init__(self, calls: Calls, arena: mmap.mmap, staging: mmap.mmap) -> None:
+    def __init__(
+        self, calls: Calls, arena: mmap.mmap, staging: mmap.mmap, prefix: bytes = b""
+    ) -> None:
         self._calls = calls
+        #: the connection's namespace prefix, before every key it sends
+        self._prefix = prefix
         self._arena = arena
         self._staging = staging
         self._arena_view = memoryview(arena)
@@ -144,7 +148,7 @@ class SharedSession:
         self, keys: Sequence[bytes], timeout: float | None
     ) -> list[Leased | memoryview | None]:
         releases, self._releases = self._releases, []
-        meta = wire.encode_get_shared(releases, keys)
+        meta = wire.encode_get_shared(releases, keys, self._prefix)
         frame = await self._calls.request(Op.GET_SHARED, meta, timeout=timeout)
         return wire.decode_get_shared_reply(frame.meta, frame.data)
 
@@ -236,7 +240,7 @@ class SharedSession:
             commit = wire.Commit(key, offset, length, checksum(value), True)
             frame = await self._calls.request(
                 Op.COMMIT,
-                wire.encode_commit(commit),
+                wire.encode_commit(commit, self._prefix),
                 flags=FLAG_DURABLE if durable else 0,
                 timeout=timeout,
             )
@@ -287,7 +291,8 @@ class SharedSession:
                 self._calls.request(
                     Op.COMMIT,
                     wire.encode_commit(
-                        wire.Commit(keys[i], offset, length, checksum(values[i]), keep_room=True)
+                        wire.Commit(keys[i], offset, length, checksum(values[i]), keep_room=True),
+                        self._prefix,
                     ),
                     flags=flags,
                     timeout=timeout,

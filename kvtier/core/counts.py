@@ -82,6 +82,50 @@ class CoreCounters:
         )
 
 
+#: namespaces counted apart at most; later ones are counted together as OTHER
+MAX_COUNTED_NAMESPACES = 1024
+#: where namespaces past the limit are counted (not a valid namespace name)
+OTHER_NAMESPACE = b"\x00other"
+
+
+@dataclass(slots=True)
+class NamespaceCounts:
+    """One namespace's lookup answers, by key."""
+
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class NamespaceStats:
+    """What one namespace holds and how it is served; metrics and ``kvtier
+    stats --namespace`` read the fields by name."""
+
+    name: str
+    ram_bytes: int
+    ram_blocks: int
+    disk_bytes: int
+    disk_blocks: int
+    evictions: int
+    hits: int
+    misses: int
+    ram_min: int
+    ram_max: int | None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {
+            "bytes": self.ram_bytes,
+            "blocks": self.ram_blocks,
+            "disk_bytes": self.disk_bytes,
+            "disk_blocks": self.disk_blocks,
+            "evictions": self.evictions,
+            "hits": self.hits,
+            "misses": self.misses,
+            "ram_min": self.ram_min,
+            "ram_max": self.ram_max,
+        }
+
+
 @dataclass(slots=True, frozen=True)
 class MapSizes:
     """Sizes of the service's maps (all drain to 0 when idle), read at scrape time."""

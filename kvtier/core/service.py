@@ -30,7 +30,17 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
-from kvtier.core.counts import CoreCounters, MapSizes, ProbeFailure, ProbeUse, Promoted
+from kvtier.core.counts import (
+    MAX_COUNTED_NAMESPACES,
+    OTHER_NAMESPACE,
+    CoreCounters,
+    MapSizes,
+    NamespaceCounts,
+    NamespaceStats,
+    ProbeFailure,
+    ProbeUse,
+    Promoted,
+)
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.events import EventLog, Subscription
 from kvtier.core.lookup import (
@@ -57,8 +67,10 @@ from kvtier.errors import (
     ValueTooLargeError,
 )
 from kvtier.model import (
+    DEFAULT_NAMESPACE,
     HIT,
     MISS,
+    NAMESPACE_MARK,
     PENDING,
     RETRY,
     STATE_NAMES,
@@ -77,10 +89,12 @@ from kvtier.model import (
     ReserveStatus,
     Spawn,
     Subscriber,
+    namespace_name,
 )
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.ram import RamTier
+from kvtier.tiers.shares import Shares
 
 log = logging.getLogger("kvtier.service")
 
@@ -105,9 +119,18 @@ def check_keys(limits: Limits, keys: Sequence[bytes], uniform_len: int = 0) -> N
     limit = limits.max_key_bytes
     if uniform_len and 0 < uniform_len <= limit:
         return
+    if uniform_len and 0 < uniform_len <= limit + _prefix_len(keys[0]):
+        return  # a namespace's keys: their prefix is not theirs to count
     for i, key in enumerate(keys):
-        if not 0 < len(key) <= limit:
-            raise BadKeyError(f"key {i} is {len(key)} bytes; keys must be 1..{limit} bytes")
+        if not 0 < len(key) - _prefix_len(key) <= limit:
+            raise BadKeyError(
+                f"key {i} is {len(key) - _prefix_len(key)} bytes; keys must be 1..{limit} bytes"
+            )
+
+
+def _prefix_len(key: bytes) -> int:
+    """The length of the namespace prefix (or escape) a stored key starts with."""
+    return 2 + key[1] if len(key) > 1 and key[0] == NAMESPACE_MARK else 0
 
 
 def check_seconds(name: str, value: float) -> None:
@@ -179,6 +202,8 @@ class Service:
         self._state_counters = {
             state: self.counters.lookup_keys.bind(name) for state, name in STATE_NAMES.items()
         }
+        #: lookup answers by namespace (at most MAX_COUNTED_NAMESPACES apart)
+        self.namespace_counts: dict[bytes, NamespaceCounts] = {}
         self.deferrals = DeferralTracker(self.cfg.request_state_ttl, self.cfg.max_request_states)
         self.probing = RemoteProbes(
             [spec.tier for spec in remotes],
@@ -298,7 +323,7 @@ class Service:
         seen: SeenProbes | None = {} if req.wait > 0 else None
         reply, waits, bound_at = self._look(req, locator, now, seen)
         if not waits or req.wait <= 0 or (bound_at is not None and now >= bound_at):
-            return self._answer(reply)
+            return self._answer(reply, req.keys)
         assert seen is not None
         return self._wait_for_lookup(req, cutoff, locator, now + req.wait, seen, waits, bound_at)
 
@@ -327,7 +352,7 @@ class Service:
             reply, waits, bound_at = self._look(req, locator, now, seen)
             until = deadline if bound_at is None else min(deadline, bound_at)
             if not waits or now >= until or self.closing or (cutoff and cutoff.done()):
-                return self._answer(reply)
+                return self._answer(reply, req.keys)
 
     def _look(
         self, req: Lookup, locator: Locator, now: float, seen: SeenProbes | None
@@ -423,13 +448,57 @@ class Service:
             res = table.get(keys[i]) or self._promote(slots[t], keys[i], now)
             settles[i] = res.done
 
-    def _answer(self, reply: LookupReply) -> LookupReply:
+    def _answer(self, reply: LookupReply, keys: list[bytes]) -> LookupReply:
         raw = reply.raw_states
         for state, cell in self._state_counters.items():
             n = raw.count(state)
             if n:
                 cell.value += n
+        if keys:  # a request's keys are one namespace's (a client's connection)
+            k = keys[0]  # its namespace, as model.namespace_of reads it
+            ns = k[2 : 2 + k[1]] if k[0] == NAMESPACE_MARK and len(k) > 1 else DEFAULT_NAMESPACE
+            counts = self.namespace_counts.get(ns)
+            if counts is None:
+                counts = self._count_namespace(ns)
+            counts.hits += raw.count(HIT)
+            counts.misses += raw.count(MISS)
         return reply
+
+    def _count_namespace(self, ns: bytes) -> NamespaceCounts:
+        if len(self.namespace_counts) >= MAX_COUNTED_NAMESPACES:
+            ns = OTHER_NAMESPACE
+            if ns in self.namespace_counts:
+                return self.namespace_counts[ns]
+        counts = self.namespace_counts[ns] = NamespaceCounts()
+        return counts
+
+    def namespace_stats(self) -> list[NamespaceStats]:
+        """What each namespace holds (with quotas: RAM and disk) and its lookups."""
+        ram = self.ram.budget.shares
+        disk = self.disk.budget.shares if self.disk is not None else None
+        names = set(self.namespace_counts)
+        for shares in (ram, disk):
+            if shares is not None:
+                names |= {ns for ns, n in shares.used.items() if n} | set(shares.quotas)
+        out = []
+        for ns in sorted(names):
+            counts = self.namespace_counts.get(ns, NamespaceCounts())
+            quota = ram.quota(ns) if ram is not None else None
+            out.append(
+                NamespaceStats(
+                    name="other" if ns == OTHER_NAMESPACE else namespace_name(ns),
+                    ram_bytes=ram.used.get(ns, 0) if ram is not None else 0,
+                    ram_blocks=_blocks(ram, ns),
+                    disk_bytes=disk.used.get(ns, 0) if disk is not None else 0,
+                    disk_blocks=_blocks(disk, ns),
+                    evictions=ram.evictions.get(ns, 0) if ram is not None else 0,
+                    hits=counts.hits,
+                    misses=counts.misses,
+                    ram_min=quota.min if quota is not None else 0,
+                    ram_max=quota.max if quota is not None else None,
+                )
+            )
+        return out
 
     # ------------------------------------------------------------ promotions
 
@@ -571,7 +640,7 @@ class Service:
                 continue
             if size:
                 try:
-                    evicted = self.ram.reserve(size)
+                    evicted = self.ram.reserve(size, key)
                 except (NoCapacityError, ValueTooLargeError):
                     statuses.append(ReserveStatus.REFUSED)
                     self.counters.reservations.inc("refused")
@@ -748,7 +817,7 @@ class Service:
         res = self.pending.table.get(key)
         if res is not None and res.size:
             self.pending.claim(res)
-        view, evicted = self.ram.stage(length)
+        view, evicted = self.ram.stage(length, key)
         self._evicted(evicted)
         return view
 
@@ -948,10 +1017,16 @@ class Service:
                 s.name: {"inflight": s.probes.inflight_count, "verdicts": s.probes.verdict_count}
                 for s in self.remotes
             },
+            "namespaces": {n.name: n.as_dict() for n in self.namespace_stats()},
         }
 
 
 # ---------------------------------------------------------------- pending writes
+
+
+def _blocks(shares: Shares | None, ns: bytes) -> int:
+    policy = shares.policies.get(ns) if shares is not None else None
+    return len(policy) if policy is not None else 0
 
 
 class PendingWrites:

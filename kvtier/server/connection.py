@@ -106,6 +106,11 @@ class Connection(asyncio.BufferedProtocol):
         self._staged: dict[int, memoryview] = {}
         #: whether this connection agreed to shared memory at HELLO
         self.shared = False
+        #: the keys it may name (its namespace's, docs/tenancy.md); None on the
+        #: peer port, whose keys are stored keys already
+        self.scope: wire.KeyScope | None = None
+        #: its namespace, as named at HELLO (the default: empty)
+        self.namespace = b""
         #: what runs once replies still in the transport's buffer are written out
         #: (a reply's block stays pinned until the kernel has its bytes)
         self._unflushed: list[Callable[[], None]] = []
@@ -142,6 +147,9 @@ class Connection(asyncio.BufferedProtocol):
         if not self.server.peers.allows(peer):
             self._refuse(peer)
             return
+        access = self.server.ops.access
+        if access is not None:
+            self.scope = access.first_scope(peer)
         self.server.connection_opened(self)
 
     def _refuse(self, peer: Peer | None) -> None:
@@ -264,7 +272,7 @@ class Connection(asyncio.BufferedProtocol):
     def _receive_into(self, header: wire.Header, meta: Buffer | None) -> memoryview | None:
         if not self.admitted:
             return None
-        view = self.server.ops.receive_into(header, meta)
+        view = self.server.ops.receive_into(self, header, meta)
         if view is not None:
             self._staged[id(view)] = view
         return view

@@ -8,18 +8,34 @@ the service's async verb of the same name. The service is any
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvtier import wire
-from kvtier.errors import ForbiddenError, UnsupportedVersionError
-from kvtier.model import Buffer, CacheService, EventSource, Leased, LookupReply, SharedService
+from kvtier.errors import BadArgumentError, ForbiddenError, UnsupportedVersionError
+from kvtier.model import (
+    DEFAULT_NAMESPACE,
+    BlockEvent,
+    Buffer,
+    CacheService,
+    EventSource,
+    Leased,
+    LookupReply,
+    SharedService,
+    client_key,
+    namespace_id,
+    namespace_name,
+    namespace_prefix,
+)
 from kvtier.server.connection import Later, Reply
-from kvtier.wire import Frame, Op
+from kvtier.wire import Frame, KeyScope, Op
 
 if TYPE_CHECKING:
     from kvtier.server.connection import Connection
+    from kvtier.server.sockets import Peer
 
 Handler = Callable[["Connection", Frame], "Reply | Later"]
 
@@ -29,6 +45,43 @@ EVENT_QUEUE = 65536
 MAX_EVENT_QUEUE = 1 << 20
 #: events per streamed frame
 EVENT_BATCH = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceAccess:
+    """Which local uids may use which namespace (docs/tenancy.md).
+
+    A namespace with a uid list (``[namespaces.<name>] uids``) is open to
+    those uids only; one without, to every uid the socket admits. With
+    ``strict``, a HELLO may name only a configured namespace. A connection
+    that names none is in the default namespace, and needs no HELLO."""
+
+    uids: dict[bytes, frozenset[int]] = field(default_factory=dict)
+    configured: frozenset[bytes] = frozenset()
+    strict: bool = False
+
+    def check(self, ns: bytes, peer: Peer | None) -> None:
+        """Raise ForbiddenError unless ``peer`` may use namespace ``ns``."""
+        if self.strict and ns and ns not in self.configured:
+            raise ForbiddenError(f"namespace {namespace_name(ns)!r} is not configured here")
+        allowed = self.uids.get(ns)
+        if allowed is not None and (peer is None or peer.uid not in allowed):
+            who = f"uid {peer.uid}" if peer is not None else "a client without credentials"
+            raise ForbiddenError(f"{who} may not use namespace {namespace_name(ns)!r}")
+
+    def first_scope(self, peer: Peer | None) -> KeyScope:
+        """A new local connection's scope: the default namespace, or (when its
+        uid may not use that) nothing until a HELLO names one it may."""
+        try:
+            self.check(DEFAULT_NAMESPACE, peer)
+        except ForbiddenError:
+            return NO_KEYS
+        return DEFAULT_SCOPE
+
+
+DEFAULT_SCOPE = KeyScope()
+#: a scope that admits no key: a connection whose uid must name its namespace
+NO_KEYS = KeyScope(closed=True)
 
 
 class Ops:
@@ -45,8 +98,12 @@ class Ops:
         shared: SharedService | None = None,
         shared_offer: wire.SharedOffer | None = None,
         events: EventSource | None = None,
+        access: NamespaceAccess | None = None,
     ) -> None:
         self.service = service
+        #: who may use which namespace; None: no namespaces (the peer port,
+        #: whose keys are stored keys already)
+        self.access = access
         #: the block events SUBSCRIBE streams; None: not offered (a peer port)
         self.events = events
         #: leases and staging for clients that opt in at HELLO; None: not offered
@@ -91,6 +148,16 @@ class Ops:
                 f"client speaks versions {hello.min_version}..{hello.max_version}; "
                 f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
             )
+        if self.access is not None:
+            try:
+                ns = namespace_id(hello.namespace or "default")
+            except ValueError as exc:
+                raise BadArgumentError(str(exc)) from None
+            self.access.check(ns, conn.peer)
+            conn.namespace = ns
+            conn.scope = KeyScope(namespace_prefix(ns)) if ns else DEFAULT_SCOPE
+        elif hello.namespace:
+            raise ForbiddenError("namespaces are named on the local socket, not the peer port")
         limits = self.service.limits
         offer = self.shared_offer if hello.shared else None
         conn.shared = offer is not None
@@ -114,20 +181,25 @@ class Ops:
 
     def stats(self, conn: Connection, frame: Frame) -> Reply:
         stats = self.service.stats()
+        if conn.namespace and "namespaces" in stats:  # a tenant sees its own line only
+            name = namespace_name(conn.namespace)
+            stats["namespaces"] = {k: v for k, v in stats["namespaces"].items() if k == name}
         stats["server"] = self._server_stats()
         if self.shared is not None:
             stats["shared"] = self.shared.stats().as_dict()
         return Reply(wire.encode_json(stats))
 
     def lookup(self, conn: Connection, frame: Frame) -> Reply | Later:
-        req = wire.decode_lookup(frame.meta, self.max_batch)
+        req = wire.decode_lookup(frame.meta, self.max_batch, conn.scope)
+        if conn.namespace and req.request_tag:  # tags are a namespace's own too
+            req = dataclasses.replace(req, request_tag=_tag(conn, req.request_tag))
         reply = self.service.lookup(req, conn.eof)
         if isinstance(reply, LookupReply):
             return Reply(wire.encode_lookup_reply(reply))
         return Later(reply, _lookup_reply, cancel_on_close=True)
 
     def get(self, conn: Connection, frame: Frame) -> Reply | Later:
-        keys = self._only_keys(frame, "GET")
+        keys = self._only_keys(conn, frame, "GET")
         values = self.service.get(keys)
         if isinstance(values, list):
             return self._get_reply(keys, values)
@@ -142,14 +214,16 @@ class Ops:
             raise
         return Reply(meta, data, on_sent=lambda: self.service.unpin(keys, values))
 
-    def receive_into(self, header: wire.Header, meta: Buffer | None) -> memoryview | None:
+    def receive_into(
+        self, conn: Connection, header: wire.Header, meta: Buffer | None
+    ) -> memoryview | None:
         """Where a PUT's body lands: a RAM slot when it holds one block (the
         block is then stored without a copy), else a buffer of its own."""
         if header.opcode != Op.PUT or meta is None or not wire.single_key(meta):
             return None
         try:
-            keys, _, _ = wire.decode_keys(meta, 0, 1)
-        except wire.CodecError:
+            keys, _, _ = wire.decode_keys(meta, 0, 1, conn.scope)
+        except (wire.CodecError, ForbiddenError):
             return None  # the handler reports it
         return self.service.stage(header.data_len, keys[0])
 
@@ -157,7 +231,7 @@ class Ops:
         try:
             hinted = bool(frame.header.flags & wire.FLAG_HINTS)
             keys, values, hints = wire.decode_put(
-                frame.meta, frame.data, self.max_batch, hinted=hinted
+                frame.meta, frame.data, self.max_batch, hinted=hinted, scope=conn.scope
             )
             statuses = self.service.put(keys, values, hints=hints)
         finally:
@@ -169,7 +243,7 @@ class Ops:
         return Reply(wire.encode_put_reply(statuses))
 
     def delete(self, conn: Connection, frame: Frame) -> Reply | Later:
-        keys = self._only_keys(frame, "DELETE")
+        keys = self._only_keys(conn, frame, "DELETE")
         deleted = self.service.delete(keys)
         if isinstance(deleted, list):
             return _delete_reply(deleted)
@@ -178,18 +252,18 @@ class Ops:
     def reserve(self, conn: Connection, frame: Frame) -> Reply:
         if frame.data:
             raise wire.CodecError("RESERVE carries no data")
-        req = wire.decode_reserve(frame.meta, self.max_batch)
+        req = wire.decode_reserve(frame.meta, self.max_batch, conn.scope)
         statuses = self.service.reserve(req, conn.conn_id)
         return Reply(wire.encode_status_bytes(statuses))
 
     def abort(self, conn: Connection, frame: Frame) -> Reply:
-        aborted = self.service.abort(self._only_keys(frame, "ABORT"), conn.conn_id)
+        aborted = self.service.abort(self._only_keys(conn, frame, "ABORT"), conn.conn_id)
         return Reply(wire.encode_status_bytes(aborted))
 
     def release(self, conn: Connection, frame: Frame) -> Reply:
         if frame.data:
             raise wire.CodecError("RELEASE carries no data")
-        existed = self.service.release(wire.decode_tag(frame.meta))
+        existed = self.service.release(_tag(conn, wire.decode_tag(frame.meta)))
         return Reply(bytes([int(existed)]))
 
     # -- shared memory
@@ -203,7 +277,7 @@ class Ops:
         shared = self._shared_of(conn)
         if frame.data:
             raise wire.CodecError("GET_SHARED carries no data")
-        releases, keys = wire.decode_get_shared(frame.meta, self.max_batch)
+        releases, keys = wire.decode_get_shared(frame.meta, self.max_batch, conn.scope)
         shared.unlease(conn.conn_id, releases)
         values = self.service.get(keys)
         if isinstance(values, list):
@@ -241,7 +315,7 @@ class Ops:
 
     def commit(self, conn: Connection, frame: Frame) -> Reply | Later:
         shared = self._shared_of(conn)
-        c = wire.decode_commit(frame.meta)
+        c = wire.decode_commit(frame.meta, conn.scope)
         status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
         if frame.header.flags & wire.FLAG_DURABLE:
             durable = self.service.make_durable([c.key], [None])
@@ -272,7 +346,7 @@ class Ops:
         shared = self._shared_of(conn)
         if frame.data:
             raise wire.CodecError("PUT_REGION carries no data: the blocks are in the region")
-        io = wire.decode_region_io(frame.meta, self.max_batch)
+        io = wire.decode_region_io(frame.meta, self.max_batch, conn.scope)
         done = shared.put_region(conn.conn_id, io.region, io.keys, io.spans, io.checksums)
         return Later(done, lambda statuses: Reply(wire.encode_put_reply(statuses)))
 
@@ -280,7 +354,7 @@ class Ops:
         shared = self._shared_of(conn)
         if frame.data:
             raise wire.CodecError("GET_REGION carries no data")
-        io = wire.decode_region_io(frame.meta, self.max_batch)
+        io = wire.decode_region_io(frame.meta, self.max_batch, conn.scope)
         shared.check_region(conn.conn_id, io.region, io.spans)
         values = self.service.get(io.keys)  # pinned; get_region unpins them
 
@@ -311,9 +385,12 @@ class Ops:
         self, conn: Connection, request_id: int, source: EventSource, snapshot: bool, limit: int
     ) -> None:
         sub = source.subscribe(limit)  # before the snapshot: nothing falls between
+        scope = conn.scope
         try:
             if snapshot:
                 held = source.snapshot()
+                if scope is not None:
+                    held = _scoped(held, scope.prefix)
                 for lo in range(0, len(held), EVENT_BATCH):
                     await conn.push(
                         Op.SUBSCRIBE, request_id, wire.encode_events(held[lo : lo + EVENT_BATCH])
@@ -323,16 +400,35 @@ class Ops:
                 if sub.closed:
                     return
                 events = sub.take(EVENT_BATCH)
+                if scope is not None:
+                    events = _scoped(events, scope.prefix)
                 if events:
                     await conn.push(Op.SUBSCRIBE, request_id, wire.encode_events(events))
         finally:
             source.unsubscribe(sub)
 
-    def _only_keys(self, frame: Frame, op: str) -> list[bytes]:
-        keys, end, _ = wire.decode_keys(frame.meta, 0, self.max_batch)
+    def _only_keys(self, conn: Connection, frame: Frame, op: str) -> list[bytes]:
+        keys, end, _ = wire.decode_keys(frame.meta, 0, self.max_batch, conn.scope)
         if end != len(frame.meta) or frame.data:
             raise wire.CodecError(f"{op} carries only a key list")
         return keys
+
+
+def _tag(conn: Connection, tag: bytes) -> bytes:
+    """A request tag as the service keeps it: a namespace's tags are its own."""
+    return namespace_prefix(conn.namespace) + tag if conn.namespace else tag
+
+
+def _scoped(events: Iterable[BlockEvent], prefix: bytes) -> list[BlockEvent]:
+    """The events of one connection's namespace, keys as its client names them
+    (gaps and snapshot ends, which name no key, pass)."""
+    out = []
+    for e in events:
+        if not e.key:
+            out.append(e)
+        elif (key := client_key(e.key, prefix)) is not None:
+            out.append(e if key is e.key else BlockEvent(e.seq, e.kind, key, e.tier))
+    return out
 
 
 def _lookup_reply(reply: LookupReply) -> Reply:

@@ -23,7 +23,7 @@ from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.model import CacheService, EventSource, SharedService, Spawn
 from kvtier.server.connection import Connection
 from kvtier.server.gate import PeerGate, Refusal
-from kvtier.server.ops import Ops
+from kvtier.server.ops import NamespaceAccess, Ops
 from kvtier.server.sockets import PeerPolicy
 
 log = logging.getLogger("kvtier.server")
@@ -69,6 +69,7 @@ class Server:
         shared: SharedService | None = None,
         shared_offer: wire.SharedOffer | None = None,
         events: EventSource | None = None,
+        access: NamespaceAccess | None = None,
         handshake_timeout: float | None = None,
         max_unauthenticated: int | None = None,
     ) -> None:
@@ -100,6 +101,7 @@ class Server:
             shared=shared,
             shared_offer=shared_offer,
             events=events,
+            access=access,
         )
         self._shared = shared
         self.connections: set[Connection] = set()

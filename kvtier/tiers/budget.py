@@ -3,7 +3,9 @@
 The RAM tier and the disk tier both keep one. It decides which keys go to
 make room (through the tier's eviction policy, skipping pinned keys) and
 keeps the byte accounting; the tier owns the values or files and does the
-removal it is told to. Pure; imports only the policy module.
+removal it is told to. With namespaces' quotas its policy is a
+:class:`~kvtier.tiers.shares.Shares`, which picks victims by namespace for
+the key that needs the room. Pure; imports the policy and shares modules.
 
 Invariants: ``used + held <= capacity`` after every admit (``held``: bytes
 promised to blocks still arriving); a pinned key is never chosen; a key is
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, plan_eviction
+from kvtier.tiers.shares import Shares
 
 
 class Budget:
@@ -31,6 +34,11 @@ class Budget:
         #: readers of each key; a pinned key is never evicted
         self._pins: dict[bytes, int] = {}
         self._policy: EvictionPolicy[bytes] = policy if policy is not None else LRUPolicy()
+        #: the policy, when it shares the tier among namespaces
+        self.shares: Shares | None = None
+        if isinstance(policy, Shares):
+            self.shares = policy
+            policy.size_of = self._sizes.__getitem__
 
     def __repr__(self) -> str:
         return (
@@ -72,9 +80,9 @@ class Budget:
 
     def remove(self, key: bytes) -> int:
         """Forget ``key``; returns its size (the caller frees the value)."""
+        self._policy.remove(key)
         size = self._sizes.pop(key)
         self.used -= size
-        self._policy.remove(key)
         return size
 
     # -- pins
@@ -95,25 +103,31 @@ class Budget:
 
     # -- room
 
-    def evict_for(self, need: int) -> list[bytes]:
-        """Remove the victims that make ``need`` bytes fit; returns them in order.
+    def evict_for(self, need: int, key: bytes | None = None) -> list[bytes]:
+        """Remove the victims that make ``need`` bytes (of ``key``, when known:
+        its namespace's quota applies) fit; returns them in order.
 
         Raises :class:`~kvtier.tiers.policy.NoRoom` (nothing removed) when
         evicting every unpinned key would not be enough.
         """
-        if need <= self.free:
+        shares = self.shares
+        if need <= self.free and (shares is None or shares.fits(key, need)):
             return []
         sizes, pins = self._sizes, self._pins
-        victims = plan_eviction(
-            need,
-            self.free,
-            self._policy.candidates(),
-            size_of=sizes.__getitem__,
-            pinned=pins.__contains__,
-        )
-        for key in victims:
-            self.used -= self._sizes.pop(key)
-            self._policy.evict(key)
+        if shares is not None:
+            victims = shares.plan(key, need, self.free, pins.__contains__)
+        else:
+            victims = plan_eviction(
+                need,
+                self.free,
+                self._policy.candidates(),
+                size_of=sizes.__getitem__,
+                pinned=pins.__contains__,
+            )
+        policy = self._policy
+        for victim in victims:
+            policy.evict(victim)
+            self.used -= sizes.pop(victim)
         self.evictions += len(victims)
         return victims
 

@@ -228,7 +228,7 @@ class RamTier(LocalTier):
                 self.budget.admit(key, slot.size, cold)
                 return True, []
             size = slots.block_size(length)
-            evicted = self._make_room(size)
+            evicted = self._make_room(size, key)
             try:
                 view = slots.new(length)
             except OutOfArena:  # fragmented: this block lives in the heap
@@ -245,7 +245,7 @@ class RamTier(LocalTier):
         self, key: bytes, value: Buffer, *, copy: bool, cold: bool
     ) -> list[tuple[bytes, Buffer]]:
         size = len(value)
-        evicted = self._make_room(size)
+        evicted = self._make_room(size, key)
         # A view into a larger buffer (one block of a batched PUT's frame)
         # would keep the whole frame alive for as long as the block stays:
         # the block gets bytes of its own, so RAM holds what it counts.
@@ -255,9 +255,9 @@ class RamTier(LocalTier):
         self.budget.admit(key, size, cold)
         return evicted
 
-    def _make_room(self, size: int) -> list[tuple[bytes, Buffer]]:
+    def _make_room(self, size: int, key: bytes | None) -> list[tuple[bytes, Buffer]]:
         try:
-            victims = self.budget.evict_for(size)
+            victims = self.budget.evict_for(size, key)
         except NoRoom as exc:
             raise NoCapacityError(f"RAM tier: {exc} (every other block is pinned)") from None
         values = self._values
@@ -277,9 +277,12 @@ class RamTier(LocalTier):
         assert self.slots is not None
         self.slots.retire(value)  # freed now, or by the last holder
 
-    def stage(self, length: int) -> tuple[memoryview | None, list[tuple[bytes, Buffer]]]:
-        """Arena room for a PUT body about to arrive (it is received in place);
-        None when there is no arena or no contiguous room. Returns evicted pairs."""
+    def stage(
+        self, length: int, key: bytes | None = None
+    ) -> tuple[memoryview | None, list[tuple[bytes, Buffer]]]:
+        """Arena room for a PUT body about to arrive (it is received in place)
+        for ``key`` when known; None when there is no arena or no contiguous
+        room. Returns evicted pairs."""
         slots = self.slots
         if slots is None or length < self.min_slot or length > self.capacity:
             return None, []
@@ -287,7 +290,7 @@ class RamTier(LocalTier):
             self._apply_touches()
         size = slots.block_size(length)
         try:
-            evicted = self._make_room(size)
+            evicted = self._make_room(size, key)
         except NoCapacityError:
             return None, []
         try:
@@ -302,15 +305,16 @@ class RamTier(LocalTier):
         if self.slots is not None:
             self.budget.release(self.slots.drop_staged(value))  # type: ignore[arg-type]
 
-    def reserve(self, size: int) -> list[tuple[bytes, Buffer]]:
-        """Hold ``size`` bytes for a block about to arrive; returns evicted pairs."""
+    def reserve(self, size: int, key: bytes | None = None) -> list[tuple[bytes, Buffer]]:
+        """Hold ``size`` bytes for a block (``key``, when known) about to
+        arrive; returns evicted pairs."""
         if size > self.capacity:
             raise ValueTooLargeError(
                 f"cannot reserve {size} bytes in a RAM tier of {self.capacity} bytes"
             )
         if self._touches:
             self._apply_touches()
-        evicted = self._make_room(size)
+        evicted = self._make_room(size, key)
         self.budget.hold(size)
         return evicted
 

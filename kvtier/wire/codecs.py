@@ -16,9 +16,11 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvtier.errors import BatchTooLargeError
+from kvtier.errors import BatchTooLargeError, ForbiddenError
 from kvtier.model import (
     KNOWN_PUT_HINTS,
+    NAMESPACE_ESCAPE,
+    NAMESPACE_MARK,
     Buffer,
     Lookup,
     LookupMode,
@@ -94,16 +96,87 @@ def _check_count(n: int, max_keys: int | None) -> None:
 # --------------------------------------------------------------------------- keys
 
 
-def encode_keys(keys: Sequence[bytes]) -> bytes:
+class KeyScope:
+    """The keys one connection may name: its namespace's (docs/tenancy.md).
+
+    A namespaced client sends every key with its namespace's ``prefix``
+    (:func:`~kvtier.model.namespace_prefix`); a key without it is refused
+    (ForbiddenError), so no client reaches another namespace's blocks. A
+    default-namespace client's key that starts with the namespace mark is
+    escaped as it is decoded, so it cannot name a namespaced key either.
+    Checked over the frame's bytes, one strided comparison per prefix byte
+    for a list of equal-length keys: a check costs no Python step per key.
+    """
+
+    __slots__ = ("_columns", "closed", "prefix")
+
+    def __init__(self, prefix: bytes = b"", *, closed: bool = False) -> None:
+        self.prefix = prefix
+        #: no key at all: the connection must name a namespace it may use first
+        self.closed = closed
+        #: (offset, byte) of each prefix byte, for the strided check
+        self._columns = [(i, prefix[i : i + 1]) for i in range(len(prefix))]
+
+    def __repr__(self) -> str:
+        return f"<KeyScope {'closed' if self.closed else repr(self.prefix)}>"
+
+    def _refuse(self) -> ForbiddenError:
+        if self.closed:
+            return ForbiddenError("name a namespace this user may use at HELLO first")
+        return ForbiddenError("a key outside this connection's namespace")
+
+    def uniform(self, region: memoryview, n: int, length: int) -> bool:
+        """Check ``n`` keys of ``length`` bytes laid end to end in ``region``;
+        True if some default-namespace key needs escaping."""
+        if self.closed:
+            raise self._refuse()
+        if self.prefix:
+            if length <= len(self.prefix) or any(
+                region[i::length] != byte * n for i, byte in self._columns
+            ):
+                raise self._refuse()
+            return False
+        return NAMESPACE_MARK in region[::length].tobytes()
+
+    def each(self, keys: list[bytes]) -> list[bytes]:
+        """Check (and escape) keys of mixed lengths, one at a time."""
+        if self.closed:
+            raise self._refuse()
+        prefix = self.prefix
+        if prefix:
+            n = len(prefix)
+            if not all(len(k) > n and k.startswith(prefix) for k in keys):
+                raise self._refuse()
+            return keys
+        return escape(keys)
+
+
+def escape(keys: list[bytes]) -> list[bytes]:
+    """Default-namespace keys as stored: one that starts with the namespace
+    mark gets the escape in front."""
+    return [NAMESPACE_ESCAPE + k if k[:1] == _MARK else k for k in keys]
+
+
+_MARK = bytes((NAMESPACE_MARK,))
+
+
+def encode_keys(keys: Sequence[bytes], prefix: bytes = b"") -> bytes:
+    """A key list; ``prefix`` (a namespaced client's) goes before every key."""
     n = len(keys)
     if n == 0:
         return _KEYS_HEAD.pack(0, 0)
     lengths = list(map(len, keys))
     first = lengths[0]
-    if 0 < first <= MAX_KEY_BYTES_V1 and lengths.count(first) == n:
+    extra = len(prefix)
+    if 0 < first + extra <= MAX_KEY_BYTES_V1 and lengths.count(first) == n:
+        if prefix:
+            return _KEYS_HEAD.pack(n, first + extra) + prefix + prefix.join(keys)
         return _KEYS_HEAD.pack(n, first) + b"".join(keys)
-    if max(lengths) > MAX_KEY_BYTES_V1:
+    if max(lengths) + extra > MAX_KEY_BYTES_V1:
         raise CodecError(f"a key is longer than {MAX_KEY_BYTES_V1} bytes")
+    if prefix:
+        lengths = [length + extra for length in lengths]
+        return b"".join((_KEYS_HEAD.pack(n, 0), _pack_u16s(lengths), prefix, prefix.join(keys)))
     return b"".join((_KEYS_HEAD.pack(n, 0), _pack_u16s(lengths), *keys))
 
 
@@ -113,12 +186,14 @@ def single_key(buf: Buffer) -> bool:
 
 
 def decode_keys(
-    buf: Buffer, offset: int = 0, max_keys: int | None = None
+    buf: Buffer, offset: int = 0, max_keys: int | None = None, scope: KeyScope | None = None
 ) -> tuple[list[bytes], int, int]:
     """A key list: the keys, the offset after it, the uniform key length (0 if mixed).
 
     The count is checked against ``max_keys`` and the frame's length before
-    anything is decoded, so the work is bounded by the bytes received.
+    anything is decoded, so the work is bounded by the bytes received. With
+    a ``scope`` (a client's connection; none on the peer port, whose keys are
+    already stored keys) the keys are checked, or escaped, for its namespace.
     """
     end = len(buf)
     if offset + _KEYS_HEAD.size > end:
@@ -132,6 +207,7 @@ def decode_keys(
             raise CodecError(f"key list announces {n} keys of {uniform} bytes; frame too short")
         if n == 0:
             return [], stop, 0
+        marked = scope is not None and scope.uniform(memoryview(buf)[offset:stop], n, uniform)
         whole, rest = divmod(n, _KEY_CHUNK)
         tail = offset + whole * _KEY_CHUNK * uniform
         keys: list[bytes] = []
@@ -140,6 +216,8 @@ def decode_keys(
             keys = list(itertools.chain.from_iterable(chunks))
         if rest:
             keys.extend(_key_format(uniform, rest).unpack_from(buf, tail))
+        if marked:
+            return escape(keys), stop, 0
         return keys, stop, uniform
     if offset + 2 * n > end:
         raise CodecError(f"key list announces {n} keys; frame too short")
@@ -154,6 +232,8 @@ def decode_keys(
     for length in lengths:
         keys.append(raw[pos : pos + length])
         pos += length
+    if scope is not None:
+        keys = scope.each(keys)
     return keys, stop, 0
 
 
@@ -210,7 +290,7 @@ def _encode_count_bytes(values: Iterable[int]) -> bytes:
 # --------------------------------------------------------------------------- LOOKUP
 
 
-def encode_lookup(req: Lookup) -> bytes:
+def encode_lookup(req: Lookup, prefix: bytes = b"") -> bytes:
     tag = req.request_tag
     if len(tag) > 255:
         raise CodecError("request tag longer than 255 bytes")
@@ -225,12 +305,14 @@ def encode_lookup(req: Lookup) -> bytes:
             ),
             _U8.pack(len(tag)),
             tag,
-            encode_keys(req.keys),
+            encode_keys(req.keys, prefix),
         )
     )
 
 
-def decode_lookup(buf: Buffer, max_keys: int | None = None) -> Lookup:
+def decode_lookup(
+    buf: Buffer, max_keys: int | None = None, scope: KeyScope | None = None
+) -> Lookup:
     if len(buf) < _LOOKUP_HEAD.size + 1:
         raise CodecError("truncated LOOKUP")
     mode, flags, window, wait, max_pending_wait = _LOOKUP_HEAD.unpack_from(buf, 0)
@@ -246,7 +328,7 @@ def decode_lookup(buf: Buffer, max_keys: int | None = None) -> Lookup:
     tag = bytes(buf[offset : offset + tag_len])
     if len(tag) != tag_len:
         raise CodecError("truncated request tag")
-    keys, end, key_len = decode_keys(buf, offset + tag_len, max_keys)
+    keys, end, key_len = decode_keys(buf, offset + tag_len, max_keys, scope)
     _expect_end(buf, end)
     return Lookup(
         keys, lookup_mode, window, wait, max_pending_wait, tag, key_len, bool(flags & LOOKUP_PEEK)
@@ -303,14 +385,17 @@ def decode_get_reply(meta: Buffer, data: Buffer) -> list[memoryview | None]:
 
 
 def encode_put(
-    keys: Sequence[bytes], values: Sequence[Buffer], hints: Sequence[int] | None = None
+    keys: Sequence[bytes],
+    values: Sequence[Buffer],
+    hints: Sequence[int] | None = None,
+    prefix: bytes = b"",
 ) -> tuple[bytes, list[Buffer]]:
     """Meta and data of a PUT; with ``hints`` (one :class:`PutHint` per key)
     the frame must carry :data:`FLAG_HINTS`."""
     if len(keys) != len(values):
         raise CodecError("PUT needs one value per key")
     lengths = [len(v) for v in values]
-    meta = encode_keys(keys) + _pack_u32s(lengths)
+    meta = encode_keys(keys, prefix) + _pack_u32s(lengths)
     if hints is not None:
         if len(hints) != len(keys):
             raise CodecError("PUT hints need one byte per key")
@@ -319,11 +404,16 @@ def encode_put(
 
 
 def decode_put(
-    meta: Buffer, data: Buffer, max_keys: int | None = None, *, hinted: bool = False
+    meta: Buffer,
+    data: Buffer,
+    max_keys: int | None = None,
+    *,
+    hinted: bool = False,
+    scope: KeyScope | None = None,
 ) -> tuple[list[bytes], list[Buffer], bytes | None]:
     """Keys, values and (``hinted``: the frame has FLAG_HINTS) one hint byte
     per key. A value is a zero-copy view when the frame holds one."""
-    keys, offset, _ = decode_keys(meta, 0, max_keys)
+    keys, offset, _ = decode_keys(meta, 0, max_keys, scope)
     lengths, end = _decode_u32_array(meta, offset, len(keys))
     hints = None
     if hinted:
@@ -375,23 +465,25 @@ def decode_delete_reply(buf: Buffer) -> list[bool]:
 _F64 = struct.Struct("<d")
 
 
-def encode_reserve(req: Reserve) -> bytes:
+def encode_reserve(req: Reserve, prefix: bytes = b"") -> bytes:
     if len(req.sizes) != len(req.keys):
         raise CodecError("RESERVE needs one size per key")
     return b"".join(
         (
             _F64.pack(req.deadline),
-            encode_keys(req.keys),
+            encode_keys(req.keys, prefix),
             _pack_u32s(req.sizes),
         )
     )
 
 
-def decode_reserve(buf: Buffer, max_keys: int | None = None) -> Reserve:
+def decode_reserve(
+    buf: Buffer, max_keys: int | None = None, scope: KeyScope | None = None
+) -> Reserve:
     if len(buf) < _F64.size:
         raise CodecError("truncated RESERVE")
     (deadline,) = _F64.unpack_from(buf, 0)
-    keys, offset, _ = decode_keys(buf, _F64.size, max_keys)
+    keys, offset, _ = decode_keys(buf, _F64.size, max_keys, scope)
     sizes, end = _decode_u32_array(buf, offset, len(keys))
     _expect_end(buf, end)
     return Reserve(keys, list(sizes), deadline)

@@ -1,8 +1,9 @@
-"""HELLO: version negotiation, limits, the peer token and the shared-memory offer. Pure.
+"""HELLO: version negotiation, limits, the peer token, the namespace and the
+shared-memory offer. Pure.
 
 Optional fields follow the fixed ones in a set order (the token, then
-flags; the node id, then the shared-memory offer), so an older peer's
-shorter message still decodes.
+flags, then the namespace; the node id, then the shared-memory offer), so
+an older peer's shorter message still decodes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class Hello:
     token: bytes = field(default=b"", repr=False)
     #: the client would read blocks through shared memory (same host only)
     shared: bool = False
+    #: the namespace the connection's keys belong to (docs/tenancy.md); empty:
+    #: the default namespace
+    namespace: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,12 +64,20 @@ class HelloReply:
     shared: SharedOffer | None = None
 
 
+#: HELLO flags (after the token)
+HELLO_SHARED = 0x01
+HELLO_NAMESPACE = 0x02  # the namespace's name follows the flags
+
+
 def encode_hello(hello: Hello) -> bytes:
     out = _HELLO_REQ.pack(hello.min_version, hello.max_version) + _encode_str(hello.client_name)
-    if hello.token or hello.shared:
+    flags = (HELLO_SHARED if hello.shared else 0) | (HELLO_NAMESPACE if hello.namespace else 0)
+    if hello.token or flags:
         out += _U16.pack(len(hello.token)) + hello.token
-    if hello.shared:
-        out += _U8.pack(1)
+    if flags:
+        out += _U8.pack(flags)
+    if hello.namespace:
+        out += _encode_str(hello.namespace)
     return out
 
 
@@ -77,12 +89,15 @@ def decode_hello(buf: Buffer) -> Hello:
     token = b""
     if end < len(buf):  # optional: the peer token
         token, end = _decode_u16_bytes(buf, end, "HELLO token")
-    shared = False
+    flags = 0
     if end < len(buf):  # optional, after the token: flags
-        shared = bool(buf[end] & 1)
+        flags = buf[end]
         end += 1
+    namespace = ""
+    if flags & HELLO_NAMESPACE:
+        namespace, end = _decode_str(buf, end)
     _expect_end(buf, end)
-    return Hello(lo, hi, name, token, shared)
+    return Hello(lo, hi, name, token, bool(flags & HELLO_SHARED), namespace)
 
 
 def encode_hello_reply(reply: HelloReply) -> bytes:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from kvtier.model import Buffer, Leased
 from kvtier.wire.codecs import (
     MISSING,
+    KeyScope,
     _decode_u32_array,
     _expect_end,
     _pack_u32s,
@@ -98,13 +99,15 @@ def _decode_ids(buf: Buffer, offset: int, max_ids: int) -> tuple[list[int], int]
     return [v for (v,) in _U64.iter_unpack(buf[offset:end])], end
 
 
-def encode_get_shared(releases: Sequence[int], keys: Sequence[bytes]) -> bytes:
-    return _encode_ids(releases) + encode_keys(keys)
+def encode_get_shared(releases: Sequence[int], keys: Sequence[bytes], prefix: bytes = b"") -> bytes:
+    return _encode_ids(releases) + encode_keys(keys, prefix)
 
 
-def decode_get_shared(buf: Buffer, max_batch: int) -> tuple[list[int], list[bytes]]:
+def decode_get_shared(
+    buf: Buffer, max_batch: int, scope: KeyScope | None = None
+) -> tuple[list[int], list[bytes]]:
     ids, offset = _decode_ids(memoryview(buf), 0, max_batch)
-    keys, end, _ = decode_keys(buf, offset, max_batch)
+    keys, end, _ = decode_keys(buf, offset, max_batch, scope)
     if end != len(buf):
         raise CodecError("GET_SHARED carries lease ids and a key list only")
     return ids, keys
@@ -172,18 +175,18 @@ def decode_u64(buf: Buffer, what: str) -> int:
     return int(value)
 
 
-def encode_commit(c: Commit) -> bytes:
+def encode_commit(c: Commit, prefix: bytes = b"") -> bytes:
     flags = COMMIT_KEEP_ROOM if c.keep_room else 0
-    return _COMMIT.pack(c.offset, c.length, c.checksum, flags) + encode_keys([c.key])
+    return _COMMIT.pack(c.offset, c.length, c.checksum, flags) + encode_keys([c.key], prefix)
 
 
-def decode_commit(buf: Buffer) -> Commit:
+def decode_commit(buf: Buffer, scope: KeyScope | None = None) -> Commit:
     if len(buf) < _COMMIT.size:
         raise CodecError("truncated COMMIT")
     offset, length, checksum, flags = _COMMIT.unpack_from(buf, 0)
     if flags & ~COMMIT_KEEP_ROOM:
         raise CodecError(f"unknown COMMIT flags 0x{flags:02x}")
-    keys, end, _ = decode_keys(buf, _COMMIT.size, 1)
+    keys, end, _ = decode_keys(buf, _COMMIT.size, 1, scope)
     if len(keys) != 1 or end != len(buf):
         raise CodecError("COMMIT carries exactly one key")
     return Commit(keys[0], offset, length, checksum, bool(flags & COMMIT_KEEP_ROOM))
@@ -243,7 +246,7 @@ def decode_region_reply(buf: Buffer) -> tuple[int, bytes]:
     return int(region), bytes(token)
 
 
-def encode_region_io(io: RegionIO) -> bytes:
+def encode_region_io(io: RegionIO, prefix: bytes = b"") -> bytes:
     if len(io.spans) != len(io.keys):
         raise ValueError(f"{len(io.keys)} keys but {len(io.spans)} spans")
     sums = io.checksums
@@ -251,19 +254,19 @@ def encode_region_io(io: RegionIO) -> bytes:
         raise ValueError(f"{len(io.keys)} keys but {len(sums)} checksums")
     return (
         _REGION_IO.pack(io.region, REGION_CHECKSUMS if sums is not None else 0)
-        + encode_keys(io.keys)
+        + encode_keys(io.keys, prefix)
         + b"".join(_SPAN.pack(off, n) for off, n in io.spans)
         + (b"".join(_U64.pack(c) for c in sums) if sums is not None else b"")
     )
 
 
-def decode_region_io(buf: Buffer, max_batch: int) -> RegionIO:
+def decode_region_io(buf: Buffer, max_batch: int, scope: KeyScope | None = None) -> RegionIO:
     if len(buf) < _REGION_IO.size:
         raise CodecError("truncated region request")
     region, flags = _REGION_IO.unpack_from(buf, 0)
     if flags & ~REGION_CHECKSUMS:
         raise CodecError(f"unknown region request flags 0x{flags:02x}")
-    keys, end, _ = decode_keys(buf, _REGION_IO.size, max_batch)
+    keys, end, _ = decode_keys(buf, _REGION_IO.size, max_batch, scope)
     per_key = _SPAN.size + (8 if flags & REGION_CHECKSUMS else 0)
     if len(buf) - end != len(keys) * per_key:
         raise CodecError("a region request carries one (offset, length) per key")

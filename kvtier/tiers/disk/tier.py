@@ -193,9 +193,10 @@ class DiskTier(LocalTier):
     def __len__(self) -> int:
         return len(self.budget)
 
-    def _evict(self, need: int) -> list[Path]:
-        """Remove victims from the index; returns their paths to unlink."""
-        victims = self.budget.evict_for(need)
+    def _evict(self, need: int, key: bytes | None = None) -> list[Path]:
+        """Remove victims from the index (making room for ``key``'s namespace,
+        when known); returns their paths to unlink."""
+        victims = self.budget.evict_for(need, key)
         if victims and self.on_evict is not None:
             self.on_evict(victims)
         return [self.path_of(k) for k in victims]
@@ -255,7 +256,7 @@ class DiskTier(LocalTier):
                     f"block of {size} bytes is larger than the disk tier ({self.capacity} bytes)"
                 )
             try:
-                victims = self._evict(size)
+                victims = self._evict(size, key)
             except NoRoom as exc:
                 raise TierError(f"disk: {exc}") from None
             done: asyncio.Future[None] = loop.create_future()

@@ -1,0 +1,201 @@
+"""Namespaces: keys scoped in every tier, who may use which, quotas applied
+by a real daemon, live changes on SIGHUP."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier import BlockingClient, wire
+from kvtier.client.aio import Client
+from kvtier.config import load_config
+from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError
+from kvtier.model import EventKind, LookupMode, State, namespace_prefix
+from kvtier.tiers.rendezvous import owner
+from kvtier.wire import FLAG_REPLY, Op
+from tests.helpers import DaemonProcess, RawConnection, free_port, running_daemon
+
+H, M = State.HIT, State.MISS
+RAM_ONLY = {"enabled": False}
+K = b"block-0001"
+
+
+async def test_each_namespace_sees_its_own_blocks_only(sock_dir: Path) -> None:
+    async with (
+        running_daemon(sock_dir) as d,
+        await Client.connect(d.socket_path, namespace="model-a") as a,
+        await Client.connect(d.socket_path, namespace="model-b") as b,
+        await Client.connect(d.socket_path) as plain,
+    ):
+        await a.put(K, b"a" * 5000)
+        await b.put(K, b"b" * 5000)
+        assert await a.get(K) == b"a" * 5000
+        assert await b.get(K) == b"b" * 5000
+        assert await plain.get(K) is None
+        assert (await plain.lookup([K])).states == [M]
+        await plain.put(K, b"p")
+        assert await b.delete(K)
+        assert (await a.lookup([K])).states == [H]  # b's delete was b's only
+        assert (await b.lookup([K])).states == [M]
+        assert await plain.get(K) == b"p"
+        await d.settle()  # on disk too, each under its own name (b's deleted)
+        assert d.disk is not None and len(d.disk) == 2
+
+
+async def test_a_default_client_cannot_name_a_namespaced_key(sock_dir: Path) -> None:
+    forged = namespace_prefix(b"model-a") + K
+    async with (
+        running_daemon(sock_dir) as d,
+        await Client.connect(d.socket_path, namespace="model-a") as a,
+        await Client.connect(d.socket_path) as plain,
+    ):
+        await a.put(K, b"secret")
+        assert (await plain.lookup([forged])).states == [M]
+        assert await plain.get(forged) is None
+        assert not await plain.delete(forged)
+        await plain.put(forged, b"planted")  # stored under its own (escaped) name
+        assert await a.get(K) == b"secret"
+        assert await plain.get(forged) == b"planted"
+        # A batch of equal-length keys of which one starts with the mark.
+        keys = [b"x" * 20, b"\xff" + b"y" * 19]
+        await plain.put_many(keys, [b"1", b"2"])
+        assert await plain.get_many(keys) == [b"1", b"2"]
+
+
+def test_a_key_without_the_connections_prefix_is_refused(sock_dir: Path) -> None:
+    d = DaemonProcess(sock_dir, "--no-disk").start()
+    try:
+        with RawConnection(d.socket_path) as raw:
+            hello = wire.Hello(1, wire.VERSION, "raw", namespace="model-a")
+            raw.send_frame(Op.HELLO, 1, wire.encode_hello(hello))
+            assert raw.recv_frame().header.status == ErrorCode.OK
+            other = namespace_prefix(b"model-b") + K
+            raw.send_frame(Op.GET, 2, wire.encode_keys([other]))
+            reply = raw.recv_frame()
+            assert reply.header.flags & FLAG_REPLY and reply.header.status == ErrorCode.FORBIDDEN
+            assert b"outside this connection's namespace" in reply.meta
+            # The connection goes on: its own keys work.
+            raw.send_frame(Op.GET, 3, wire.encode_keys([K], namespace_prefix(b"model-a")))
+            assert raw.recv_frame().header.status == ErrorCode.OK
+    finally:
+        assert d.stop() == 0
+
+
+async def test_who_may_use_a_namespace(sock_dir: Path) -> None:
+    me = os.getuid()
+    namespaces: dict[str, Any] = {"mine": {"uids": [me]}, "theirs": {"uids": [me + 1]}}
+    async with running_daemon(sock_dir, namespaces=namespaces) as d:
+        async with await Client.connect(d.socket_path, namespace="mine") as c:
+            await c.put(K, b"ok")
+        with pytest.raises(ForbiddenError, match="may not use namespace 'theirs'"):
+            await Client.connect(d.socket_path, namespace="theirs")
+        with pytest.raises(BadArgumentError, match="letters, digits"):
+            await Client.connect(d.socket_path, namespace="no spaces")
+        async with await Client.connect(d.socket_path, namespace="unlisted") as c:
+            await c.put(K, b"open")  # not configured: open, with the default share
+    strict = {"configured_namespaces_only": True}
+    async with running_daemon(sock_dir, namespaces=namespaces, server=strict) as d:
+        with pytest.raises(ForbiddenError, match="not configured"):
+            await Client.connect(d.socket_path, namespace="unlisted")
+
+
+def test_the_default_namespace_can_be_closed_to_a_user(sock_dir: Path) -> None:
+    config = sock_dir / "kvtier.toml"
+    config.write_text(f"[namespaces.default]\nuids = [{os.getuid() + 1}]\n[namespaces.mine]\n")
+    d = DaemonProcess(sock_dir, "--no-disk", "--config", str(config)).start()
+    try:
+        with pytest.raises(ForbiddenError, match="may not use namespace 'default'"):
+            BlockingClient(d.socket_path)  # HELLO names none
+        with RawConnection(d.socket_path) as raw:  # no HELLO at all
+            raw.send_frame(Op.GET, 1, wire.encode_keys([K]))
+            reply = raw.recv_frame()
+            assert reply.header.status == ErrorCode.FORBIDDEN
+            assert b"name a namespace" in reply.meta
+        with BlockingClient(d.socket_path, namespace="mine") as c:
+            c.put(K, b"fine")
+    finally:
+        assert d.stop() == 0
+
+
+async def test_events_and_stats_show_a_tenant_its_own_namespace(sock_dir: Path) -> None:
+    async with (
+        running_daemon(sock_dir, disk=RAM_ONLY, namespaces={"a": {}, "b": {}}) as d,
+        await Client.connect(d.socket_path, namespace="a") as a,
+        await Client.connect(d.socket_path, namespace="b") as b,
+        await Client.connect(d.socket_path, namespace="a") as watcher,
+    ):
+        await b.put(b"b-first", b"1")
+        stream = watcher.subscribe(snapshot=True)
+        first = await anext(stream)
+        # The snapshot: a holds nothing yet; b's block is not shown.
+        assert [e.kind for e in first] == [EventKind.SNAPSHOT_END]
+        await b.put(b"b-only", b"2")
+        await a.put(b"a-only", b"3")
+        batch = await anext(stream)
+        assert [(e.kind, e.key) for e in batch] == [(EventKind.STORED, b"a-only")]
+        await stream.aclose()
+        stats = await a.stats()
+        assert set(stats["namespaces"]) == {"a"}
+        assert stats["namespaces"]["a"]["blocks"] == 1
+
+
+async def test_namespaces_stay_apart_across_peers(sock_dir: Path) -> None:
+    """Over the peer port a block keeps its namespace: a tenant on another
+    node reads its own blocks from there, never another tenant's."""
+    a_dir, b_dir = sock_dir / "a", sock_dir / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    here, there = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    members = [here, there]
+    # A key that, in namespace t1, is owned by B: stored on A, pushed to B.
+    prefix = namespace_prefix(b"t1")
+    key = next(
+        k
+        for k in (b"blk-%d" % i for i in range(1000))
+        if owner(prefix + k, [m.encode() for m in members]) == there.encode()
+    )
+    peer = {"members": members, "token": "t"}
+    async with (
+        running_daemon(b_dir, disk=RAM_ONLY, peer={**peer, "listen": there}) as b,
+        running_daemon(a_dir, disk=RAM_ONLY, peer={**peer, "listen": here}) as a,
+        await Client.connect(a.socket_path, namespace="t1") as writer,
+        await Client.connect(b.socket_path, namespace="t1") as same,
+        await Client.connect(b.socket_path, namespace="t2") as other,
+        await Client.connect(b.socket_path) as plain,
+    ):
+        await writer.put(key, b"t1's block")
+        assert (await same.lookup([key], wait=5.0)).states == [H]  # the push landed
+        assert (await other.lookup([key], wait=5.0)).states == [M]
+        assert (await plain.lookup([key], wait=5.0)).states == [M]
+        assert await same.get(key) == b"t1's block"
+
+
+async def test_quotas_change_on_sighup(sock_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "kvtier.toml"
+
+    def write(ram_max: str) -> None:
+        config.write_text(f'[namespaces.noisy]\nram_max = "{ram_max}"\n')
+
+    write("1MiB")
+
+    def reread() -> Any:
+        return load_config(config, {"server": {"socket_path": sock_dir / "d.sock"}})
+
+    block = b"x" * (256 * 1024)
+    start = {"noisy": {"ram_max": "1MiB"}}
+    async with (
+        running_daemon(sock_dir, disk=RAM_ONLY, reread=reread, namespaces=start) as d,
+        await Client.connect(d.socket_path, namespace="noisy") as c,
+    ):
+        keys = [b"n%d" % i for i in range(12)]
+        await c.put_many(keys, [block] * 12)
+        held = (await c.lookup(keys, mode=LookupMode.KEYS)).states.count(H)
+        assert held == 4  # 1 MiB of 256 KiB blocks
+        write("2MiB")
+        d.reload()
+        await c.put_many([b"m%d" % i for i in range(12)], [block] * 12)
+        stats = await c.stats()
+        assert stats["namespaces"]["noisy"]["bytes"] == 2 * 1024 * 1024
