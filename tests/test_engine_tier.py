@@ -11,7 +11,7 @@ import pytest
 
 from kvtier import BlockingClient
 from kvtier.client import Client
-from kvtier.integrations.engine import Answer, DaemonLink, EngineTier, block_key
+from kvtier.integrations.engine import Answer, DaemonLink, EngineTier, block_key, engine_namespace
 from tests.helpers import DaemonProcess
 
 BLOCK = 64 * 1024
@@ -30,7 +30,7 @@ def proc(sock_dir: Path) -> Iterator[DaemonProcess]:
 
 @pytest.fixture
 def tier(proc: DaemonProcess) -> Iterator[EngineTier]:
-    t = EngineTier(proc.socket_path, namespace=b"model-a/")
+    t = EngineTier(proc.socket_path, namespace="model-a")
     yield t
     t.close()
 
@@ -89,11 +89,11 @@ def test_a_failed_load_answers_miss_from_then_on(tier: EngineTier) -> None:
 def test_a_block_being_written_reads_retry_until_it_lands(
     proc: DaemonProcess, tier: EngineTier
 ) -> None:
-    with BlockingClient(proc.socket_path) as other_engine:
-        other_engine.reserve([b"model-a/soon"])
+    with BlockingClient(proc.socket_path, namespace="model-a") as other_engine:
+        other_engine.reserve([b"soon"])
         assert step(tier, "req", [b"soon"]) == [Answer.RETRY]
         assert step(tier, "req", [b"soon"]) == [Answer.RETRY]  # PENDING: ask again
-        other_engine.put(b"model-a/soon", block(7))
+        other_engine.put(b"soon", block(7))
         step(tier, "req", [b"soon"])
         assert step(tier, "req", [b"soon"]) == [Answer.HIT]
 
@@ -102,7 +102,7 @@ def test_namespaces_keep_models_apart(proc: DaemonProcess, tier: EngineTier) -> 
     _, rows = region(1)
     tier.store(1, [b"shared-hash"], rows)
     tier.drain()
-    other = EngineTier(proc.socket_path, namespace=b"model-b/")
+    other = EngineTier(proc.socket_path, namespace="model-b")
     try:
         step(other, "req", [b"shared-hash"])
         assert step(other, "req", [b"shared-hash"]) == [Answer.MISS]
@@ -167,6 +167,11 @@ def test_the_daemon_link_bounds_every_call_and_names_blocks_apart(proc: DaemonPr
     finally:
         link.close()
     assert "closed" in repr(link)
-    a, b = block_key(b"", "page"), block_key(b"model-a", "page")
-    assert len(a) == 32 and b == b"model-a/" + a
-    assert block_key(b"model-a", b"page") == b != block_key(b"model-b", "page")
+    a, b = block_key("page"), block_key(b"page", event_hash=-5)
+    assert len(a) == len(b) == 32 and a == block_key(b"page") != block_key("other")
+    assert b[-8:] == (-5).to_bytes(8, "big", signed=True) and b[:24] != a[:24]
+    assert engine_namespace("org/Model 7B", "bf16", 16) == engine_namespace(
+        "org/Model 7B", "bf16", 16
+    )
+    assert engine_namespace("org/Model 7B", "bf16", 16).startswith("org/Model-7B@")
+    assert engine_namespace("m", "bf16") != engine_namespace("m", "fp8")

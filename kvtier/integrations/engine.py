@@ -53,10 +53,9 @@ log = logging.getLogger("kvtier.engine")
 T = TypeVar("T")
 
 
-def block_key(namespace: bytes, name: str | bytes, event_hash: int | None = None) -> bytes:
-    """The daemon's key for an engine's block ``name``: its 32-byte BLAKE2b,
-    after ``namespace`` and a slash when there is one (so any name length
-    fits the daemon's key limit, and namespaces never collide).
+def block_key(name: str | bytes, event_hash: int | None = None) -> bytes:
+    """The daemon's key for an engine's block ``name``: its 32-byte BLAKE2b
+    (so any name length fits the daemon's key limit).
 
     ``event_hash``: the engine's own 64-bit hash of the block, as its KV events
     name it; the key then ends with it (a 24-byte digest, then the hash as 8
@@ -69,7 +68,17 @@ def block_key(namespace: bytes, name: str | bytes, event_hash: int | None = None
     else:
         tail = event_hash.to_bytes(8, "big", signed=True)
         digest = hashlib.blake2b(raw, digest_size=24).digest() + tail
-    return namespace + b"/" + digest if namespace else digest
+    return digest
+
+
+def engine_namespace(model: str, *layout: object) -> str:
+    """A daemon namespace for one engine's blocks: the model's name (made of
+    the characters a namespace allows) and a short hash of what else makes
+    its blocks differ (dtype, block size, parallelism, layout), so two
+    models, or one model in two layouts, never share blocks."""
+    safe = "".join(c if c.isalnum() or c in "._-/:@+=," else "-" for c in model)[:100]
+    digest = hashlib.blake2b(repr((model, *layout)).encode(), digest_size=4).hexdigest()
+    return f"{safe or 'model'}@{digest}"
 
 
 class DaemonLink:
@@ -93,8 +102,11 @@ class DaemonLink:
         backoff: tuple[float, float] = (0.05, 5.0),
         clock: Callable[[], float] = time.monotonic,
         name: str = "kvtier-engine",
+        namespace: str = "",
     ) -> None:
         self.socket_path = socket_path
+        #: the daemon namespace every connection of the link names at HELLO
+        self.namespace = namespace
         #: the longest any one request may take (the client's own timeout)
         self.timeout = timeout
         self.redial = Redial(
@@ -142,7 +154,13 @@ class DaemonLink:
         self._loop.close()
 
     async def _dial(self) -> Client:
-        return await Client.connect(self.socket_path, timeout=self.timeout)
+        return await self.dial()
+
+    async def dial(self) -> Client:
+        """A new connection to the daemon, in the link's namespace."""
+        return await Client.connect(
+            self.socket_path, timeout=self.timeout, namespace=self.namespace
+        )
 
 
 class RemovalWatch:
@@ -203,7 +221,7 @@ class RemovalWatch:
         snapshot = False
         while True:
             try:
-                client = await Client.connect(self._link.socket_path, timeout=self._link.timeout)
+                client = await self._link.dial()
             except (KvtierError, OSError) as exc:
                 delay = self._backoff.failed(time.monotonic())
                 log.debug("event stream: dialling failed (%s); again in %.2fs", exc, delay)
@@ -289,7 +307,7 @@ class EngineTier:
         self,
         socket_path: str | Path | None = None,
         *,
-        namespace: bytes = b"",
+        namespace: str = "",
         max_pending_wait: float = 2.0,
         timeout: float = 10.0,
         reserve_stores: bool = True,
@@ -320,7 +338,9 @@ class EngineTier:
         )
         self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
         #: the daemon connection and the loop all I/O runs on
-        self._link = DaemonLink(socket_path, timeout=timeout, backoff=backoff, clock=clock)
+        self._link = DaemonLink(
+            socket_path, timeout=timeout, backoff=backoff, clock=clock, namespace=namespace
+        )
         self._backoff = backoff
         #: the blocks this engine stored that the daemon let go (watch_removals)
         self._watch: RemovalWatch | None = None
@@ -332,9 +352,6 @@ class EngineTier:
         )
 
     # ------------------------------------------------------------ scheduler side
-
-    def key(self, engine_key: bytes) -> bytes:
-        return self.namespace + engine_key
 
     def lookup(self, request_id: str, key: bytes) -> Answer:
         """What is known of ``key`` for ``request_id`` now; never waits."""
@@ -391,8 +408,7 @@ class EngineTier:
         (evicted from its last local tier, or deleted) since the last call."""
         if self._watch is None:
             return []
-        cut = len(self.namespace)
-        return [name[cut:] for name in self._watch.take()]
+        return self._watch.take()
 
     def finished(self) -> list[JobDone]:
         """Jobs that finished since the last call; failed loads' keys now answer MISS."""
@@ -477,7 +493,7 @@ class EngineTier:
         try:
             client = await self._connected()
             reply = await client.lookup(
-                [self.key(k) for k in keys],
+                keys,
                 mode=LookupMode.KEYS,
                 max_pending_wait=self.max_pending_wait,
                 request_tag=tag,
@@ -509,7 +525,7 @@ class EngineTier:
         nbytes = 0
         try:
             client = await self._connected()
-            sizes = await client.get_many_into([self.key(k) for k in keys], rows)
+            sizes = await client.get_many_into(keys, rows)
             for key, row, size in zip(keys, rows, sizes, strict=True):
                 if size is not None and size == memoryview(row).nbytes:
                     loaded.append(key)
@@ -529,7 +545,7 @@ class EngineTier:
         nbytes = sum(memoryview(r).nbytes for r in rows)
         try:
             client = await self._connected()
-            names = [self.key(k) for k in keys]
+            names = keys
             if self._watch is not None:  # before the PUT: no eviction can come first
                 self._watch.stored(names)
             sizes = [memoryview(r).nbytes for r in rows]

@@ -44,13 +44,21 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvtier.client import Client
 from kvtier.client.redial import Redial
 from kvtier.errors import KvtierError
-from kvtier.integrations.engine import block_key
+from kvtier.integrations.engine import block_key, engine_namespace
 from kvtier.model import HIT, LookupMode, PutHint
 
 log = logging.getLogger("kvtier.lmcache")
 
 #: how long a lookup, and any one request, may take by default (seconds)
 DEFAULT_TIMEOUT = 1.0
+
+
+def lmcache_namespace(local_cpu_backend: Any) -> str:
+    """The model and KV layout LMCache runs with, as a daemon namespace."""
+    meta = getattr(local_cpu_backend, "metadata", None)
+    model = str(getattr(meta, "model_name", "") or "lmcache")
+    layout = [getattr(meta, f, None) for f in ("kv_dtype", "kv_shape", "world_size", "use_mla")]
+    return engine_namespace(model, *layout)
 
 
 class KvtierConnector(RemoteConnector):
@@ -69,7 +77,9 @@ class KvtierConnector(RemoteConnector):
         extra: dict[str, Any] = dict(getattr(config, "extra_config", None) or {})
         socket = extra.get("kvtier.socket")
         self.socket_path: Path | None = Path(socket) if socket else None
-        self.namespace: bytes = str(extra.get("kvtier.namespace", "")).encode()
+        #: the daemon namespace of this engine's chunks: the model and its KV
+        #: layout, unless the config names one
+        self.namespace = str(extra.get("kvtier.namespace") or lmcache_namespace(local_cpu_backend))
         self.timeout = float(extra.get("kvtier.timeout", DEFAULT_TIMEOUT))
         self._redial = Redial(self._dial, what="kvtier daemon")
         #: what this connector did, for the engine's logs and the tests
@@ -79,14 +89,16 @@ class KvtierConnector(RemoteConnector):
         return f"<KvtierConnector {self.socket_path or 'default socket'} {self._redial!r}>"
 
     async def _dial(self) -> Client:
-        return await Client.connect(self.socket_path, timeout=self.timeout)
+        return await Client.connect(
+            self.socket_path, timeout=self.timeout, namespace=self.namespace
+        )
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
     def key(self, key: CacheEngineKey) -> bytes:
-        """The daemon's key for one of LMCache's: 32 bytes, namespaced."""
-        return block_key(self.namespace, key.to_string())
+        """The daemon's key for one of LMCache's: 32 bytes."""
+        return block_key(key.to_string())
 
     # ------------------------------------------------------------ lookups
 

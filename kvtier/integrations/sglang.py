@@ -59,7 +59,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.client import Client
 from kvtier.errors import ForbiddenError, KvtierError
-from kvtier.integrations.engine import DaemonLink, block_key
+from kvtier.integrations.engine import DaemonLink, block_key, engine_namespace
 from kvtier.model import HIT, LookupMode
 
 log = logging.getLogger("kvtier.sglang")
@@ -127,6 +127,12 @@ def event_hash(page: str) -> int | None:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def sglang_namespace(config: HiCacheStorageConfig) -> str:
+    """The model and the layout of its pages, as a daemon namespace (the
+    ranks are told apart inside it, by :func:`rank_suffix`)."""
+    return engine_namespace(config.model_name or "sglang", config.is_mla_model)
+
+
 def rank_suffix(config: HiCacheStorageConfig) -> str:
     """What tells this rank's pages apart from another's with the same hash."""
     model = "-".join((config.model_name or "").split("/"))
@@ -157,7 +163,9 @@ class KvtierStorage(HiCacheStorage):
     ) -> None:
         extra: dict[str, Any] = dict(storage_config.extra_config or {})
         extra.update(kwargs or {})
-        self.namespace: bytes = str(extra.get("namespace", "")).encode()
+        #: the daemon namespace of this engine's pages: the model and its
+        #: layout, unless the config names one
+        self.namespace = str(extra.get("namespace") or sglang_namespace(storage_config))
         self.timeout = float(extra.get("timeout", DEFAULT_TIMEOUT))
         self.pending_wait = float(extra.get("pending_wait", DEFAULT_PENDING_WAIT))
         if self.timeout <= 0 or self.pending_wait < 0:
@@ -166,7 +174,12 @@ class KvtierStorage(HiCacheStorage):
         self.metrics_enabled = bool(storage_config.enable_storage_metrics)
         #: SGLang calls the zero-copy page interface (else whole pages as tensors)
         self.zero_copy = bool(int(extra.get("interface_v1", 0)))
-        self.link = DaemonLink(extra.get("socket"), timeout=self.timeout, name="kvtier-sglang")
+        self.link = DaemonLink(
+            extra.get("socket"),
+            timeout=self.timeout,
+            name="kvtier-sglang",
+            namespace=self.namespace,
+        )
         self.mem_pool_host: Any = None
         #: buffers per page in the host pool (K and V: 2; MLA: 1)
         self.parts = 1
@@ -204,13 +217,12 @@ class KvtierStorage(HiCacheStorage):
         """The daemon's keys of ``keys``' pages, ``parts`` blocks per page;
         each ends with SGLang's event hash of its page (:func:`event_hash`)."""
         out: list[bytes] = []
-        ns = self.namespace
         for key in keys:
             name, h = key + self.suffix, event_hash(key)
             if parts == 1:
-                out.append(block_key(ns, name, h))
+                out.append(block_key(name, h))
             else:
-                out.extend(block_key(ns, f"{name}#{j}", h) for j in range(parts))
+                out.extend(block_key(f"{name}#{j}", h) for j in range(parts))
         return out
 
     # ------------------------------------------------------------ lookups

@@ -3,7 +3,11 @@
 Turn it on in vLLM's offloading config (``kv_connector_extra_config``)::
 
     {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
-     "socket_path": "/run/kvtier/kvtier.sock", "namespace": "<model+config hash>"}
+     "socket_path": "/run/kvtier/kvtier.sock"}
+
+The tier's blocks live in a daemon namespace named after the model and a
+hash of its KV layout (``namespace`` names another), so two models never
+share blocks and each can have its quota (docs/tenancy.md).
 
 Everything here runs in vLLM's scheduler process and never blocks it: the
 answers, jobs and reconnects are :class:`~kvtier.integrations.engine.EngineTier`'s.
@@ -37,7 +41,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.integrations.engine import Answer, EngineTier, RemovalWatch
+from kvtier.integrations.engine import Answer, EngineTier, RemovalWatch, engine_namespace
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -67,6 +71,23 @@ _ANSWERS = {
     Answer.MISS: LookupResult.MISS,
     Answer.RETRY: LookupResult.RETRY,
 }
+
+
+def vllm_namespace(spec: Any) -> str:
+    """The model and the KV layout of its blocks, as a daemon namespace; the
+    default namespace where vLLM gives no offloading config (tests)."""
+    config = getattr(spec, "config", None)
+    if config is None:
+        return ""
+    parallel = config.parallel
+    return engine_namespace(
+        config.model.name,
+        config.model.dtype,
+        [g.tokens_per_block for g in config.groups],
+        config.worker_kv_bytes_per_block,
+        (parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size),
+        config.kv_cache_layout,
+    )
 
 
 class KvtierTier(SecondaryTierManager):
@@ -103,7 +124,7 @@ class KvtierTier(SecondaryTierManager):
         self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         self._engine = EngineTier(
             socket_path,
-            namespace=namespace.encode(),
+            namespace=namespace or vllm_namespace(offloading_spec),
             max_pending_wait=max_pending_wait,
             timeout=timeout,
             reserve_stores=reserve_stores,

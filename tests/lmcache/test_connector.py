@@ -158,6 +158,12 @@ def test_two_engines_share_blocks_and_namespaces_keep_them_apart(
         got.ref_count_down()
         assert other.run(other.connector.exists(key(7))) is False
         assert daemon.stats()["tiers"]["ram"]["blocks"] == 1
+        # Namespaces are the daemon's, named at HELLO: the model and its
+        # layout by default, not a prefix of the keys.
+        assert a.ours.namespace == b.ours.namespace and a.ours.namespace.startswith("tiny@")
+        assert a.run(a.connector.exists(key(7))) is True  # a lookup, counted by namespace
+        assert {a.ours.namespace, "another-model"} <= set(daemon.stats()["namespaces"])
+        assert len(a.ours.key(key(7))) == 32
     finally:
         for e in (a, b, other):
             e.close()
@@ -167,7 +173,7 @@ def test_a_block_another_writer_is_storing_reads_as_a_miss_at_once(
     eng: Engine, daemon: Daemon
 ) -> None:
     name = eng.ours.key(key(9))
-    with BlockingClient(daemon.socket_path) as writer:
+    with BlockingClient(daemon.socket_path, namespace=eng.ours.namespace) as writer:
         writer.reserve([name], [512 * 1024], deadline=60.0)  # storing, for a minute
         assert eng.run(eng.connector.batched_async_contains("r", [key(9)]), timeout=5) == 0
         assert eng.run(eng.connector.exists(key(9)), timeout=5) is False

@@ -54,7 +54,7 @@ def test_pages_go_out_under_sglangs_own_event_hashes(
         src, _ = e.fill(3)
         assert e.storage.batch_set_v1(keys, src) == [True] * 3
         k_part, v_part = e.storage.names(keys[:1], e.storage.parts)
-        with BlockingClient(d.socket_path) as c:
+        with BlockingClient(d.socket_path, namespace=e.storage.namespace) as c:
             assert c.delete(k_part)  # half the page is gone: it is still announced
             assert c.delete(v_part)  # now it is not
         events = reader.until(lambda seen: isinstance(seen[-1], BlockRemoved))

@@ -191,6 +191,9 @@ def test_two_ranks_share_pages_and_other_models_and_ranks_do_not(
         assert [b.page_bytes(dst, i) for i in range(2)] == pages
         assert other_rank.storage.batch_exists(keys) == 0  # its own shard of each page
         assert other_model.storage.batch_exists(keys) == 0
+        # Namespaces are the daemon's, named at HELLO (the model by default).
+        assert a.storage.namespace == other_rank.storage.namespace != "another-model"
+        assert {a.storage.namespace, "another-model"} <= set(daemon.stats()["namespaces"])
     finally:
         for e in (a, b, other_rank, other_model):
             e.close()
@@ -237,7 +240,7 @@ def test_a_page_another_writer_is_storing_waits_bounded_then_reads_as_a_miss(
     try:
         keys = hashes(1, base=20)
         names = e.storage.names(keys, e.storage.parts)
-        with BlockingClient(daemon.socket_path) as writer:
+        with BlockingClient(daemon.socket_path, namespace=e.storage.namespace) as writer:
             writer.reserve(names, [PART] * len(names), deadline=60.0)  # storing, for a minute
             assert e.storage.batch_exists(keys) == 0  # after at most pending_wait
             assert writer.abort(names) == [True, True]
@@ -252,7 +255,7 @@ def test_a_page_that_lands_while_its_lookup_waits_reads_as_a_hit(daemon: Daemon)
         keys = hashes(1, base=30)
         names = reader.storage.names(keys, reader.storage.parts)
         k, v = os.urandom(PART), os.urandom(PART)
-        with BlockingClient(daemon.socket_path) as writer:
+        with BlockingClient(daemon.socket_path, namespace=reader.storage.namespace) as writer:
             writer.reserve(names, [PART, PART], deadline=60.0)
             answer: list[int] = []
             waiting = threading.Thread(
