@@ -299,6 +299,7 @@ def _watch(parts: Parts) -> None:
         m.watch_peer_listener(peer_server.counters, lambda: len(peer_server.connections))
     m.watch_core(parts.service.counters, parts.service.map_sizes)
     m.watch_events(parts.service.events.stats)
+    m.watch_namespaces(parts.service.namespace_stats, parts.config.metrics.max_namespaces)
     m.watch_tiers(lambda: [t.stats() for t in parts.service.tiers()])
     if parts.disk is not None:
         m.watch_disk(parts.disk.stats)

@@ -135,10 +135,52 @@ def _human_bytes(n: int) -> str:
 def cmd_stats(args: argparse.Namespace) -> int:
     async def go(client: Client) -> int:
         stats = await client.stats()
+        if args.namespace is not None:
+            rows = stats.get("namespaces", {})
+            if args.namespace:
+                if args.namespace not in rows:
+                    print(f"kvtier: no namespace {args.namespace!r} here", file=sys.stderr)
+                    return EXIT_MISS
+                rows = {args.namespace: rows[args.namespace]}
+            print(json.dumps(rows, indent=2, sort_keys=True) if args.json else _namespaces(rows))
+            return EXIT_OK
         print(json.dumps(stats, indent=2, sort_keys=True) if args.json else _table(stats))
         return EXIT_OK
 
     return _run_client(args, go)
+
+
+def _namespaces(rows: dict[str, dict[str, Any]]) -> str:
+    """One line per namespace: what it holds, its quota, how its lookups go."""
+    head = ("namespace", "ram", "blocks", "disk", "ram_min", "ram_max", "hits", "misses", "hit%")
+    lines = [head]
+    for name, n in rows.items():
+        asked = n["hits"] + n["misses"]
+        lines.append(
+            (
+                name,
+                _short_bytes(n["bytes"]),
+                str(n["blocks"]),
+                _short_bytes(n["disk_bytes"]),
+                _short_bytes(n["ram_min"]),
+                _short_bytes(n["ram_max"]) if n["ram_max"] is not None else "-",
+                str(n["hits"]),
+                str(n["misses"]),
+                f"{100 * n['hits'] / asked:.1f}" if asked else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in lines
+    )
+
+
+def _short_bytes(n: int) -> str:
+    return _human_bytes(n).split(" (")[0].replace(" ", "")
 
 
 def cmd_put(args: argparse.Namespace) -> int:
@@ -343,6 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="show daemon statistics")
     common(p)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--namespace",
+        nargs="?",
+        const="",
+        metavar="NAME",
+        help="one line per namespace (or NAME's only): what it holds, its quota, its hit ratio",
+    )
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("put", help="store FILE (or - for stdin) under a hex KEY")

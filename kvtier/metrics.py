@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvtier.core.counts import CoreCounters, MapSizes
+from kvtier.core.counts import CoreCounters, MapSizes, NamespaceStats
 from kvtier.core.events import EventStats
 from kvtier.core.shared.blocks import SharedStats
 from kvtier.counters import Counts, HistogramCell, Histograms
@@ -85,6 +85,9 @@ class _Sources:
     shared: Callable[[], SharedStats] | None = None
     events: Callable[[], EventStats] | None = None
     publisher: Callable[[], PublisherStats] | None = None
+    namespaces: Callable[[], list[NamespaceStats]] | None = None
+    #: namespaces with series of their own; the rest are summed as "other"
+    max_namespaces: int = 32
 
 
 class _Collector(Collector):
@@ -113,6 +116,47 @@ class _Collector(Collector):
             yield from self._events(s.events())
         if s.publisher is not None:
             yield from self._publisher(s.publisher())
+        if s.namespaces is not None:
+            yield from self._namespaces(folded(s.namespaces(), s.max_namespaces))
+
+    def _namespaces(self, stats: list[NamespaceStats]) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "kvtier_namespace_bytes",
+            "Bytes a namespace holds, by tier (with [namespaces] configured)",
+            labels=["namespace", "tier"],
+        )
+        blocks = GaugeMetricFamily(
+            "kvtier_namespace_blocks",
+            "Blocks a namespace holds, by tier (with [namespaces] configured)",
+            labels=["namespace", "tier"],
+        )
+        lookups = CounterMetricFamily(
+            "kvtier_namespace_lookup_keys",
+            "Keys a namespace's LOOKUPs asked for, by answer: hit or miss",
+            labels=["namespace", "state"],
+        )
+        evictions = CounterMetricFamily(
+            "kvtier_namespace_evictions",
+            "Blocks a namespace lost from RAM to make room",
+            labels=["namespace"],
+        )
+        limits = GaugeMetricFamily(
+            "kvtier_namespace_ram_limit_bytes",
+            "A namespace's RAM quota: min (guaranteed) and max (absent: the whole tier)",
+            labels=["namespace", "limit"],
+        )
+        for n in stats:
+            held.add_metric([n.name, "ram"], n.ram_bytes)
+            held.add_metric([n.name, "disk"], n.disk_bytes)
+            blocks.add_metric([n.name, "ram"], n.ram_blocks)
+            blocks.add_metric([n.name, "disk"], n.disk_blocks)
+            lookups.add_metric([n.name, "hit"], n.hits)
+            lookups.add_metric([n.name, "miss"], n.misses)
+            evictions.add_metric([n.name], n.evictions)
+            limits.add_metric([n.name, "min"], n.ram_min)
+            if n.ram_max is not None:
+                limits.add_metric([n.name, "max"], n.ram_max)
+        yield from (held, blocks, lookups, evictions, limits)
 
     def _publisher(self, st: PublisherStats) -> Iterator[Metric]:
         blocks = CounterMetricFamily(
@@ -510,6 +554,28 @@ class _Collector(Collector):
         yield breaker
 
 
+def folded(stats: list[NamespaceStats], most: int) -> list[NamespaceStats]:
+    """The first ``most`` namespaces (configured ones first, then in the order
+    they were first seen: a namespace keeps its series) and one "other" that
+    sums the rest, so the series stay bounded however many namespaces come."""
+    if len(stats) <= most:
+        return stats
+    rest = stats[most:]
+    other = NamespaceStats(
+        name="other",
+        ram_bytes=sum(n.ram_bytes for n in rest),
+        ram_blocks=sum(n.ram_blocks for n in rest),
+        disk_bytes=sum(n.disk_bytes for n in rest),
+        disk_blocks=sum(n.disk_blocks for n in rest),
+        evictions=sum(n.evictions for n in rest),
+        hits=sum(n.hits for n in rest),
+        misses=sum(n.misses for n in rest),
+        ram_min=sum(n.ram_min for n in rest),
+        ram_max=None,
+    )
+    return [*stats[:most], other]
+
+
 class Metrics:
     """The series of one daemon. The daemon tells it where each owner's counters are."""
 
@@ -550,6 +616,10 @@ class Metrics:
 
     def watch_publisher(self, stats: Callable[[], PublisherStats]) -> None:
         self._sources.publisher = stats
+
+    def watch_namespaces(self, stats: Callable[[], list[NamespaceStats]], most: int) -> None:
+        self._sources.namespaces = stats
+        self._sources.max_namespaces = most
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self._sources.disk = stats

@@ -3,7 +3,10 @@ by a real daemon, live changes on SIGHUP."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +202,79 @@ async def test_quotas_change_on_sighup(sock_dir: Path, tmp_path: Path) -> None:
         await c.put_many([b"m%d" % i for i in range(12)], [block] * 12)
         stats = await c.stats()
         assert stats["namespaces"]["noisy"]["bytes"] == 2 * 1024 * 1024
+
+
+async def test_per_namespace_series_are_capped_and_the_rest_summed(sock_dir: Path) -> None:
+    quotas = {"a": {"ram_max": "1MiB", "ram_min": "64KiB"}}
+    async with running_daemon(
+        sock_dir, disk=RAM_ONLY, namespaces=quotas, metrics={"port": 0, "max_namespaces": 2}
+    ) as d:
+        for ns in ("a", "b", "c", "d"):
+            async with await Client.connect(d.socket_path, namespace=ns) as c:
+                await c.put(b"k", b"v" * 10)
+                await c.lookup([b"k", b"gone"])
+        sample = d.metrics.registry.get_sample_value
+        seen = {
+            s.labels["namespace"]
+            for family in d.metrics.registry.collect()
+            if family.name == "kvtier_namespace_lookup_keys"
+            for s in family.samples
+        }
+        assert seen == {"a", "b", "other"}  # configured first, then first seen
+        assert (
+            sample("kvtier_namespace_lookup_keys_total", {"namespace": "other", "state": "hit"})
+            == 2
+        )
+        assert sample("kvtier_namespace_bytes", {"namespace": "other", "tier": "ram"}) == 20
+        assert (
+            sample("kvtier_namespace_ram_limit_bytes", {"namespace": "a", "limit": "max"})
+            == 1 << 20
+        )
+        assert (
+            sample("kvtier_namespace_ram_limit_bytes", {"namespace": "a", "limit": "min"})
+            == 1 << 16
+        )
+
+
+def test_stats_per_namespace_from_the_command_line(sock_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "kvtier.toml"
+    config.write_text('[namespaces.llama]\nram_max = "1MiB"\n')
+    d = DaemonProcess(sock_dir, "--no-disk", "--config", str(config)).start()
+    try:
+        with BlockingClient(d.socket_path, namespace="llama") as c:
+            c.put(b"k", b"v" * 1000)
+            c.lookup([b"k", b"k2", b"k3", b"k4"])
+
+        def kvtier(*args: str) -> str:
+            out = subprocess.run(
+                [sys.executable, "-m", "kvtier", "stats", "--socket", str(d.socket_path), *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        table = kvtier("--namespace").splitlines()
+        assert table[0].split() == [
+            "namespace", "ram", "blocks", "disk", "ram_min", "ram_max", "hits", "misses", "hit%"
+        ]  # fmt: skip
+        llama = next(line.split() for line in table if line.startswith("llama"))
+        assert llama[1:3] == ["1000B", "1"] and llama[5] == "1.0MiB"
+        assert llama[-3:] == ["1", "3", "25.0"]
+        one = json.loads(kvtier("--namespace", "llama", "--json"))
+        assert one == {
+            "llama": {
+                "bytes": 1000,
+                "blocks": 1,
+                "disk_bytes": 0,
+                "disk_blocks": 0,
+                "evictions": 0,
+                "hits": 1,
+                "misses": 3,
+                "ram_min": 0,
+                "ram_max": 1 << 20,
+            }
+        }
+    finally:
+        assert d.stop() == 0

@@ -230,6 +230,53 @@ ROWS: list[tuple[str, list[tuple[str, list[tuple[str, str]], str]]]] = [
             ),
         ],
     ),
+    (
+        "Namespaces",
+        [
+            (
+                "RAM held by namespace, against its max",
+                [
+                    (
+                        sel('sum by (namespace) (kvtier_namespace_bytes{SEL, tier="ram"})'),
+                        "{{namespace}}",
+                    ),
+                    (
+                        sel(
+                            "sum by (namespace) "
+                            '(kvtier_namespace_ram_limit_bytes{SEL, limit="max"})'
+                        ),
+                        "{{namespace}} max",
+                    ),
+                ],
+                "bytes",
+            ),
+            (
+                "Lookup hit ratio by namespace",
+                [
+                    (
+                        sel(
+                            "sum by (namespace) "
+                            '(rate(kvtier_namespace_lookup_keys_total{SEL, state="hit"}[5m]))'
+                            " / sum by (namespace) "
+                            "(rate(kvtier_namespace_lookup_keys_total{SEL}[5m]))"
+                        ),
+                        "{{namespace}}",
+                    )
+                ],
+                "percentunit",
+            ),
+            (
+                "RAM evictions by namespace",
+                [
+                    (
+                        sel("sum by (namespace) (rate(kvtier_namespace_evictions_total{SEL}[5m]))"),
+                        "{{namespace}}",
+                    )
+                ],
+                "short",
+            ),
+        ],
+    ),
 ]
 
 

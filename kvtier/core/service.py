@@ -476,12 +476,15 @@ class Service:
         """What each namespace holds (with quotas: RAM and disk) and its lookups."""
         ram = self.ram.budget.shares
         disk = self.disk.budget.shares if self.disk is not None else None
-        names = set(self.namespace_counts)
+        # Configured namespaces first, then in the order first seen: a
+        # namespace keeps its place (and its series, when they are capped).
+        names: dict[bytes, None] = dict.fromkeys(ram.quotas if ram is not None else ())
+        names.update(dict.fromkeys(self.namespace_counts))
         for shares in (ram, disk):
             if shares is not None:
-                names |= {ns for ns, n in shares.used.items() if n} | set(shares.quotas)
+                names.update(dict.fromkeys(ns for ns, n in shares.used.items() if n))
         out = []
-        for ns in sorted(names):
+        for ns in names:
             counts = self.namespace_counts.get(ns, NamespaceCounts())
             quota = ram.quota(ns) if ram is not None else None
             out.append(
