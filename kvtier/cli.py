@@ -275,11 +275,78 @@ def _replay_fleet(args: argparse.Namespace, chains: list[list[int]], unique: int
     return EXIT_OK
 
 
+def _percent(text: str | None) -> float | None:
+    """``"50%"`` as 0.5."""
+    if text is None:
+        return None
+    try:
+        value = float(text.removesuffix("%")) / 100
+    except ValueError:
+        value = -1.0
+    if not text.endswith("%") or not 0 <= value <= 1:
+        raise ConfigError(f"{text!r}: expected a percentage of the capacity, e.g. 50%")
+    return value
+
+
+def _replay_tenants(args: argparse.Namespace, chains: list[list[int]], unique: int) -> int:
+    """``kvtier replay --noisy``: two workloads as two namespaces of one tier."""
+    from kvtier import replay as rp
+    from kvtier.tiers.shares import Quota
+
+    noisy = rp.load_trace(Path(args.noisy))
+    policy = (args.policy or ["harc"])[0]
+    if policy == "all":
+        raise ConfigError("--noisy replays one policy at a time")
+    ram_min, noisy_max = _percent(args.ram_min), _percent(args.noisy_max)
+    results = []
+    for label, blocks in rp.parse_capacities(args.capacity, unique):
+        total = blocks * args.block_size
+        quotas = {
+            rp.QUIET: Quota(min=round(total * (ram_min or 0.0))),
+            rp.NOISY: Quota(max=None if noisy_max is None else round(total * noisy_max)),
+        }
+        setups: list[tuple[str, tuple[str, int], int, dict[bytes, Quota] | None]] = [
+            ("alone", (label, blocks), 0, None),
+            ("shared", (label, blocks), args.noisy_rate, None),
+            ("quotas", (label, blocks), args.noisy_rate, quotas),
+        ]
+        if ram_min:  # the guarantee: the quiet one alone in a tier of its ram_min
+            setups.insert(1, ("floor", (label, max(1, round(blocks * ram_min))), 0, None))
+        results += [
+            rp.replay_tenants(
+                chains,
+                noisy,
+                policy,
+                capacity,
+                rate=rate,
+                quotas=q,
+                setup=setup,
+                block_size=args.block_size,
+            )
+            for setup, capacity, rate, q in setups
+        ]
+    if args.json:
+        doc = {"trace": args.trace, "noisy": args.noisy, "noisy_rate": args.noisy_rate}
+        print(json.dumps({**doc, "results": [r.as_dict() for r in results]}, indent=2))
+    else:
+        print(
+            f"{args.trace} (quiet) with {args.noisy} (noisy, {args.noisy_rate} requests per quiet "
+            f"one), {policy}; quotas: quiet ram_min {args.ram_min or 0}, noisy ram_max "
+            f"{args.noisy_max or 'none'}; prefix-hit ratio of each"
+        )
+        print(rp.tenant_table(results))
+    return EXIT_OK
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvtier import replay as rp
 
     chains = rp.load_trace(Path(args.trace))
     unique = rp.unique_blocks(chains)
+    if args.noisy:
+        if args.nodes or args.socket or args.hints:
+            raise ConfigError("--noisy replays two namespaces of one offline tier")
+        return _replay_tenants(args, chains, unique)
     if args.nodes:
         if args.hints:
             raise ConfigError("--hints replays one cache; fleets replay without hints")
@@ -466,6 +533,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay against the daemon on this socket too (LOOKUP PREFIX + PUT), and "
         "offline at the daemon's RAM capacity",
     )
+    p.add_argument(
+        "--noisy",
+        metavar="TRACE",
+        help="replay this trace too, as a second namespace sharing the tier (docs/tenancy.md): "
+        "each namespace's hit ratio alone, shared, and with quotas",
+    )
+    p.add_argument(
+        "--noisy-rate", type=int, default=10, help="noisy requests per quiet one (default 10)"
+    )
+    p.add_argument("--ram-min", metavar="PCT", help="the quiet namespace's ram_min, e.g. 50%%")
+    p.add_argument("--noisy-max", metavar="PCT", help="the noisy namespace's ram_max, e.g. 40%%")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("config", help="configuration tools")

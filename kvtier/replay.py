@@ -36,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.policy import POLICIES, make_policy
+from kvtier.model import namespace_prefix
+from kvtier.tiers.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.rendezvous import owner
+from kvtier.tiers.shares import Quota, Shares
 
 Chain = list[int]
 
@@ -180,6 +182,104 @@ def replay(
         if progress is not None and n % step == 0:
             progress(n, len(chains))
     return Result(policy + ("+hints" if tails is not None else ""), label, blocks, hits, requested)
+
+
+# -- two tenants: a quiet workload and a noisy one, as two namespaces
+
+QUIET, NOISY = b"quiet", b"noisy"
+
+
+@dataclass(slots=True, frozen=True)
+class TenantResult:
+    """Both namespaces' prefix-hit ratios in one RAM tier, for one setup."""
+
+    #: "alone" (the quiet workload by itself), "floor" (by itself in a tier of
+    #: its ram_min: what the quota guarantees), "shared" (both, no quotas),
+    #: "quotas" (both, with the quiet one's ram_min and the noisy one's ram_max)
+    setup: str
+    capacity: str
+    blocks: int
+    quiet: float
+    noisy: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "setup": self.setup,
+            "capacity": self.capacity,
+            "capacity_blocks": self.blocks,
+            "quiet_prefix_hit_ratio": round(self.quiet, 6),
+            "noisy_prefix_hit_ratio": None if self.noisy is None else round(self.noisy, 6),
+        }
+
+
+def replay_tenants(
+    quiet: Sequence[Chain],
+    noisy: Sequence[Chain],
+    policy: str,
+    capacity: tuple[str, int],
+    *,
+    rate: int = 10,
+    quotas: dict[bytes, Quota] | None = None,
+    setup: str = "",
+    block_size: int = 4096,
+) -> TenantResult:
+    """Replay ``quiet`` and, after each of its requests, ``rate`` requests of
+    ``noisy`` (its trace cycled, each pass under new block ids: a stream that
+    never comes back), each in its own namespace of one RAM tier of
+    ``capacity`` blocks. ``quotas``: the namespaces' quotas (the tier then
+    shares itself among them, as a daemon with ``[namespaces]`` does); None:
+    one policy for every block, as without. ``rate`` 0: the quiet one alone."""
+    label, blocks = capacity
+    total = blocks * block_size
+    order: EvictionPolicy[bytes] = (
+        make_policy(policy)
+        if quotas is None
+        else Shares(total, quotas, lambda: make_policy(policy))
+    )
+    ram = RamTier(total, order)
+    value = memoryview(bytes(block_size))
+    counts = {QUIET: [0, 0], NOISY: [0, 0]}
+    span = 1 + max((i for chain in noisy for i in chain), default=0)
+
+    def request(ns: bytes, chain: Chain, offset: int = 0) -> None:
+        prefix = namespace_prefix(ns)
+        keys = [prefix + key_of(i + offset) for i in chain]
+        run = 0
+        for key in keys:
+            if not ram.contains(key):
+                break
+            run += 1
+        counts[ns][0] += run
+        counts[ns][1] += len(keys)
+        for key in keys:
+            if ram.contains(key):
+                ram.get(key)
+            else:
+                ram.put(key, value)
+
+    n = 0
+    for chain in quiet:
+        request(QUIET, chain)
+        for _ in range(rate if noisy else 0):
+            cycle, i = divmod(n, len(noisy))
+            request(NOISY, noisy[i], cycle * span)
+            n += 1
+    hits, asked = counts[NOISY]
+    return TenantResult(
+        setup,
+        label,
+        blocks,
+        counts[QUIET][0] / max(1, counts[QUIET][1]),
+        hits / asked if asked else None,
+    )
+
+
+def tenant_table(results: Sequence[TenantResult]) -> str:
+    lines = [f"{'setup':10}{'capacity':>10}{'quiet':>10}{'noisy':>10}"]
+    for r in results:
+        noisy = f"{r.noisy:.3f}" if r.noisy is not None else "-"
+        lines.append(f"{r.setup:10}{r.capacity:>10}{r.quiet:>10.3f}{noisy:>10}")
+    return "\n".join(lines)
 
 
 class Routing(enum.Enum):

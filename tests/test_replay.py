@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from kvtier import replay as rp
 from kvtier.cli import main
 from kvtier.errors import ConfigError
+from kvtier.tiers.shares import Quota
 from tests.helpers import running_daemon
 
 TRACE = Path(__file__).resolve().parent.parent / "traces" / "mooncake_synthetic.jsonl.gz"
@@ -176,3 +178,63 @@ def test_the_fleet_command_prints_and_refuses_bad_counts(
     assert main(["replay", str(small), "--nodes", "four"]) == 2
     assert "--nodes 'four'" in capsys.readouterr().err
     assert main(["replay", str(small), "--nodes", "0"]) == 2
+
+
+def tenants() -> tuple[list[rp.Chain], list[rp.Chain]]:
+    """A quiet workload that keeps coming back to 50 prefixes of 8 blocks (a
+    working set of 400 blocks), and a noisy one that reads each of its
+    prefixes twice (so a frequency-aware policy keeps it too) and never again."""
+    rng = random.Random(3)
+    quiet = [[p * 100 + i for i in range(8)] for p in (rng.randrange(50) for _ in range(600))]
+    noisy = [[10_000 + r * 8 + i for i in range(8)] for r in range(50) for _ in range(2)]
+    return quiet, noisy
+
+
+@pytest.mark.parametrize("policy", ["lru", "harc"])
+def test_a_quiet_namespace_keeps_its_hit_ratio_under_a_noisy_one_with_its_ram_min(
+    policy: str,
+) -> None:
+    quiet, noisy = tenants()
+    capacity = ("1000 blocks", 1000)
+    alone = rp.replay_tenants(quiet, noisy, policy, capacity, rate=0)
+    shared = rp.replay_tenants(quiet, noisy, policy, capacity, rate=10)
+    quotas = {rp.QUIET: Quota(min=500 * 4096)}
+    kept = rp.replay_tenants(quiet, noisy, policy, capacity, rate=10, quotas=quotas)
+    assert alone.quiet > 0.85 and alone.noisy is None
+    assert shared.quiet < alone.quiet - 0.5  # the noisy one's stream evicts it
+    assert abs(kept.quiet - alone.quiet) < 0.01  # with its ram_min: unchanged
+    assert shared.noisy is not None and kept.noisy is not None
+    # The noisy one hits its second reads either way.
+    assert kept.noisy == shared.noisy == 0.5
+
+
+def test_a_noisy_namespace_over_its_max_gives_way_first() -> None:
+    quiet, noisy = tenants()
+    capacity = ("1000 blocks", 1000)
+    capped = {rp.NOISY: Quota(max=300 * 4096)}
+    kept = rp.replay_tenants(quiet, noisy, "lru", capacity, rate=10, quotas=capped)
+    alone = rp.replay_tenants(quiet, noisy, "lru", capacity, rate=0)
+    assert abs(kept.quiet - alone.quiet) < 0.01
+
+
+def test_the_tenants_command_reports_each_namespace_alone_shared_and_with_quotas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    quiet, noisy = tenants()
+    for name, chains in (("quiet", quiet), ("noisy", noisy)):
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"hash_ids": c}) + "\n" for c in chains)
+        )
+    args = [str(tmp_path / "quiet.jsonl"), "--noisy", str(tmp_path / "noisy.jsonl")]
+    args += ["--capacity", "1000", "--ram-min", "50%", "--policy", "lru"]
+    assert main(["replay", *args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    by = {r["setup"]: r for r in doc["results"]}
+    assert list(by) == ["alone", "floor", "shared", "quotas"]
+    assert by["floor"]["capacity_blocks"] == 500
+    assert by["quotas"]["quiet_prefix_hit_ratio"] >= by["floor"]["quiet_prefix_hit_ratio"]
+    assert by["shared"]["quiet_prefix_hit_ratio"] < by["floor"]["quiet_prefix_hit_ratio"]
+    assert main(["replay", *args]) == 0
+    assert "quotas" in capsys.readouterr().out
+    assert main(["replay", *args[:-4], "--ram-min", "half"]) == 2
+    assert "expected a percentage" in capsys.readouterr().err
