@@ -153,6 +153,7 @@ bench: bench-deps
 	$(BIN)/python -m benchmarks.policies
 	$(BIN)/python -m benchmarks.streaming
 	$(BIN)/python -m benchmarks.kv_events
+	$(BIN)/python -m benchmarks.tenancy
 
 # A long mixed workload with misbehaving clients and S3 outages that verifies
 # every byte, then checks the daemon drained and shuts down promptly.

@@ -319,3 +319,37 @@ def test_a_sink_receives_data_in_place_and_detach_spares_it() -> None:
     assert dest[:written] == b"\x01" * written  # before the detach: in place
     assert dest[written:] == bytes(len(dest) - written)  # after it: untouched
     assert reader.idle
+
+
+def test_a_key_scope_admits_its_namespaces_keys_only_and_escapes_the_defaults() -> None:
+    from kvtier.errors import ForbiddenError
+    from kvtier.model import NAMESPACE_ESCAPE, client_key, namespace_of, namespace_prefix
+
+    p = namespace_prefix(b"llama")
+    own = [b"k1", b"k2", b"k3"]
+    meta = wire.encode_keys(own, p)
+    keys, _, uniform = wire.decode_keys(meta, 0, None, wire.KeyScope(p))
+    assert keys == [p + k for k in own] and uniform == len(p) + 2
+    assert {namespace_of(k) for k in keys} == {b"llama"}
+    assert [client_key(k, p) for k in keys] == own
+    # Another namespace's prefix, a bare key, a mixed list: refused.
+    for bad in (
+        wire.encode_keys(own, namespace_prefix(b"mistr")),  # same length, other name
+        wire.encode_keys([p + b"k1", b"\xff\x05llamX" + b"k2"]),
+        wire.encode_keys([p + b"k1", b"plain-key"]),
+        wire.encode_keys([p]),  # the prefix alone names no key
+    ):
+        with pytest.raises(ForbiddenError, match="outside this connection's namespace"):
+            wire.decode_keys(bad, 0, None, wire.KeyScope(p))
+    # The default namespace: keys as sent, unless they start with the mark.
+    forged = [p + b"k1", b"x" * len(p + b"k1")]
+    keys, _, uniform = wire.decode_keys(wire.encode_keys(forged), 0, None, wire.KeyScope())
+    assert keys == [NAMESPACE_ESCAPE + forged[0], forged[1]] and uniform == 0
+    assert namespace_of(keys[0]) == b"" and client_key(keys[0], b"") == forged[0]
+    assert client_key(p + b"k1", b"") is None  # a namespaced key is not the default's
+    mixed = [b"\xffa", b"bb", b"ccc"]
+    keys, _, _ = wire.decode_keys(wire.encode_keys(mixed), 0, None, wire.KeyScope())
+    assert keys == [NAMESPACE_ESCAPE + b"\xffa", b"bb", b"ccc"]
+    with pytest.raises(ForbiddenError, match="name a namespace"):
+        wire.decode_keys(wire.encode_keys(own), 0, None, wire.KeyScope(closed=True))
+    assert repr(wire.KeyScope(closed=True)) == "<KeyScope closed>"

@@ -114,8 +114,8 @@ class KeyScope:
         self.prefix = prefix
         #: no key at all: the connection must name a namespace it may use first
         self.closed = closed
-        #: (offset, byte) of each prefix byte, for the strided check
-        self._columns = [(i, prefix[i : i + 1]) for i in range(len(prefix))]
+        #: each prefix byte, for the strided check
+        self._columns = [prefix[i : i + 1] for i in range(len(prefix))]
 
     def __repr__(self) -> str:
         return f"<KeyScope {'closed' if self.closed else repr(self.prefix)}>"
@@ -125,18 +125,18 @@ class KeyScope:
             return ForbiddenError("name a namespace this user may use at HELLO first")
         return ForbiddenError("a key outside this connection's namespace")
 
-    def uniform(self, region: memoryview, n: int, length: int) -> bool:
+    def uniform(self, region: bytes, n: int, length: int) -> bool:
         """Check ``n`` keys of ``length`` bytes laid end to end in ``region``;
-        True if some default-namespace key needs escaping."""
+        True if some default-namespace key needs escaping. (Strided slices
+        of bytes run at C speed; a memoryview's do not.)"""
         if self.closed:
             raise self._refuse()
         if self.prefix:
-            if length <= len(self.prefix) or any(
-                region[i::length] != byte * n for i, byte in self._columns
-            ):
+            columns = [region[i::length] for i in range(len(self.prefix))]
+            if length <= len(self.prefix) or columns != [byte * n for byte in self._columns]:
                 raise self._refuse()
             return False
-        return NAMESPACE_MARK in region[::length].tobytes()
+        return NAMESPACE_MARK in region[::length]
 
     def each(self, keys: list[bytes]) -> list[bytes]:
         """Check (and escape) keys of mixed lengths, one at a time."""
@@ -162,22 +162,27 @@ _MARK = bytes((NAMESPACE_MARK,))
 
 def encode_keys(keys: Sequence[bytes], prefix: bytes = b"") -> bytes:
     """A key list; ``prefix`` (a namespaced client's) goes before every key."""
+    return _after(b"", keys, prefix)
+
+
+def _after(head: bytes, keys: Sequence[bytes], prefix: bytes) -> bytes:
+    """``head`` then the key list, in one join (the prefix is its separator,
+    so each key gets it without a copy of its own)."""
     n = len(keys)
     if n == 0:
-        return _KEYS_HEAD.pack(0, 0)
+        return head + _KEYS_HEAD.pack(0, 0)
     lengths = list(map(len, keys))
     first = lengths[0]
     extra = len(prefix)
     if 0 < first + extra <= MAX_KEY_BYTES_V1 and lengths.count(first) == n:
-        if prefix:
-            return _KEYS_HEAD.pack(n, first + extra) + prefix + prefix.join(keys)
-        return _KEYS_HEAD.pack(n, first) + b"".join(keys)
+        if not prefix:
+            return b"".join((head, _KEYS_HEAD.pack(n, first), b"".join(keys)))
+        return prefix.join((head + _KEYS_HEAD.pack(n, first + extra), *keys))
     if max(lengths) + extra > MAX_KEY_BYTES_V1:
         raise CodecError(f"a key is longer than {MAX_KEY_BYTES_V1} bytes")
     if prefix:
         lengths = [length + extra for length in lengths]
-        return b"".join((_KEYS_HEAD.pack(n, 0), _pack_u16s(lengths), prefix, prefix.join(keys)))
-    return b"".join((_KEYS_HEAD.pack(n, 0), _pack_u16s(lengths), *keys))
+    return prefix.join((head + _KEYS_HEAD.pack(n, 0) + _pack_u16s(lengths), *keys))
 
 
 def single_key(buf: Buffer) -> bool:
@@ -207,7 +212,7 @@ def decode_keys(
             raise CodecError(f"key list announces {n} keys of {uniform} bytes; frame too short")
         if n == 0:
             return [], stop, 0
-        marked = scope is not None and scope.uniform(memoryview(buf)[offset:stop], n, uniform)
+        marked = scope is not None and scope.uniform(bytes(buf[offset:stop]), n, uniform)
         whole, rest = divmod(n, _KEY_CHUNK)
         tail = offset + whole * _KEY_CHUNK * uniform
         keys: list[bytes] = []
@@ -294,20 +299,10 @@ def encode_lookup(req: Lookup, prefix: bytes = b"") -> bytes:
     tag = req.request_tag
     if len(tag) > 255:
         raise CodecError("request tag longer than 255 bytes")
-    return b"".join(
-        (
-            _LOOKUP_HEAD.pack(
-                int(req.mode),
-                LOOKUP_PEEK if req.peek else 0,
-                req.window,
-                req.wait,
-                req.max_pending_wait,
-            ),
-            _U8.pack(len(tag)),
-            tag,
-            encode_keys(req.keys, prefix),
-        )
+    head = _LOOKUP_HEAD.pack(
+        int(req.mode), LOOKUP_PEEK if req.peek else 0, req.window, req.wait, req.max_pending_wait
     )
+    return _after(head + _U8.pack(len(tag)) + tag, req.keys, prefix)
 
 
 def decode_lookup(
