@@ -3,10 +3,12 @@ by a real daemon, live changes on SIGHUP."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from kvtier.model import EventKind, LookupMode, State, namespace_prefix
 from kvtier.tiers.rendezvous import owner
 from kvtier.wire import FLAG_REPLY, Op
 from tests.helpers import DaemonProcess, RawConnection, free_port, running_daemon
+from tests.s3server import S3Server, s3_server
 
 H, M = State.HIT, State.MISS
 RAM_ONLY = {"enabled": False}
@@ -278,3 +281,52 @@ def test_stats_per_namespace_from_the_command_line(sock_dir: Path, tmp_path: Pat
         }
     finally:
         assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    yield from s3_server()
+
+
+async def test_namespaces_stay_apart_in_a_shared_bucket(s3: S3Server, sock_dir: Path) -> None:
+    tier = s3.tier_config(s3.new_bucket())
+    written = s3.proxy.when_completed("PUT", f"/{tier['bucket']}/fleet-a/t1/{K.hex()}")
+    a_dir, b_dir = sock_dir / "a", sock_dir / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    async with (
+        running_daemon(a_dir, remote_tier_configs=[tier], disk=RAM_ONLY) as a,
+        await Client.connect(a.socket_path, namespace="t1") as writer,
+    ):
+        await writer.put(K, b"t1's block")  # written through to S3, under t1/
+        assert await asyncio.to_thread(written.wait, 30)
+    async with (
+        running_daemon(b_dir, remote_tier_configs=[tier], disk=RAM_ONLY) as b,
+        await Client.connect(b.socket_path, namespace="t1") as same,
+        await Client.connect(b.socket_path, namespace="t2") as other,
+        await Client.connect(b.socket_path) as plain,
+    ):
+        assert (await other.lookup([K], wait=10.0)).states == [M]  # probed: not there
+        assert (await plain.lookup([K], wait=10.0)).states == [M]
+        assert await other.get(K) is None
+        assert (await same.lookup([K], wait=10.0)).states == [H]  # promoted from S3
+        assert await same.get(K) == b"t1's block"
+
+
+async def test_a_namespace_over_its_disk_max_gives_up_its_own_files(sock_dir: Path) -> None:
+    quotas = {"capped": {"disk_max": "1MiB"}, "free": {}}
+    block = b"d" * (256 * 1024)
+    async with (
+        running_daemon(sock_dir, namespaces=quotas) as d,
+        await Client.connect(d.socket_path, namespace="capped") as capped,
+        await Client.connect(d.socket_path, namespace="free") as free,
+    ):
+        await free.put_many([b"f%d" % i for i in range(6)], [block] * 6)
+        await capped.put_many([b"c%d" % i for i in range(8)], [block] * 8)
+        await d.settle()  # written through to the disk
+        assert d.disk is not None and d.disk.budget.shares is not None
+        used = d.disk.budget.shares.used
+        assert used[b"capped"] <= 1 << 20 < used[b"capped"] + len(block)  # its own oldest went
+        assert len(d.disk.budget.shares.policies[b"free"]) == 6  # the other lost nothing
+        stats = (await free.stats())["namespaces"]
+        assert set(stats) == {"free"} and stats["free"]["disk_blocks"] == 6

@@ -226,7 +226,7 @@ class RamTier(LocalTier):
                 self.budget.release(slot.size)  # held since stage(): now used
                 self._values[key] = value
                 self.budget.admit(key, slot.size, cold)
-                return True, []
+                return True, self._within_max(key)
             size = slots.block_size(length)
             evicted = self._make_room(size, key)
             try:
@@ -254,6 +254,16 @@ class RamTier(LocalTier):
         self._values[key] = value
         self.budget.admit(key, size, cold)
         return evicted
+
+    def _within_max(self, key: bytes) -> list[tuple[bytes, Buffer]]:
+        """After a block whose room was made before it arrived (a staged PUT
+        body) lands: its namespace's own blocks past its max go now."""
+        if self.budget.shares is None:
+            return []
+        try:
+            return self._make_room(0, key)
+        except NoCapacityError:
+            return []  # every other block of it is being read: it stays over
 
     def _make_room(self, size: int, key: bytes | None) -> list[tuple[bytes, Buffer]]:
         try:

@@ -36,7 +36,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from kvtier.config import S3TierConfig
 from kvtier.counters import LATENCY_BUCKETS, Cell, Counts, HistogramCell, Histograms
 from kvtier.errors import TierError
-from kvtier.model import Buffer
+from kvtier.model import NAMESPACE_MARK, Buffer
 from kvtier.tiers.base import S3Stats, Tier, block_checksum
 from kvtier.tiers.breaker import CircuitBreaker
 
@@ -133,6 +133,12 @@ class S3Tier(Tier):
         return f"<S3Tier {self.name} s3://{self.bucket}/{self.prefix} {self.breaker!r}>"
 
     def object_key(self, key: bytes) -> str:
+        """``<prefix><hex of the key>``; a namespace's block under
+        ``<prefix><namespace>/<hex of its key>`` (docs/tenancy.md), so a
+        bucket rule can expire one namespace's objects."""
+        if len(key) > 1 and key[0] == NAMESPACE_MARK and key[1]:
+            end = 2 + key[1]
+            return f"{self.prefix}{key[2:end].decode()}/{key[end:].hex()}"
         return f"{self.prefix}{key.hex()}"
 
     # -- lifecycle

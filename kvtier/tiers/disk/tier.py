@@ -287,6 +287,15 @@ class DiskTier(LocalTier):
                 await loop.run_in_executor(self.executor, unlink_all, [path])
                 return
             self.budget.admit(key, size)
+            if self.budget.shares is not None:
+                # Writes of one namespace in flight together each found room
+                # within its max; the last to land makes it true again.
+                try:
+                    late = self._evict(0, key)
+                except NoRoom:
+                    late = []
+                if late:
+                    await loop.run_in_executor(self.executor, unlink_all, late)
             if self.fsync == "batch":
                 self._dirty.append(path)
                 self._write_gen += 1
