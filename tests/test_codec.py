@@ -222,6 +222,28 @@ def test_reader_direct_frames_are_views_of_their_own_buffer() -> None:
     assert bytes(frames[0].data) == b"z" * 200_000
 
 
+def test_a_large_frame_is_received_in_steps() -> None:
+    """No receive fills more than RECEIVE_STEP bytes: a large frame takes
+    several loop steps, and other connections are served between them."""
+    from kvtier.wire.framing import RECEIVE_STEP
+
+    reader = FrameReader(max_frame=1 << 22)
+    raw = frame_bytes(Op.PUT, 1, b"m" * 300_000, b"d" * (1 << 20))
+    frames: list[wire.Frame] = []
+    at = steps = 0
+    while at < len(raw):
+        buf = reader.get_buffer(-1)
+        assert 0 < len(buf) <= RECEIVE_STEP
+        n = min(len(buf), len(raw) - at)
+        buf[:n] = raw[at : at + n]
+        at += n
+        steps += 1
+        frames += reader.buffer_updated(n)
+    assert steps >= (300_000 + (1 << 20)) // RECEIVE_STEP
+    (frame,) = frames
+    assert bytes(frame.meta) == b"m" * 300_000 and bytes(frame.data) == b"d" * (1 << 20)
+
+
 def test_reader_reports_partial_frames() -> None:
     reader = FrameReader(max_frame=1 << 20)
     raw = frame_bytes(Op.PING, 1, b"abc")

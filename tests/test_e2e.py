@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import Client, LookupMode, PutStatus
-from tests.helpers import DaemonProcess, metric_value
+from kvtier import Client, LookupMode, PutStatus, State
+from tests.helpers import DaemonProcess, metric_value, running_daemon
 
 BLOCK = 256 * 1024
 
@@ -168,3 +169,38 @@ def test_world_writable_socket_directory_is_refused(sock_dir: Path) -> None:
         proc.start()
     assert proc.proc is not None and proc.proc.returncode == 1
     assert not (shared / "d.sock").exists()
+
+
+async def test_a_large_put_is_stored_in_steps_with_lookups_answered_between(
+    sock_dir: Path,
+) -> None:
+    keys = [b"step-%04d" % i for i in range(5000)]
+    async with (
+        running_daemon(sock_dir, disk={"enabled": False}) as d,
+        await Client.connect(d.socket_path) as writer,
+        await Client.connect(d.socket_path) as reader,
+    ):
+        put = asyncio.ensure_future(writer.put_many(keys, [b"v" * 100] * 5000))
+        for _ in range(10_000):  # each lookup is a round trip: the loop runs between
+            states = (await reader.lookup([keys[0], keys[-1]])).states
+            if states[0] is State.HIT:
+                break
+        # The first look that finds the PUT's first block: the rest is not
+        # stored yet, so the lookup was answered between the PUT's steps.
+        assert states == [State.HIT, State.MISS]
+        assert await put == [PutStatus.STORED] * 5000  # in key order
+        assert (await reader.lookup([keys[0], keys[-1]])).states == [State.HIT] * 2
+
+
+async def test_a_large_durable_put_is_on_disk_when_acknowledged(sock_dir: Path) -> None:
+    keys = [b"dur-%04d" % i for i in range(300)]
+    async with (
+        running_daemon(sock_dir, ram={"capacity": "1MiB"}) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        assert (
+            await c.put_many(keys, [b"%04d" % i * 1000 for i in range(300)], durable=True)
+            == [PutStatus.STORED] * 300
+        )
+        assert d.disk is not None and all(d.disk.contains(k) for k in keys)
+        assert await c.get(keys[0]) == b"0000" * 1000  # from disk: RAM held a fraction

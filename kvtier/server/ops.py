@@ -8,6 +8,7 @@ the service's async verb of the same name. The service is any
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from kvtier.model import (
     EventSource,
     Leased,
     LookupReply,
+    PutStatus,
     SharedService,
     client_key,
     namespace_id,
@@ -45,6 +47,9 @@ EVENT_QUEUE = 65536
 MAX_EVENT_QUEUE = 1 << 20
 #: events per streamed frame
 EVENT_BATCH = 1024
+#: blocks one loop step stores at most: a PUT of more is stored over several
+#: steps (about 1 ms each for 4 KiB blocks), with lookups answered between
+PUT_STEP = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,19 +233,42 @@ class Ops:
         return self.service.stage(header.data_len, keys[0])
 
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:
+        durable = bool(frame.header.flags & wire.FLAG_DURABLE)
         try:
             hinted = bool(frame.header.flags & wire.FLAG_HINTS)
             keys, values, hints = wire.decode_put(
                 frame.meta, frame.data, self.max_batch, hinted=hinted, scope=conn.scope
             )
+            if len(keys) > PUT_STEP:
+                return Later(self._put_in_steps(keys, values, hints, durable), _put_reply)
             statuses = self.service.put(keys, values, hints=hints)
         finally:
             self.service.drop_staged(frame.data)  # unless stored
-        if frame.header.flags & wire.FLAG_DURABLE:
+        if durable:
             # Held for the disk in this same step: nothing can evict them first.
-            durable = self.service.make_durable(keys, values)
-            return Later(durable, lambda _: Reply(wire.encode_put_reply(statuses)))
-        return Reply(wire.encode_put_reply(statuses))
+            written = self.service.make_durable(keys, values)
+            return Later(written, lambda _: _put_reply(statuses))
+        return _put_reply(statuses)
+
+    async def _put_in_steps(
+        self, keys: list[bytes], values: list[Buffer], hints: bytes | None, durable: bool
+    ) -> list[PutStatus]:
+        """A PUT of many blocks, PUT_STEP blocks per loop step: lookups and
+        other connections are answered between the steps."""
+        statuses: list[PutStatus] = []
+        written = []
+        for lo in range(0, len(keys), PUT_STEP):
+            hi = lo + PUT_STEP
+            step = self.service.put(
+                keys[lo:hi], values[lo:hi], hints=hints[lo:hi] if hints is not None else None
+            )
+            statuses += step
+            if durable:  # held for the disk in the step that stored them
+                written.append(self.service.make_durable(keys[lo:hi], values[lo:hi]))
+            await asyncio.sleep(0)  # allow-sleep: yields the loop; waits for nothing
+        for w in written:
+            await w
+        return statuses
 
     def delete(self, conn: Connection, frame: Frame) -> Reply | Later:
         keys = self._only_keys(conn, frame, "DELETE")
@@ -429,6 +457,10 @@ def _scoped(events: Iterable[BlockEvent], prefix: bytes) -> list[BlockEvent]:
         elif (key := client_key(e.key, prefix)) is not None:
             out.append(e if key is e.key else BlockEvent(e.seq, e.kind, key, e.tier))
     return out
+
+
+def _put_reply(statuses: list[PutStatus]) -> Reply:
+    return Reply(wire.encode_put_reply(statuses))
 
 
 def _lookup_reply(reply: LookupReply) -> Reply:

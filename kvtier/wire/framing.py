@@ -130,6 +130,10 @@ def frame_parts(
 
 
 _MIN_TAIL = 16 * 1024
+#: bytes one receive into a frame's own buffer fills at most: a large frame
+#: arrives over several loop steps of about 50 us each (256 KiB of kernel
+#: copy), so the loop answers other connections between them
+RECEIVE_STEP = 256 * 1024
 
 
 class _Direct:
@@ -149,8 +153,9 @@ class _Direct:
 
     def buffer(self) -> memoryview:
         if self.filled < len(self.meta):
-            return self.meta[self.filled :]
-        return self.data[self.filled - len(self.meta) :]
+            return self.meta[self.filled : self.filled + RECEIVE_STEP]
+        at = self.filled - len(self.meta)
+        return self.data[at : at + RECEIVE_STEP]
 
     def put(self, chunk: memoryview) -> None:
         """Copy bytes that arrived in the ring buffer (the frame's first part)."""
