@@ -224,7 +224,8 @@ class EventsConfig(Section):
     buffer_steps: int = Field(default=10_000, ge=1)
     #: the PUB socket's high-water mark (messages queued per subscriber)
     hwm: int = Field(default=100_000, ge=0)
-    #: the topic of every message; default "kv@<node>@kvtier"
+    #: the topic of every message; default: each namespace's own,
+    #: "kv@<node>@<namespace>" (the default namespace's: "kv@<node>@default")
     topic: str = ""
     #: the medium string of the events (Dynamo maps CPU_TIER2, DISK, NVME and
     #: STORAGE to its disk tier; EXTERNAL, NETWORK, REMOTE and SHARED to external)

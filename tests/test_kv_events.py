@@ -55,7 +55,7 @@ async def replay(ctx: zmq.asyncio.Context, sock_dir: Path, start: int) -> list[t
                 n = int.from_bytes(seq, "big", signed=True)
                 if n == -1:
                     return out
-                assert topic == b"kv@node-a@kvtier"
+                assert topic == b"kv@node-a@default"
                 out.append((n, msgspec.msgpack.decode(payload)))
     finally:
         req.close()
@@ -268,5 +268,45 @@ async def test_on_start_every_block_held_is_announced(sock_dir: Path) -> None:
             events = await published(d, ctx, sock_dir, 2)
             assert events[0] == {"type": "AllBlocksCleared"}
             assert [e["block_hashes"] for e in events[1:]] == [[as_int(h)]]
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_each_namespace_goes_out_under_its_own_topic(sock_dir: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    ha, hb = bytes(range(5, 37)), bytes(range(6, 38))
+    try:
+        async with (
+            running_daemon(sock_dir, disk=RAM_ONLY, events=events_config(sock_dir)) as d,
+            await Client.connect(d.socket_path, namespace="llama@1a2b") as a,
+            await Client.connect(d.socket_path, namespace="mistral@3c4d") as b,
+        ):
+            await published(d, ctx, sock_dir, 1)
+            await a.put(vllm_key(ha), b"a")
+            await b.put(vllm_key(hb), b"b")
+            await a.delete(vllm_key(ha))
+            assert d.publisher is not None
+            await d.publisher.wait_published(4)
+            req = ctx.socket(zmq.DEALER)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(f"ipc://{sock_dir}/kv-replay")
+            await req.send_multipart((b"", (1).to_bytes(8, "big")))
+            seen: list[tuple[int, bytes, list[Any]]] = []
+            async with asyncio.timeout(10):
+                while True:
+                    _, topic, seq, payload = await req.recv_multipart()
+                    n = int.from_bytes(seq, "big", signed=True)
+                    if n == -1:
+                        break
+                    seen.append((n, topic, msgspec.msgpack.decode(payload)[1]))
+            req.close()
+            assert [n for n, _, _ in seen] == [1, 2, 3, 4]  # one run for every topic
+            assert [(t, [e["type"] for e in evs]) for _, t, evs in seen] == [
+                (b"kv@node-a@default", ["AllBlocksCleared"]),
+                (b"kv@node-a@llama@1a2b", ["BlockStored"]),
+                (b"kv@node-a@mistral@3c4d", ["BlockStored"]),
+                (b"kv@node-a@llama@1a2b", ["BlockRemoved"]),
+            ]
+            assert seen[1][2][0]["block_hashes"] == [as_int(ha)]  # hashes as without
     finally:
         ctx.destroy(linger=0)

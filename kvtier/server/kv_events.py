@@ -11,6 +11,11 @@ an 8-byte big-endian sequence number and a msgpack ``KVEventBatch``
 request (an 8-byte start sequence number) with every buffered batch from
 there, then an end marker (sequence -1).
 
+Each namespace's blocks (docs/tenancy.md) go out under their own topic,
+``kv@<node>@<namespace>`` (``[events] topic`` sets one for all), as vLLM
+names a pod's model in its topic; the sequence numbers are the endpoint's,
+one run for every topic, as a subscriber to the endpoint sees them.
+
 What is published: a block is BlockStored once when the node first holds
 it (in RAM or on disk) and BlockRemoved once when no local tier holds it
 any more, so a consumer that reference-counts announcements stays right;
@@ -37,7 +42,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvtier.model import BlockEvent, EventKind, EventSource
+from kvtier.model import (
+    DEFAULT_NAMESPACE,
+    BlockEvent,
+    EventKind,
+    EventSource,
+    namespace_name,
+    namespace_of,
+)
 
 log = logging.getLogger("kvtier.events")
 
@@ -130,7 +142,8 @@ class KVEventPublisher:
         replay_endpoint: str | None,
         buffer_steps: int,
         hwm: int,
-        topic: str,
+        node: str,
+        topic: str = "",
         medium: str,
         block_size: int,
         key_format: str = "vllm",
@@ -138,13 +151,18 @@ class KVEventPublisher:
         self._source = source
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        self.node = node
+        #: every batch's topic when set; else each namespace's own,
+        #: ``kv@<node>@<namespace>`` (_topic_of)
         self.topic = topic.encode()
+        #: the topics published on so far (a resync clears each)
+        self._topics: dict[bytes, bytes] = {}
         self.medium = medium
         self.block_size = block_size
         self._hash = KEY_FORMATS[key_format]
         self._hwm = hwm
-        #: (sequence number, payload) of the last batches, for replay
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        #: (sequence number, topic, payload) of the last batches, for replay
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         #: the keys held, as announced (a key stored in RAM and on disk is one)
         self._held: set[bytes] = set()
@@ -213,19 +231,41 @@ class KVEventPublisher:
                         self.stats.resyncs += 1
                         log.warning("KV events: the publisher fell behind; resyncing routers")
                         break  # subscribe again, then a fresh snapshot
-                    await self._publish(self._translate(events))
+                    for topic, group in self._by_topic(events).items():
+                        await self._publish(self._translate(group), topic)
             finally:
                 source.unsubscribe(sub)
 
     async def _resync(self, snapshot: list[BlockEvent]) -> None:
-        """AllBlocksCleared, then every block held, in batches."""
+        """On each topic, AllBlocksCleared, then every block held, in batches."""
         self._held.clear()
         self._hashes.clear()
-        first: list[BlockStored | BlockRemoved | AllBlocksCleared] = [AllBlocksCleared()]
-        stored = self._translate(e for e in snapshot if e.kind is EventKind.SNAPSHOT)
-        await self._publish(first + stored[: BATCH - 1])
-        for lo in range(BATCH - 1, len(stored), BATCH):
-            await self._publish(stored[lo : lo + BATCH])
+        held = self._by_topic(e for e in snapshot if e.kind is EventKind.SNAPSHOT)
+        topics = dict.fromkeys([self._topic_of(DEFAULT_NAMESPACE), *self._topics.values(), *held])
+        for topic in topics:
+            first: list[BlockStored | BlockRemoved | AllBlocksCleared] = [AllBlocksCleared()]
+            stored = self._translate(held.get(topic, []))
+            await self._publish(first + stored[: BATCH - 1], topic)
+            for lo in range(BATCH - 1, len(stored), BATCH):
+                await self._publish(stored[lo : lo + BATCH], topic)
+
+    def _topic_of(self, ns: bytes) -> bytes:
+        topic = self._topics.get(ns)
+        if topic is None:
+            name = namespace_name(ns)
+            topic = self._topics[ns] = self.topic or f"kv@{self.node}@{name}".encode()
+        return topic
+
+    def _by_topic(self, events: Iterable[BlockEvent]) -> dict[bytes, list[BlockEvent]]:
+        """``events`` by the topic of their block's namespace, each in order."""
+        out: dict[bytes, list[BlockEvent]] = {}
+        for e in events:
+            topic = self._topic_of(namespace_of(e.key))
+            group = out.get(topic)
+            if group is None:
+                group = out[topic] = []
+            group.append(e)
+        return out
 
     def _translate(
         self, events: Iterable[BlockEvent]
@@ -283,13 +323,15 @@ class KVEventPublisher:
         flush()
         return out
 
-    async def _publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
+    async def _publish(
+        self, events: list[BlockStored | BlockRemoved | AllBlocksCleared], topic: bytes
+    ) -> None:
         if not events or self._pub is None:
             return
         self._seq += 1
         payload = self._encoder.encode(KVEventBatch(time.time(), events))
-        self._buffer.append((self._seq, payload))
-        await self._pub.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload))
+        self._buffer.append((self._seq, topic, payload))
+        await self._pub.send_multipart((topic, self._seq.to_bytes(8, "big"), payload))
         self.stats.batches += 1
         self._sent.set()
 
@@ -307,10 +349,8 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
+            for seq, topic, payload in list(self._buffer):
                 if seq >= first:
-                    await sock.send_multipart(
-                        (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
-                    )
+                    await sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
             await sock.send_multipart((client, b"", b"", END_SEQ, b""))
             self.stats.replays += 1

@@ -34,7 +34,7 @@ def publishing(workdir: Path) -> Iterator[tuple[EngineDaemon, EventReader]]:
     )
     d = start(workdir, "--config", str(config), "--no-disk", "--ram-capacity", "64MiB")
     reader = EventReader(
-        f"ipc://{workdir}/events", f"ipc://{workdir}/replay", "kv@n1@kvtier", KVEventBatch
+        f"ipc://{workdir}/events", f"ipc://{workdir}/replay", "kv@n1@", KVEventBatch
     )
     try:
         yield d, reader

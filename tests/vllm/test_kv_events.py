@@ -46,7 +46,9 @@ def test_blocks_the_vllm_tier_stores_reach_routers_in_vllms_own_format(
     publishing: tuple[EngineDaemon, Path],
 ) -> None:
     d, tmp = publishing
-    reader = EventReader(f"ipc://{tmp}/events", f"ipc://{tmp}/replay", "kv@n1@kvtier", KVEventBatch)
+    reader = EventReader(
+        f"ipc://{tmp}/events", f"ipc://{tmp}/replay", "kv@n1@default", KVEventBatch
+    )
     manager, rows = engine(d)
     try:
         writer = ReqContext("writer")
