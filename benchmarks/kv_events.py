@@ -3,10 +3,11 @@
 Two RAM-only daemons, one after the other in the same run: one publishing
 KV events on ZMQ (``[events]``, with a subscriber draining them) and one
 not. Against each, another process stores 4 KiB blocks in batches of 1000
-(each a STORED event, and an EVICTED one once RAM is full) as fast as it
-can, while this process measures a prefix LOOKUP of a resident 512-block
-chain. Prints the events per second, the lookup's p50/p99 with the
-publisher on and off, and their ratio.
+into a 256 MiB RAM tier (each a STORED event, and an EVICTED one once RAM
+is full; each under its own block hash) as fast as it can, while this process measures a prefix LOOKUP of
+a resident 512-block chain. Prints the blocks stored and (publisher on) the
+block events published per second, the lookup's p50/p99 with the publisher
+on and off, and their ratio.
 """
 
 from __future__ import annotations
@@ -29,20 +30,26 @@ from tests.enginedaemon import start
 
 CHAIN = 512
 BLOCKS = 400_000
+#: bytes per block the writer stores
+BLOCK = 4096
+RAM = "256MiB"
 
 _WRITER = """
 import asyncio, sys, time
 from kvtier.client.aio import Client
 
-async def main(path, blocks):
+async def main(path, blocks, size):
     async with await Client.connect(path) as c:
         print("go", flush=True)
         started = time.perf_counter()
         for n in range(0, blocks, 1000):
-            await c.put_many([b"w%d" % (n + i) for i in range(1000)], [b"x" * 4096] * 1000)
+            # Keys as the vLLM tier names blocks (a 32-byte hash, a group
+            # index): each block its own hash on the event stream.
+            keys = [(n + i).to_bytes(32, "big") + bytes(4) for i in range(1000)]
+            await c.put_many(keys, [b"x" * size] * 1000)
         print(f"{blocks / (time.perf_counter() - started):.0f}", flush=True)
 
-asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """
 
 
@@ -56,6 +63,7 @@ async def measure(sock: str) -> tuple[list[float], str]:
             textwrap.dedent(_WRITER),
             sock,
             str(BLOCKS),
+            str(BLOCK),
             stdout=subprocess.PIPE,
         )
         assert proc.stdout is not None
@@ -71,8 +79,10 @@ async def measure(sock: str) -> tuple[list[float], str]:
         return samples, rate
 
 
-def run(tmp: Path, publish: bool) -> tuple[list[float], str, int]:
-    args = ["--no-disk", "--ram-capacity", "256MiB"]
+def run(tmp: Path, publish: bool) -> tuple[list[float], str, float]:
+    """The lookup's latencies, the writer's blocks/s, and (publishing) the
+    block events the publisher sent per second."""
+    args = ["--no-disk", "--ram-capacity", RAM]
     if publish:
         (tmp / "kvtier.toml").write_text(f'[events]\nendpoint = "ipc://{tmp}/events"\n')
         args += ["--config", str(tmp / "kvtier.toml")]
@@ -81,31 +91,34 @@ def run(tmp: Path, publish: bool) -> tuple[list[float], str, int]:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
-    received = 0
     if publish:
         sub.connect(f"ipc://{tmp}/events")
     try:
         samples, rate = asyncio.run(measure(str(daemon.socket_path)))
+        events = daemon.total("kvtier_kv_events_blocks_total")
         while sub.poll(500):  # drain what the subscriber was sent (bounded)
             sub.recv_multipart()
-            received += 1
     finally:
         sub.close()
         ctx.term()
         daemon.stop()
-    return samples, rate, received
+    return samples, rate, events / (BLOCKS / float(rate))
 
 
 def main() -> int:
     rows = []
-    for publish in (False, True, False, True):
+    for publish in (False, True, True, False) * 2:
         with tempfile.TemporaryDirectory(prefix="kvt-kvev-", dir="/tmp") as tmp:
-            samples, rate, received = run(Path(tmp), publish)
-            rows.append((publish, samples, rate, received))
-    print("KV events      blocks/s stored   LOOKUP p50 us   p99 us")
-    for publish, samples, rate, _ in rows:
+            samples, rate, events = run(Path(tmp), publish)
+            rows.append((publish, samples, rate, events))
+    print("KV events      blocks/s stored   events/s published   LOOKUP p50 us   p99 us")
+    for publish, samples, rate, events in rows:
         p50, p99, _ = percentiles(samples)
-        print(f"{'on ' if publish else 'off'}            {rate:>15}   {p50:13.0f}   {p99:6.0f}")
+        shown = f"{events:,.0f}" if publish else "-"
+        print(
+            f"{'on ' if publish else 'off'}            {int(rate):>15,}   {shown:>18}"
+            f"   {p50:13.0f}   {p99:6.0f}"
+        )
     off = statistics.median(percentiles(s)[1] for p, s, _, _ in rows if not p)
     on = statistics.median(percentiles(s)[1] for p, s, _, _ in rows if p)
     print(f"p99 with the publisher on / off: {on / off:.2f}x")
