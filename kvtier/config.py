@@ -385,29 +385,24 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 def render_toml(config: Config) -> str:
     """The effective config as TOML (for ``kvtier config check``)."""
     out: list[str] = []
+
+    def table(header: str, values: dict[str, Any]) -> None:
+        out.append(header)
+        out.extend(
+            f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset"
+            for key, value in values.items()
+        )
+        out.append("")
+
     for section, model in config.model_dump(mode="json").items():
         if isinstance(model, list):
             for item in model:
-                out.append(f"[[{section}]]")
-                out.extend(
-                    f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset"
-                    for key, value in item.items()
-                )
-                out.append("")
-            continue
-        if section == "namespaces":
-            for name, table in model.items():
-                out.append(f"[namespaces.{_toml_key(name)}]")
-                out.extend(
-                    f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset"
-                    for key, value in table.items()
-                )
-                out.append("")
-            continue
-        out.append(f"[{section}]")
-        for key, value in model.items():
-            out.append(f"{key} = {_toml_value(value)}" if value is not None else f"# {key} unset")
-        out.append("")
+                table(f"[[{section}]]", item)
+        elif section == "namespaces":
+            for name, values in model.items():
+                table(f"[namespaces.{_toml_key(name)}]", values)
+        else:
+            table(f"[{section}]", model)
     return "\n".join(out)
 
 

@@ -330,3 +330,28 @@ async def test_a_namespace_over_its_disk_max_gives_up_its_own_files(sock_dir: Pa
         assert len(d.disk.budget.shares.policies[b"free"]) == 6  # the other lost nothing
         stats = (await free.stats())["namespaces"]
         assert set(stats) == {"free"} and stats["free"]["disk_blocks"] == 6
+
+
+def test_bad_namespace_tables_are_clear_errors(tmp_path: Path) -> None:
+    from kvtier.build import build
+    from kvtier.errors import ConfigError
+
+    def load(text: str) -> Any:
+        path = tmp_path / "kvtier.toml"
+        path.write_text(text)
+        return load_config(path, {"server": {"socket_path": tmp_path / "s"}})
+
+    with pytest.raises(ConfigError, match="letters, digits"):
+        load('[namespaces."has space"]\n')
+    with pytest.raises(ConfigError, match=r"ram_min .* is above ram_max"):
+        load('[namespaces.a]\nram_min = "2GiB"\nram_max = "1GiB"\n')
+    with pytest.raises(ConfigError, match="weight"):
+        load("[namespaces.a]\nweight = 0\n")
+    with pytest.raises(ConfigError, match=r"extra|not permitted|unknown"):
+        load("[namespaces.a]\nram_mni = 1\n")
+    too_much = load(
+        '[ram]\ncapacity = "1GiB"\n[disk]\nenabled = false\n[shared]\nenabled = false\n'
+        '[namespaces.a]\nram_min = "600MiB"\n[namespaces.b]\nram_min = "600MiB"\n'
+    )
+    with pytest.raises(ConfigError, match="ram_min add up to"):
+        build(too_much)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.enginedaemon import EngineDaemon, start
+from tests.enginedaemon import EngineDaemon, start, workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +72,8 @@ def hf_model() -> Iterator[Path]:
 
 
 Daemon = EngineDaemon
+#: the engine tests' shared fixture (a private directory), for this directory's tests
+__all__ = ["workdir"]
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ an llm-d indexer or a Dynamo router subscribed to this engine would read."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,15 +58,13 @@ GROUP = GroupOffloadConfig(
 
 
 @pytest.fixture
-def small() -> Iterator[tuple[EngineDaemon, Path]]:
+def small(workdir: Path) -> Iterator[tuple[EngineDaemon, Path]]:
     """A daemon whose RAM holds 64 of the engine's blocks, and no disk."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvt-vllm-chain-", dir="/tmp"))
-    d = start(tmp, "--no-disk", "--ram-capacity", f"{64 * BLOCK}")
+    d = start(workdir, "--no-disk", "--ram-capacity", f"{64 * BLOCK}")
     try:
-        yield d, tmp
+        yield d, workdir
     finally:
         d.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_block_stored_then_evicted_reaches_routers_self_described(

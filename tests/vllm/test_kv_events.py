@@ -3,8 +3,6 @@ Dynamo, which read vLLM's stream, will read from kvtier."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,8 +23,8 @@ from tests.zmqevents import EventReader
 
 
 @pytest.fixture
-def publishing() -> Iterator[tuple[EngineDaemon, Path]]:
-    tmp = Path(tempfile.mkdtemp(prefix="kvt-vllm-ev-", dir="/tmp"))
+def publishing(workdir: Path) -> Iterator[tuple[EngineDaemon, Path]]:
+    tmp = workdir
     config = tmp / "kvtier.toml"
     config.write_text(
         "[events]\n"
@@ -39,7 +37,6 @@ def publishing() -> Iterator[tuple[EngineDaemon, Path]]:
         yield d, tmp
     finally:
         d.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_blocks_the_vllm_tier_stores_reach_routers_in_vllms_own_format(
