@@ -4,10 +4,10 @@ Two RAM-only daemons, one after the other in the same run: one publishing
 KV events on ZMQ (``[events]``, with a subscriber draining them) and one
 not. Against each, another process stores 4 KiB blocks in batches of 1000
 into a 256 MiB RAM tier (each a STORED event, and an EVICTED one once RAM
-is full; each under its own block hash) as fast as it can, while this process measures a prefix LOOKUP of
-a resident 512-block chain. Prints the blocks stored and (publisher on) the
-block events published per second, the lookup's p50/p99 with the publisher
-on and off, and their ratio.
+is full; each under its own block hash) as fast as it can, while this
+process measures a prefix LOOKUP of a resident 512-block chain. Prints the
+blocks stored and (publisher on) the block events published per second,
+the lookup's p50/p99 with the publisher on and off, and their ratio.
 """
 
 from __future__ import annotations
