@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvtier.model import Buffer
 
@@ -129,3 +131,55 @@ def _move(call: object, pid: int, here: memoryview, remote: int) -> None:
         if moved == 0:
             raise OSError(f"cross-memory copy from pid {pid} moved nothing at {remote + done:#x}")
         done += moved
+
+
+@dataclass(frozen=True, slots=True)
+class MappedFile:
+    """A shared file mapping of this process (``/proc/self/maps``): the
+    daemon can read a buffer inside it from the file itself, with no copy in
+    this process (a region, docs/shared-memory.md)."""
+
+    #: the file's path as the mapping names it (" (deleted)" once unlinked)
+    path: str
+    start: int
+    end: int
+    #: the file offset mapped at ``start``
+    offset: int
+
+    def open(self) -> int:
+        """A read-only descriptor of the file: by its path, else (an unlinked
+        file; needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE) through
+        /proc/self/map_files. Raises OSError when neither opens."""
+        try:
+            return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            entry = f"/proc/self/map_files/{self.start:x}-{self.end:x}"
+            return os.open(entry, os.O_RDONLY | os.O_CLOEXEC)
+
+    def spans(self, bufs: Sequence[Buffer]) -> list[tuple[int, int]] | None:
+        """Each buffer's (file offset, length), or None if one lies outside."""
+        out = []
+        for buf in bufs:
+            address, length = address_of(buf)
+            if not (self.start <= address and address + length <= self.end):
+                return None
+            out.append((address - self.start + self.offset, length))
+        return out
+
+
+def mapped_file(address: int) -> MappedFile | None:
+    """The shared file mapping that holds ``address``, or None (private or
+    anonymous memory, or no /proc)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, _, hi = fields[0].partition("-")
+                start, end = int(lo, 16), int(hi, 16)
+                if start <= address < end:
+                    if len(fields) < 6 or fields[1][3] != "s" or fields[5][0] != "/":
+                        return None
+                    return MappedFile(fields[5].rstrip("\n"), start, end, int(fields[2], 16))
+    except OSError:
+        return None
+    return None

@@ -34,6 +34,7 @@ import concurrent.futures
 import enum
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvtier import loops
+from kvtier import cma, loops
 from kvtier.client import Client
 from kvtier.client.redial import Backoff, Redial
-from kvtier.errors import KvtierError
+from kvtier.errors import ForbiddenError, KvtierError
 from kvtier.model import HIT, MISS, BlockEvent, Buffer, EventKind, LookupMode
 
 log = logging.getLogger("kvtier.engine")
@@ -315,6 +316,7 @@ class EngineTier:
         failed_ttl: float = 30.0,
         backoff: tuple[float, float] = (0.05, 5.0),
         clock: Callable[[], float] = time.monotonic,
+        regions: bool = True,
     ) -> None:
         self.socket_path = socket_path
         self.namespace = namespace
@@ -344,6 +346,14 @@ class EngineTier:
         self._backoff = backoff
         #: the blocks this engine stored that the daemon let go (watch_removals)
         self._watch: RemovalWatch | None = None
+        #: stores from rows in a shared file (an engine's shared host region)
+        #: are read by the daemon from the file itself (a region): off, or
+        #: the file, once the first store has found it (None: not known yet)
+        self._regions = regions
+        self._file: cma.MappedFile | None = None
+        #: the connection the file was handed to, and its region id there (0:
+        #: the daemon takes no region on it; rows then go over the socket)
+        self._region: tuple[Client, int] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -539,6 +549,40 @@ class EngineTier:
                 JobDone(job_id, JobKind.LOAD, ok, loaded, nbytes, time.perf_counter() - started)
             )
 
+    def _spans(self, rows: list[Buffer]) -> list[tuple[int, int]] | None:
+        """The rows' (offset, length) in the shared file they live in, or None."""
+        if not self._regions or not rows:
+            return None
+        if self._file is None:
+            found = cma.mapped_file(cma.address_of(rows[0])[0])
+            if found is None:
+                self._regions = False  # process memory: the socket, from now on
+                return None
+            self._file = found
+        return self._file.spans(rows)
+
+    async def _region_of(self, client: Client) -> int:
+        """The file's region id on ``client``'s connection, handed over once per
+        connection (again after a redial); 0 when the daemon takes none."""
+        if self._region is not None and self._region[0] is client:
+            return self._region[1]
+        region = 0
+        assert self._file is not None
+        try:
+            fd = self._file.open()
+        except OSError as exc:
+            log.info("the engine's shared region is not open to the daemon (%s)", exc)
+            self._regions = False
+            return 0
+        try:
+            region = await client.attach_region(fd, timeout=self.timeout)
+        except ForbiddenError:
+            region = 0  # no shared memory on this connection: another host, or off
+        finally:
+            os.close(fd)
+        self._region = (client, region)
+        return region
+
     async def _store(self, job_id: int, keys: list[bytes], rows: list[Buffer]) -> None:
         started = time.perf_counter()
         ok = False
@@ -557,7 +601,12 @@ class EngineTier:
                 if self.reserve_stores
                 else None
             )
-            put = asyncio.create_task(client.put_many(names, rows))
+            spans = self._spans(rows)
+            region = await self._region_of(client) if spans is not None else 0
+            if region and spans is not None:
+                put = asyncio.create_task(client.put_region(region, names, spans))
+            else:
+                put = asyncio.create_task(client.put_many(names, rows))
             await asyncio.gather(
                 *(t for t in (reserve, put) if t is not None), return_exceptions=True
             )

@@ -110,6 +110,7 @@ class KvtierTier(SecondaryTierManager):
         failed_ttl: float = 30.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        regions: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -129,6 +130,7 @@ class KvtierTier(SecondaryTierManager):
             timeout=timeout,
             reserve_stores=reserve_stores,
             failed_ttl=failed_ttl,
+            regions=regions,
         )
         #: KV events for vLLM's stream (``enable_kv_events``, as vLLM's fs tier
         #: takes it): stores as they finish; removals as the daemon reports them

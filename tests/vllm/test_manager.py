@@ -231,3 +231,35 @@ def test_without_kv_events_the_tier_emits_none(
     store(manager, rows, writer, make_offload_key(b"quiet" * 4, 0), 1)
     assert [e for e in manager.take_events() if e.medium is Medium.STORAGE] == []
     manager.on_request_finished(writer)
+
+
+@pytest.mark.parametrize("regions", [True, False])
+def test_stores_are_read_by_the_daemon_from_vllms_shared_region(
+    daemon: Daemon, regions: bool
+) -> None:
+    """vLLM's CPU tier lives in a shared file (/dev/shm): the daemon reads a
+    store's rows from it itself (a region), one copy, none in vLLM's
+    process; ``"regions": false`` sends them over the socket instead."""
+    manager, rows = engine(daemon, regions=regions)
+    try:
+        writer = ReqContext("writer")
+        manager.on_new_request(writer)
+        key = make_offload_key(b"region" * 4, 0)
+        store(manager, rows, writer, key, 42)
+        for i in range(CHUNKS):  # evict it from the primary
+            store(manager, rows, writer, make_offload_key(b"push%d" % i * 4, 0), i)
+        settle(manager)
+        manager.on_request_finished(writer)
+        copied = daemon.total("kvtier_shared_region_bytes_total", direction="in")
+        assert copied == ((CHUNKS + 1) * BLOCK if regions else 0)
+        assert daemon.stats()["shared"]["regions"] == (1 if regions else 0)
+        reader = ReqContext("reader")
+        manager.on_new_request(reader)
+        assert load_until_hit(manager, reader, key)[-1] is LookupResult.HIT
+        (chunk,) = manager.prepare_load([key], reader).block_ids  # type: ignore[attr-defined]
+        assert (rows[chunk] == 42).all()
+        manager.complete_load([key], reader)
+        manager.on_request_finished(reader)
+        settle(manager)
+    finally:
+        manager.shutdown()

@@ -282,9 +282,12 @@ def test_second_engine_loads_the_shared_prefix_from_kvtier(
 
     a.serve(first)
     assert a.loaded_jobs == 0 and a.stored_jobs > 0
-    stored = daemon.total("kvtier_received_bytes_total")
-    assert daemon.total("kvtier_requests_total", op="put", outcome="ok") > 0
-    # A's 7 full blocks went to kvtier through vLLM's store and cascade.
+    # A's 7 full blocks went to kvtier through vLLM's store and cascade: read
+    # by the daemon from vLLM's shared CPU-tier file (a region), else sent.
+    assert daemon.total("kvtier_requests_total", op="put_region", outcome="ok") > 0
+    stored = daemon.total("kvtier_received_bytes_total") + daemon.total(
+        "kvtier_shared_region_bytes_total", direction="in"
+    )
     assert stored >= 7 * BLOCK_BYTES
     sent_before = daemon.total("kvtier_sent_bytes_total")
 
