@@ -133,3 +133,21 @@ def test_reserved_bytes_count_against_capacity() -> None:
     ram.release(15)
     assert ram.reserved_bytes == 0
     ram.put(b"c", b"y" * 10)
+
+
+def test_a_batch_makes_its_room_in_one_pass_and_no_block_of_it_evicts_another() -> None:
+    ram = RamTier(1000, LRUPolicy())
+    for i in range(10):
+        ram.put(b"old%d" % i, b"x" * 100)
+    batch = [b"new%d" % i for i in range(4)]
+    values = [b"y" * 100] * 4
+    ram.put(batch[0], b"y" * 100)  # resident (old0 made room): needs none
+    evicted = ram.make_room(batch, values)
+    assert [k for k, _ in evicted] == [b"old1", b"old2", b"old3"]  # the LRU end, once
+    for k, v in zip(batch, values, strict=True):
+        _, more = ram.put(k, v)
+        assert more == []  # its room was made
+    assert all(ram.contains(k) for k in batch) and ram.budget.used == 1000
+    # A batch larger than the tier makes no room here: each block makes its own.
+    assert ram.make_room([b"big%d" % i for i in range(20)], [b"z" * 100] * 20) == []
+    assert ram.budget.used == 1000

@@ -796,6 +796,8 @@ class Service:
         is admitted at the cold end of RAM's eviction order)."""
         check_keys(self.limits, keys)
         check_values(self.limits, values, self.ram.capacity)
+        if len(keys) > 1:  # one eviction pass for the batch
+            self._evicted(self.ram.make_room(keys, values))
         if hints is None:
             return [
                 self._store_local(k, v, source, copy) for k, v in zip(keys, values, strict=True)

@@ -255,6 +255,26 @@ class RamTier(LocalTier):
         self.budget.admit(key, size, cold)
         return evicted
 
+    def make_room(
+        self, keys: Sequence[bytes], values: Sequence[Buffer]
+    ) -> list[tuple[bytes, Buffer]]:
+        """Room for a batch of blocks in one eviction pass (each :meth:`put`
+        then finds its room free, and no block of the batch evicts another);
+        returns the evicted pairs. A batch that does not fit makes no room
+        here: each block then makes its own, or fails on its own."""
+        if self._touches:
+            self._apply_touches()
+        values_held, slots, min_slot = self._values, self.slots, self.min_slot
+        need = 0
+        for key, value in zip(keys, values, strict=True):
+            if key not in values_held:
+                n = len(value)
+                need += slots.block_size(n) if slots is not None and n >= min_slot else n
+        try:
+            return self._make_room(need, keys[0]) if need else []
+        except (NoCapacityError, ValueTooLargeError):
+            return []
+
     def _within_max(self, key: bytes) -> list[tuple[bytes, Buffer]]:
         """After a block whose room was made before it arrived (a staged PUT
         body) lands: its namespace's own blocks past its max go now."""
