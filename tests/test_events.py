@@ -49,6 +49,27 @@ def block(i: int) -> bytes:
     return bytes([i]) * BLOCK
 
 
+def test_many_events_at_once_number_and_overflow_as_one_by_one() -> None:
+    log = EventLog()
+    sub = log.subscribe(limit=5)
+    log.emit(EventKind.STORED, b"a", EventTier.RAM)
+    log.emit_many(EventKind.EVICTED, [b"b", b"c", b"d"])
+    log.emit_many(EventKind.EVICTED, [])  # nothing: no sequence number
+    assert [(e.seq, e.kind, e.key) for e in sub.take(10)] == [
+        (1, EventKind.STORED, b"a"),
+        (2, EventKind.EVICTED, b"b"),
+        (3, EventKind.EVICTED, b"c"),
+        (4, EventKind.EVICTED, b"d"),
+    ]
+    log.emit_many(EventKind.STORED, [b"e", b"f", b"g", b"h"])
+    log.emit_many(EventKind.STORED, [b"i", b"j"])  # 6 queued > 5: a gap from seq 5
+    (gap,) = sub.take(10)
+    assert gap.kind is EventKind.GAP and gap.seq == 5 and log.gaps == 1
+    log.emit_many(EventKind.DELETED, [b"k"])
+    assert [(e.seq, e.key) for e in sub.take(10)] == [(11, b"k")]
+    assert log.stats().published == {"stored": 7, "evicted": 3, "deleted": 1}
+
+
 async def test_stores_evictions_and_deletes_stream_in_order(sock_dir: Path) -> None:
     async with (
         running_daemon(sock_dir, ram={"capacity": "1MiB", "policy": "lru"}, disk=RAM_ONLY) as d,

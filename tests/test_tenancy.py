@@ -38,6 +38,8 @@ async def test_each_namespace_sees_its_own_blocks_only(sock_dir: Path) -> None:
     ):
         await a.put(K, b"a" * 5000)
         await b.put(K, b"b" * 5000)
+        named = sorted(repr(c).split()[2] for c in d.server.connections if c.namespace)
+        assert named == ["namespace=model-a", "namespace=model-b"]
         assert await a.get(K) == b"a" * 5000
         assert await b.get(K) == b"b" * 5000
         assert await plain.get(K) is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.model import BlockEvent, EventKind, EventTier
@@ -73,6 +74,20 @@ class Subscription:
         self.ready.set()
         return started
 
+    def offer_many(self, events: list[BlockEvent]) -> bool:
+        """Queue ``events`` (in order); True if they started a gap."""
+        if self._gap_from is not None:
+            return False
+        if len(self._queue) + len(events) > self.limit:
+            self._gap_from = self._queue[0].seq if self._queue else events[0].seq
+            self._queue.clear()
+            self.gaps += 1
+            self.ready.set()
+            return True
+        self._queue.extend(events)
+        self.ready.set()
+        return False
+
     def take(self, most: int) -> list[BlockEvent]:
         """Up to ``most`` events, oldest first; a gap comes alone."""
         if self._gap_from is not None:
@@ -109,6 +124,19 @@ class EventLog:
         event = BlockEvent(self.seq, kind, key, tier)
         for sub in self.subscriptions:
             self.gaps += sub.offer(event)
+
+    def emit_many(
+        self, kind: EventKind, keys: Sequence[bytes], tier: EventTier = EventTier.NONE
+    ) -> None:
+        """One event per key, in order, as :meth:`emit` makes them one by one."""
+        if not keys:
+            return
+        first = self.seq + 1
+        self.seq += len(keys)
+        self.published[kind] += len(keys)
+        events = [BlockEvent(seq, kind, key, tier) for seq, key in enumerate(keys, first)]
+        for sub in self.subscriptions:
+            self.gaps += sub.offer_many(events)
 
     def subscribe(self, limit: int) -> Subscription:
         sub = Subscription(limit)

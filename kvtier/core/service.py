@@ -911,8 +911,9 @@ class Service:
         disk, events = self.disk, self.events
         for victim, _ in evicted:
             self._invalidate(victim)
-            if events.subscriptions and (disk is None or not disk.contains(victim)):
-                events.emit(EventKind.EVICTED, victim)  # gone from this node
+        if events.subscriptions:  # gone from this node: no local tier holds them
+            gone = [v for v, _ in evicted if disk is None or not disk.contains(v)]
+            events.emit_many(EventKind.EVICTED, gone)
         self.propagation.evicted(evicted)
 
     async def _disk_write(self, key: bytes, value: Buffer) -> None:

@@ -132,9 +132,10 @@ class Connection(asyncio.BufferedProtocol):
         self.done = asyncio.Event()
 
     def __repr__(self) -> str:
+        ns = f" namespace={self.namespace.decode()}" if self.namespace else ""
         return (
-            f"<Connection #{self.conn_id.value} inflight={self.inflight} closed={self.closed} "
-            f"eof={self._eof} {self.flow!r} {self.reader!r}>"
+            f"<Connection #{self.conn_id.value}{ns} inflight={self.inflight} "
+            f"closed={self.closed} eof={self._eof} {self.flow!r} {self.reader!r}>"
         )
 
     # -- asyncio callbacks
