@@ -166,7 +166,7 @@ class Soak:
                     for rid in range(10, 40):  # ask, never read the answers, then leave
                         writer.write(frame(Op.GET, rid, wire.encode_keys(self.keys[-3:] or keys)))
                     await writer.drain()
-                    await asyncio.sleep(rng.random())
+                    await asyncio.sleep(rng.random())  # allow-sleep: chaos pacing
                 elif how == "garbage":
                     writer.write(rng.randbytes(rng.randrange(1, 4096)))
                     await writer.drain()
@@ -180,23 +180,23 @@ class Soak:
     async def outages(self) -> None:
         """Take S3 away now and then, or hold its HEADs."""
         while self.running():
-            await asyncio.sleep(self.rng.uniform(3, 8))
+            await asyncio.sleep(self.rng.uniform(3, 8))  # allow-sleep: chaos pacing
             if not self.running():
                 break
             self.report.s3_outages += 1
             if self.rng.random() < 0.5:
                 await asyncio.to_thread(self.s3.proxy.go_away)
-                await asyncio.sleep(self.rng.uniform(0.5, 3))
+                await asyncio.sleep(self.rng.uniform(0.5, 3))  # allow-sleep: chaos pacing
                 await asyncio.to_thread(self.s3.proxy.come_back)
             else:
                 await asyncio.to_thread(self.s3.proxy.hold, "HEAD")
-                await asyncio.sleep(self.rng.uniform(0.5, 3))
+                await asyncio.sleep(self.rng.uniform(0.5, 3))  # allow-sleep: chaos pacing
                 await asyncio.to_thread(self.s3.proxy.release)
 
     async def memory(self) -> None:
         while self.running():
             self.report.rss_mb.append(rss_bytes(self.proc.pid) / 2**20)
-            await asyncio.sleep(2)
+            await asyncio.sleep(2)  # allow-sleep: chaos pacing
 
     async def run(self) -> Report:
         started = time.monotonic()
@@ -216,7 +216,7 @@ class Soak:
                 self.report.connections_after = stats["server"]["connections"]
                 if self.report.connections_after == 1 and not any(self.report.maps_after.values()):
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # allow-sleep: chaos pacing
         self.report.rss_mb.append(rss_bytes(self.proc.pid) / 2**20)
         return self.report
 

@@ -341,7 +341,7 @@ async def probe_sharing(tmp: Path) -> Figure:
     for _ in range(1_000_000):  # until every lookup has joined the one probe
         if sample("kvtier_probes_total", joined) == 63 * len(keys):
             break
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # allow-sleep: one loop turn, no wait
     tier.lookup_gate.set()
     await asyncio.gather(*lookups)
     elapsed = time.perf_counter() - started

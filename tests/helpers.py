@@ -85,7 +85,7 @@ async def wait_until(predicate: Callable[[], bool], limit: int = 10_000) -> None
     for _ in range(limit):
         if predicate():
             return
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # allow-sleep: one loop turn, no wait
     raise AssertionError("condition never became true")
 
 

@@ -256,7 +256,7 @@ async def test_measure_counts_every_operation_of_every_run() -> None:
 
     async def op(i: int, worker: int) -> None:
         calls.append((i, worker))
-        await asyncio.sleep(0)  # a real operation yields: the workers interleave
+        await asyncio.sleep(0)  # allow-sleep: a real operation yields; workers interleave
 
     fig = await measure(
         "noop", "test", op, ops=40, concurrency=4, work_per_op=2, unit="keys/s", runs=3
