@@ -164,6 +164,37 @@ class DaemonLink:
         )
 
 
+class Regions:
+    """Memory files an engine hands to the daemon as regions (it then copies
+    blocks to and from them itself): once per connection, and again on the
+    connection a redial makes. Lives on the link's loop."""
+
+    def __init__(self) -> None:
+        #: the connection the files were handed to, and their region ids there
+        #: (None: the daemon takes no region on that connection)
+        self._on: tuple[Client, list[int] | None] | None = None
+        self.attached = 0
+
+    def __repr__(self) -> str:
+        ids = self._on[1] if self._on is not None else None
+        return f"<Regions ids={ids} attached={self.attached}>"
+
+    async def ids(self, client: Client, fds: Sequence[int], timeout: float) -> list[int] | None:
+        """The files' region ids on ``client``'s connection; None when the
+        daemon takes none there (no shared memory: another host, or off)."""
+        if self._on is not None and self._on[0] is client:
+            return self._on[1]
+        ids: list[int] | None
+        try:
+            ids = [await client.attach_region(fd, timeout=timeout) for fd in fds]
+            self.attached += len(ids)
+        except ForbiddenError as exc:
+            log.info("the daemon copies no blocks itself (%s): they go over the socket", exc)
+            ids = None
+        self._on = (client, ids)
+        return ids
+
+
 class RemovalWatch:
     """Which of the blocks this engine stored the daemon no longer holds.
 
@@ -351,9 +382,8 @@ class EngineTier:
         #: the file, once the first store has found it (None: not known yet)
         self._regions = regions
         self._file: cma.MappedFile | None = None
-        #: the connection the file was handed to, and its region id there (0:
-        #: the daemon takes no region on it; rows then go over the socket)
-        self._region: tuple[Client, int] | None = None
+        #: the file as a region of the daemon's, per connection
+        self._region = Regions()
 
     def __repr__(self) -> str:
         return (
@@ -562,11 +592,8 @@ class EngineTier:
         return self._file.spans(rows)
 
     async def _region_of(self, client: Client) -> int:
-        """The file's region id on ``client``'s connection, handed over once per
-        connection (again after a redial); 0 when the daemon takes none."""
-        if self._region is not None and self._region[0] is client:
-            return self._region[1]
-        region = 0
+        """The file's region id on ``client``'s connection; 0 when the daemon
+        takes none (the rows then go over the socket)."""
         assert self._file is not None
         try:
             fd = self._file.open()
@@ -575,13 +602,10 @@ class EngineTier:
             self._regions = False
             return 0
         try:
-            region = await client.attach_region(fd, timeout=self.timeout)
-        except ForbiddenError:
-            region = 0  # no shared memory on this connection: another host, or off
+            ids = await self._region.ids(client, [fd], self.timeout)
         finally:
             os.close(fd)
-        self._region = (client, region)
-        return region
+        return ids[0] if ids else 0
 
     async def _store(self, job_id: int, keys: list[bytes], rows: list[Buffer]) -> None:
         started = time.perf_counter()

@@ -58,8 +58,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.client import Client
-from kvtier.errors import ForbiddenError, KvtierError
-from kvtier.integrations.engine import DaemonLink, block_key, engine_namespace
+from kvtier.errors import KvtierError
+from kvtier.integrations.engine import DaemonLink, Regions, block_key, engine_namespace
 from kvtier.model import HIT, LookupMode
 
 log = logging.getLogger("kvtier.sglang")
@@ -187,9 +187,9 @@ class KvtierStorage(HiCacheStorage):
         self.use_regions = bool(extra.get("regions", True))
         #: the host pool's memory files (none: pages go over the socket)
         self.files: list[PoolFile] = []
-        #: the client the files were handed to, and their region ids there
-        #: (touched on the link's loop thread only)
-        self._regions: tuple[Client, list[int]] | None = None
+        #: the files as regions of the daemon's, per connection (touched on the
+        #: link's loop thread only)
+        self._regions = Regions()
         #: guards the counters and the metric lists: SGLang calls from several threads
         self._lock = threading.Lock()
         #: the blocks this backend stored: what ``clear`` deletes
@@ -267,18 +267,12 @@ class KvtierStorage(HiCacheStorage):
         return list(ptrs), list(sizes)
 
     async def _region_ids(self, client: Client) -> list[int] | None:
-        """The pool's files as regions of ``client``'s connection, handed over
-        once per connection; None when the daemon cannot take them."""
-        if self._regions is not None and self._regions[0] is client:
-            return self._regions[1]
-        try:
-            ids = [await client.attach_region(f.fd, timeout=self.timeout) for f in self.files]
-        except ForbiddenError as exc:
-            log.info("the daemon copies no pages itself (%s): they go over the socket", exc)
-            self.files = []
-            return None
-        self._regions = (client, ids)
-        self._count("regions_attached", len(ids))
+        """The pool's files as regions of ``client``'s connection (handed over
+        once per connection); None when the daemon cannot take them."""
+        before = self._regions.attached
+        ids = await self._regions.ids(client, [f.fd for f in self.files], self.timeout)
+        if self._regions.attached > before:
+            self._count("regions_attached", self._regions.attached - before)
         return ids
 
     def batch_get_v1(
