@@ -23,11 +23,23 @@ class Fleet:
 
     def __init__(self, n: int, replicas: int = 1, **lookup: float | str) -> None:
         self.replicas = replicas
-        self.ports = [free_port() for _ in range(n)]
-        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.dirs = [short_tmpdir() for _ in range(n)]
         self.lookup = {"verdict_ttl": 0.5, **lookup}
-        self.daemons: list[DaemonProcess] = [self.start(i) for i in range(n)]
+        self.daemons: list[DaemonProcess] = []
+        for attempt in range(3):
+            # A free port is free when asked: another test's outgoing
+            # connection may take it before a daemon binds. Then: new ports.
+            self.ports = [free_port() for _ in range(n)]
+            self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
+            try:
+                for i in range(n):
+                    self.daemons.append(self.start(i))
+                return
+            except RuntimeError as exc:
+                self.stop()
+                self.daemons = []
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
 
     def start(self, i: int) -> DaemonProcess:
         members = ", ".join(f'"{a}"' for a in self.addresses)
