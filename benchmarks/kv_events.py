@@ -2,9 +2,10 @@
 
 Two RAM-only daemons, one after the other in the same run: one publishing
 KV events on ZMQ (``[events]``, with a subscriber draining them) and one
-not. Against each, another process stores 4 KiB blocks in batches of 1000
-into a 256 MiB RAM tier (each a STORED event, and an EVICTED one once RAM
-is full; each under its own block hash) as fast as it can, while this
+not. Against each, another process stores 4 KiB blocks in batches of 1000,
+two batches in flight, into a 256 MiB RAM tier (each a STORED event, and an
+EVICTED one once RAM is full; each under its own block hash) as fast as the
+daemon takes them, while this
 process looks up a resident 512-block chain (prefix LOOKUP) every 2 ms,
 as a router looks at a node. Prints the blocks stored and (publisher on)
 the block events published per second, the lookup's p50/p99 with the
@@ -46,11 +47,18 @@ async def main(path, blocks, size):
     async with await Client.connect(path) as c:
         print("go", flush=True)
         started = time.perf_counter()
-        for n in range(0, blocks, 1000):
-            # Keys as the vLLM tier names blocks (a 32-byte hash, a group
-            # index): each block its own hash on the event stream.
-            keys = [(n + i).to_bytes(32, "big") + bytes(4) for i in range(1000)]
-            await c.put_many(keys, [b"x" * size] * 1000)
+
+        async def store(first, last):
+            for n in range(first, last, 1000):
+                # Keys as the vLLM tier names blocks (a 32-byte hash, a group
+                # index): each block its own hash on the event stream.
+                keys = [(n + i).to_bytes(32, "big") + bytes(4) for i in range(1000)]
+                await c.put_many(keys, [b"x" * size] * 1000)
+
+        # Two batches in flight, as an engine's tier has several stores out:
+        # the daemon is never idle waiting for the next batch.
+        half = blocks // 2
+        await asyncio.gather(store(0, half), store(half, blocks))
         print(f"{blocks / (time.perf_counter() - started):.0f}", flush=True)
 
 asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -175,3 +175,32 @@ def test_cold_keys_keep_the_lru_order_of_a_history_arc() -> None:
     policy.admit(k(11), cold=True)
     policy.touch(k(0))
     assert list(policy.candidates()) == [k(11), k(10), k(1), k(2), k(0)]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_touching_many_keys_at_once_is_touching_each_in_turn(name: str) -> None:
+    """The batch touch (a window of lookups' hits) leaves every policy, its
+    shadows and its mode as one touch per key would, and so the same victims."""
+    import random
+
+    rng = random.Random(7)
+    apart, batched = Budget(3000, make_policy(name)), Budget(3000, make_policy(name))
+    for step in range(60):
+        admitted = [k(step * 1000 + i) for i in range(rng.randrange(50, 400))]
+        fill(apart, admitted)
+        fill(batched, admitted)
+        # Hits on keys old and new, some repeated, some no longer resident.
+        hits = [k(rng.randrange(0, (step + 1) * 1000)) for _ in range(300)]
+        hits = [h for h in hits if h in apart]
+        for h in hits:
+            apart.touch(h)
+        batched.touch_many(hits)
+        assert repr(apart._policy) == repr(batched._policy)
+    assert list(apart._policy.candidates()) == list(batched._policy.candidates())
+    assert fill(apart, [k(10**6 + i) for i in range(500)]) == fill(
+        batched, [k(10**6 + i) for i in range(500)]
+    )
+    if isinstance(apart._policy, HistoryARCPolicy):
+        assert isinstance(batched._policy, HistoryARCPolicy)
+        assert apart._policy._sampled == batched._policy._sampled > 0
+        assert apart._policy._lru.hits == batched._policy._lru.hits > 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -44,6 +45,7 @@ import zmq.asyncio
 
 from kvtier.model import (
     DEFAULT_NAMESPACE,
+    NAMESPACE_MARK,
     BlockEvent,
     EventKind,
     EventSource,
@@ -88,16 +90,24 @@ class AllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
+VllmEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[VllmEvent]
     data_parallel_rank: int | None = None
+
+
+_HASH_GROUP = struct.Struct(">QI")
 
 
 def vllm_hash(key: bytes) -> tuple[int, int | None]:
     """(block hash, group index) of a vLLM tier's key (namespace, block hash,
     4-byte group index), the hash converted as vLLM converts it (its last 8
     bytes, big-endian)."""
+    if len(key) >= 12:
+        return _HASH_GROUP.unpack_from(key, len(key) - 12)
     return int.from_bytes(key[-12:-4], "big"), int.from_bytes(key[-4:], "big")
 
 
@@ -231,8 +241,8 @@ class KVEventPublisher:
                         self.stats.resyncs += 1
                         log.warning("KV events: the publisher fell behind; resyncing routers")
                         break  # subscribe again, then a fresh snapshot
-                    for topic, group in self._by_topic(events).items():
-                        await self._publish(self._translate(group), topic)
+                    for topic, batch in self._translate(events).items():
+                        await self._publish(batch, topic)
             finally:
                 source.unsubscribe(sub)
 
@@ -240,11 +250,11 @@ class KVEventPublisher:
         """On each topic, AllBlocksCleared, then every block held, in batches."""
         self._held.clear()
         self._hashes.clear()
-        held = self._by_topic(e for e in snapshot if e.kind is EventKind.SNAPSHOT)
+        held = self._translate(e for e in snapshot if e.kind is EventKind.SNAPSHOT)
         topics = dict.fromkeys([self._topic_of(DEFAULT_NAMESPACE), *self._topics.values(), *held])
         for topic in topics:
-            first: list[BlockStored | BlockRemoved | AllBlocksCleared] = [AllBlocksCleared()]
-            stored = self._translate(held.get(topic, []))
+            first: list[VllmEvent] = [AllBlocksCleared()]
+            stored = held.get(topic, [])
             await self._publish(first + stored[: BATCH - 1], topic)
             for lo in range(BATCH - 1, len(stored), BATCH):
                 await self._publish(stored[lo : lo + BATCH], topic)
@@ -256,76 +266,79 @@ class KVEventPublisher:
             topic = self._topics[ns] = self.topic or f"kv@{self.node}@{name}".encode()
         return topic
 
-    def _by_topic(self, events: Iterable[BlockEvent]) -> dict[bytes, list[BlockEvent]]:
-        """``events`` by the topic of their block's namespace, each in order."""
-        out: dict[bytes, list[BlockEvent]] = {}
-        for e in events:
-            topic = self._topic_of(namespace_of(e.key))
-            group = out.get(topic)
-            if group is None:
-                group = out[topic] = []
-            group.append(e)
-        return out
-
-    def _translate(
-        self, events: Iterable[BlockEvent]
-    ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-        """vLLM events for ``events``: a run of stores (or removals) of one group
-        is one event listing their hashes, as vLLM lists a request's blocks."""
-        out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-        held, counts = self._held, self._hashes
+    def _translate(self, events: Iterable[BlockEvent]) -> dict[bytes, list[VllmEvent]]:
+        """vLLM events for ``events``, by the topic of their blocks' namespace:
+        a run of stores (or removals) of one topic and group is one event
+        listing their hashes, as vLLM lists a request's blocks. One pass: this
+        runs for every block the daemon stores or lets go."""
+        out: dict[bytes, list[VllmEvent]] = {}
+        held, counts, hash_of = self._held, self._hashes, self._hash
+        default = self._topic_of(DEFAULT_NAMESPACE)
+        stored_kinds = (EventKind.STORED, EventKind.SNAPSHOT)
+        removed_kinds = (EventKind.EVICTED, EventKind.DELETED)
+        # the run being gathered: its topic, kind and group, and its hashes
+        topic, stored, group = default, True, None
         hashes: list[int] = []
-        run: tuple[bool, int | None] | None = None  # (stored, group) of ``hashes``
-
-        def flush() -> None:
-            if run is not None and hashes:
-                stored, group = run
-                if stored:
-                    out.append(
-                        BlockStored(
-                            list(hashes), None, [], self.block_size, None, self.medium, None, group
-                        )
-                    )
-                else:
-                    out.append(BlockRemoved(list(hashes), self.medium, group))
-            hashes.clear()
-
+        n_stored = n_removed = 0
         for e in events:
-            kind = e.kind
-            if kind is EventKind.STORED or kind is EventKind.SNAPSHOT:
-                if e.key in held:
+            key, kind = e.key, e.kind
+            if kind in stored_kinds:
+                if key in held:
                     continue  # on disk too, or again: already announced
-                held.add(e.key)
-                h, group = self._hash(e.key)
+                held.add(key)
+                h, g = hash_of(key)
                 n = counts.get(h, 0)
                 counts[h] = n + 1
                 if n:
                     continue  # another key with this hash announced it
-                self.stats.stored += 1
-                stored = True
-            elif kind is EventKind.EVICTED or kind is EventKind.DELETED:
-                if e.key not in held:
+                n_stored += 1
+                s = True
+            elif kind in removed_kinds:
+                if key not in held:
                     continue
-                held.discard(e.key)
-                h, group = self._hash(e.key)
+                held.discard(key)
+                h, g = hash_of(key)
                 n = counts.pop(h)
                 if n > 1:
                     counts[h] = n - 1
                     continue  # another key still carries this hash
-                self.stats.removed += 1
-                stored = False
+                n_removed += 1
+                s = False
             else:
                 continue
-            if run != (stored, group):
-                flush()
-                run = (stored, group)
+            t = default if key[0] != NAMESPACE_MARK else self._topic_of(namespace_of(key))
+            if t != topic or s is not stored or g != group:
+                if hashes:
+                    self._close_run(out, topic, stored, group, hashes)
+                    hashes = []
+                topic, stored, group = t, s, g
             hashes.append(h)
-        flush()
+        if hashes:
+            self._close_run(out, topic, stored, group, hashes)
+        self.stats.stored += n_stored
+        self.stats.removed += n_removed
         return out
 
-    async def _publish(
-        self, events: list[BlockStored | BlockRemoved | AllBlocksCleared], topic: bytes
+    def _close_run(
+        self,
+        out: dict[bytes, list[VllmEvent]],
+        topic: bytes,
+        stored: bool,
+        group: int | None,
+        hashes: list[int],
     ) -> None:
+        event: VllmEvent
+        if stored:
+            event = BlockStored(hashes, None, [], self.block_size, None, self.medium, None, group)
+        else:
+            event = BlockRemoved(hashes, self.medium, group)
+        batch = out.get(topic)
+        if batch is None:
+            out[topic] = [event]
+        else:
+            batch.append(event)
+
+    async def _publish(self, events: list[VllmEvent], topic: bytes) -> None:
         if not events or self._pub is None:
             return
         self._seq += 1

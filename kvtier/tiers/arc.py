@@ -59,7 +59,7 @@ import enum
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import itemgetter
 
 import xxhash
@@ -211,6 +211,20 @@ class ARCPolicy:
             self._t2.move_to_end(key)
             self._t2[key] = now
 
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """:meth:`touch` of each key in turn, in one call."""
+        t1, t2 = self._t1, self._t2
+        now = self._tick
+        for key in keys:
+            now += 1
+            if key in t2:
+                t2.move_to_end(key)
+                t2[key] = now
+            elif key in t1:
+                del t1[key]
+                t2[key] = now
+        self._tick = now
+
     def remove(self, key: bytes) -> None:
         """Deleted: forgotten, not remembered as a ghost."""
         self._t1.pop(key, None)
@@ -299,16 +313,25 @@ class HistoryARCPolicy(ARCPolicy):
     def _frequent(self, key: bytes) -> bool:
         return self._seen_before and self.mode is Mode.HISTORY
 
-    def _sample(self, key: bytes, cold: bool = False) -> None:
-        # One key in ``rate``, with shadows of at least MIN_SHADOW keys (a
-        # cache under twice that is replayed whole); a smaller cache is LRU.
+    def _rate(self) -> int:
+        """One key in this many feeds the shadows, so that each holds at
+        least MIN_SHADOW keys (a cache under twice that is replayed whole);
+        0: a cache smaller than that is LRU and samples nothing."""
         c = self.c
+        return 0 if c < MIN_SHADOW else min(SAMPLE, c // MIN_SHADOW)
+
+    def _sample(self, key: bytes, cold: bool = False) -> None:
+        c = self.c  # _rate(), inlined: this runs on every admit and touch
         if c < MIN_SHADOW:
             return
         rate = min(SAMPLE, c // MIN_SHADOW)
-        if _hash(key) % rate:
-            return
-        capacity = c // rate
+        if not _hash(key) % rate:
+            self._replay(key, rate, cold)
+
+    def _replay(self, key: bytes, rate: int, cold: bool = False) -> None:
+        """A sampled access, replayed in each shadow; now and then the duel
+        is decided."""
+        capacity = self.c // rate
         with_, without, lru = self._with, self._without, self._lru
         with_.access(key, capacity, cold)
         without.access(key, capacity, cold)
@@ -339,6 +362,25 @@ class HistoryARCPolicy(ARCPolicy):
     def touch(self, key: bytes) -> None:
         self._sample(key)
         super().touch(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """:meth:`touch` of each key in turn, in one call: the same order,
+        shadows and mode as one call per key."""
+        rate = self._rate()
+        if not rate:
+            super().touch_many(keys)
+            return
+        t1, t2, replay = self._t1, self._t2, self._replay
+        for key in keys:
+            if not _hash(key) % rate:
+                replay(key, rate)
+            self._tick = now = self._tick + 1
+            if key in t2:
+                t2.move_to_end(key)
+                t2[key] = now
+            elif key in t1:
+                del t1[key]
+                t2[key] = now
 
     def candidates(self) -> Iterator[bytes]:
         if self.mode is not Mode.LRU:

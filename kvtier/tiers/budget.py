@@ -14,7 +14,7 @@ admitted at most once (its size is fixed until it is removed).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, plan_eviction
 from kvtier.tiers.shares import Shares
@@ -77,6 +77,9 @@ class Budget:
 
     def touch(self, key: bytes) -> None:
         self._policy.touch(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        self._policy.touch_many(keys)
 
     def remove(self, key: bytes) -> int:
         """Forget ``key``; returns its size (the caller frees the value)."""

@@ -24,6 +24,10 @@ class EvictionPolicy(Protocol[K]):
     def touch(self, key: K) -> None:
         """``key`` was read or written again."""
 
+    def touch_many(self, keys: Iterable[K]) -> None:
+        """:meth:`touch` of each key in turn (the deferred hits of lookups),
+        in one call: the same outcome, less per key."""
+
     def remove(self, key: K) -> None:
         """``key`` was deleted."""
 
@@ -56,6 +60,12 @@ class LRUPolicy(Generic[K]):
     def touch(self, key: K) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[K]) -> None:
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
 
     def remove(self, key: K) -> None:
         self._order.pop(key, None)

@@ -145,10 +145,8 @@ class RamTier(LocalTier):
         else:  # dict.fromkeys dedupes at C speed; built newest first, then reversed
             newest = chain.from_iterable(islice(k, c) for k, c in reversed(touches))
             latest = reversed(dict.fromkeys(newest))
-        values, touch = self._values, self.budget.touch
-        for key in latest:
-            if key in values:
-                touch(key)
+        values = self._values
+        self.budget.touch_many([key for key in latest if key in values])
 
     def get(self, key: bytes) -> Buffer | None:
         value = self._values.get(key)

@@ -19,7 +19,7 @@ keys set aside; G holds only non-resident keys, at most as many as M can.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 
 class S3FIFOPolicy:
@@ -59,6 +59,10 @@ class S3FIFOPolicy:
         freq = self._freq.get(key)
         if freq is not None and freq < 3:
             self._freq[key] = freq + 1
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.touch(key)
 
     def remove(self, key: bytes) -> None:
         self._forget(key)

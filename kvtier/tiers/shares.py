@@ -25,7 +25,7 @@ Imports the policy protocol and the shared records only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from kvtier.model import namespace_name, namespace_of
@@ -92,6 +92,10 @@ class Shares:
         policy = self.policies.get(namespace_of(key))
         if policy is not None:
             policy.touch(key)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        for key in keys:  # namespaces' orders are apart: one key at a time
+            self.touch(key)
 
     def remove(self, key: bytes) -> None:
         """``key`` was deleted (called while its size is still known)."""
