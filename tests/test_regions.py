@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import secrets
 import struct
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.shared import hand_region
-from kvtier.core.shared.blocks import MAX_REGIONS, off_loop
+from kvtier.core.shared.blocks import MAX_REGIONS, may_map, off_loop
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadArgumentError,
@@ -36,10 +38,19 @@ def pattern(seed: int, size: int) -> bytes:
     return (bytes([seed % 251, (seed * 7) % 253]) * (size // 2 + 1))[:size]
 
 
-@pytest.fixture
-def memfd() -> Iterator[int]:
-    """An engine's host pool: 4 MiB in a memory file, three blocks written in it."""
-    fd = os.memfd_create("pool")
+@pytest.fixture(params=["mapped", "read"])
+def memfd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[int]:
+    """An engine's host pool: 4 MiB in a memory file, three blocks written in
+    it. ``mapped``: a memfd of this user, which the daemon maps and copies
+    with memcpy; ``read``: a file others may write (the daemon does not map
+    it: a shrink under a copy would fault it), read and written with
+    pread/pwrite."""
+    if request.param == "mapped":
+        fd = os.memfd_create("pool")
+    else:
+        path = tmp_path / "pool"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o666)
     os.ftruncate(fd, 4 * MiB)
     os.pwrite(fd, pattern(1, MiB), 0)
     os.pwrite(fd, pattern(2, 256 * 1024), MiB)
@@ -58,6 +69,8 @@ async def test_blocks_move_between_a_region_and_ram_without_the_socket(
     async with await Client.connect(daemon.socket_path) as c:
         region = await c.attach_region(memfd)
         assert shared_stats(daemon)["regions"] == 1
+        mapped = os.fstat(memfd).st_nlink == 0  # the memfd; the open file is not
+        assert shared_stats(daemon)["regions_mapped"] == int(mapped)
         before = received_bytes(daemon)
         assert await c.put_region(region, KEYS, SPANS) == [PutStatus.STORED] * 3
         assert await c.put_region(region, KEYS[:1], SPANS[:1]) == [PutStatus.EXISTS]
@@ -82,6 +95,7 @@ async def test_blocks_move_between_a_region_and_ram_without_the_socket(
         (conn,) = daemon.server.connections
     await conn.done.wait()
     assert shared_stats(daemon)["regions"] == 0  # closed with its connection
+    assert shared_stats(daemon)["regions_mapped"] == 0  # and unmapped
 
 
 async def test_bad_region_requests_are_refused_and_others_carry_on(
@@ -188,3 +202,35 @@ async def test_a_failed_copy_releases_at_once() -> None:
     with pytest.raises(OSError):
         await off_loop(copy, lambda: released.append(True))
     assert released == [True]
+
+
+def test_the_daemon_maps_only_files_no_one_it_does_not_trust_can_shrink(tmp_path: Path) -> None:
+    """A mapped file shrunk under a copy would fault the daemon: it maps a
+    memfd sealed against shrinking for anyone, and otherwise only a file of
+    its own user, from a client of its own user, that no other user can
+    open; everything else is read with pread, where a shrink is an error."""
+    me, other = os.geteuid(), os.geteuid() + 4242
+
+    def verdict(fd: int, uid: int) -> bool:
+        return may_map(fd, os.fstat(fd), uid)
+
+    sealed = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
+    plain = os.memfd_create("plain")
+    private = os.open(tmp_path / "private", os.O_RDWR | os.O_CREAT, 0o600)
+    shared = os.open(tmp_path / "shared", os.O_RDWR | os.O_CREAT, 0o600)
+    os.fchmod(shared, 0o664)  # its group may write (and so shrink) it
+    try:
+        for fd in (sealed, plain, private, shared):
+            os.ftruncate(fd, 4096)
+        assert not verdict(sealed, other)
+        fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        assert verdict(sealed, other) and verdict(sealed, me)
+        assert verdict(plain, me) and not verdict(plain, other)
+        assert verdict(private, me) and not verdict(private, other)
+        assert not verdict(shared, me)
+        if me == 0:  # a file of another user, from a client of the daemon's user
+            os.fchown(private, 4242, -1)
+            assert not verdict(private, me)
+    finally:
+        for fd in (sealed, plain, private, shared):
+            os.close(fd)

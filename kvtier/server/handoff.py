@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.errors import BadArgumentError, ErrorCode, KvtierError
-from kvtier.server.sockets import PeerPolicy, bind_unix_socket, peer_of
+from kvtier.server.sockets import Peer, PeerPolicy, bind_unix_socket, peer_of
 from kvtier.wire import HANDOFF, HANDOFF_TAG, REGION_ATTACHED, REGION_HANDOFF, REGION_TAG
 
 log = logging.getLogger("kvtier.server")
@@ -51,15 +51,15 @@ class Handoff:
         staging_bytes: int,
         peers: PeerPolicy,
         mode: int,
-        attach: Callable[[bytes, int], int] | None = None,
+        attach: Callable[[bytes, int, int | None], int] | None = None,
     ) -> None:
         self.path = path
         self._fds = [arena_fd, staging_fd]
         self._message = HANDOFF.pack(HANDOFF_TAG, arena_bytes, staging_bytes)
         self._peers = peers
         self._mode = mode
-        #: attaches a client's region by its token (the shared blocks'); the
-        #: region owns the descriptor once it returns
+        #: attaches a client's region by its token (the shared blocks'), with
+        #: the client's uid; the region owns the descriptor once it returns
         self._attach = attach
         self._sock: socket.socket | None = None
         #: descriptors handed out, and connections refused
@@ -90,15 +90,17 @@ class Handoff:
 
     async def _serve_one(self, conn: socket.socket) -> None:
         try:
-            if self._hand(conn) and self._attach is not None:
-                await self._take_region(conn, self._attach)
+            peer = peer_of(conn)
+            if self._hand(conn, peer) and self._attach is not None:
+                attach = self._attach
+                uid = peer.uid if peer is not None else None
+                await self._take_region(conn, lambda token, fd: attach(token, fd, uid))
         except (OSError, TimeoutError) as exc:
             log.info("shared memory handoff failed: %s", exc)
         finally:
             conn.close()
 
-    def _hand(self, conn: socket.socket) -> bool:
-        peer = peer_of(conn)
+    def _hand(self, conn: socket.socket, peer: Peer | None) -> bool:
         if not self._peers.allows(peer):
             self.refused += 1
             who = f"uid {peer.uid} pid {peer.pid}" if peer else "unknown peer"

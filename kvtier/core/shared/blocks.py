@@ -13,17 +13,19 @@ deadline, or disconnects.
 A client whose blocks already sit in a memory file of its own (an engine's
 host pool in a memfd) registers that file as a *region*: the daemon then
 copies blocks itself, from the region into their RAM slots (PUT_REGION)
-and from RAM into the region (GET_REGION), with ``pread``/``pwrite`` in a
-worker thread, so the bytes cross no socket and the event loop never
-touches them. The daemon never maps a client's file (a client shrinking it
-could fault the daemon; a read past its end is a clear error instead), and
-it uses the descriptor with the access the client opened it with.
+and from RAM into the region (GET_REGION), in a worker thread, so the
+bytes cross no socket and the event loop never touches them: with memcpy
+from its own mapping of a file that no process it does not already trust
+can shrink (:func:`may_map`: a mapped file shrunk under a copy faults the
+daemon), else with ``pread``/``pwrite`` (a read past the end is a clear
+error). It uses the descriptor with the access the client opened it with.
 
 Invariants: a block under a lease keeps its bytes (its slot is never
 reused before the lease ends); every lease, staging room and region of a
 connection ends when the connection closes; a staged slot or a pinned
 block a copy thread works on outlives the copy, even when its request is
-cancelled, and a region's descriptor is closed only once no copy uses it;
+cancelled, and a region's descriptor is closed (and its mapping
+unmapped) only once no copy uses it;
 ``stats`` shows what is live. Imports the core's service and lease table
 and the tiers' arena; no sockets.
 """
@@ -31,8 +33,12 @@ and the tiers' arena; no sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import fcntl
 import itertools
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -82,6 +88,14 @@ class Region:
     pid: int = 0
     #: the file's size when it was handed over: every block must lie inside it
     size: int = 0
+    #: the daemon's own mapping of the file, when it may map it (see
+    #: :func:`may_map`): blocks are copied with memcpy, else read and written
+    #: with ``pread``/``pwrite``; unmapped when the descriptor closes
+    mapping: mmap.mmap | None = field(default=None, repr=False)
+    #: the mapping's address (0: not mapped)
+    base: int = 0
+    #: the mapping may be written (the client handed a read-write descriptor)
+    writable: bool = False
     #: copies running in worker threads now: the descriptor is closed only at 0
     busy: int = 0
     #: the connection is gone: the descriptor closes when the last copy ends
@@ -105,6 +119,8 @@ class SharedStats:
     arena_allocated_bytes: int
     #: client regions held now (attached or waiting for their descriptor)
     regions: int
+    #: of those, the files the daemon maps and copies with memcpy (may_map)
+    regions_mapped: int
     #: bytes the daemon copied out of clients' regions into RAM, and into them
     region_bytes_in: int
     region_bytes_out: int
@@ -278,9 +294,10 @@ class SharedBlocks:
         self._tokens[region.token] = region
         return region.region_id, region.token
 
-    def attach_region(self, token: bytes, fd: int) -> int:
-        """The descriptor of the region ``token`` names; returns the file's size.
-        The region owns ``fd`` once this returns (and closes it), not before."""
+    def attach_region(self, token: bytes, fd: int, uid: int | None = None) -> int:
+        """The descriptor of the region ``token`` names, handed over by a
+        client of ``uid``; returns the file's size. The region owns ``fd``
+        once this returns (and closes it), not before."""
         region = self._tokens.get(token)
         if region is None:
             raise ForbiddenError("no region waits for this token")
@@ -291,6 +308,17 @@ class SharedBlocks:
             raise BadArgumentError("a region's file is empty")
         del self._tokens[token]
         region.fd, region.size = fd, st.st_size
+        if may_map(fd, st, uid):
+            writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            try:
+                region.mapping = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
+            except OSError as exc:  # (no address space, a file system without mmap)
+                log.info("region %d: not mapped (%s); copied with pread", region.region_id, exc)
+            else:
+                with memoryview(region.mapping) as whole:  # (released: it may close)
+                    region.base = cma.address_of(whole)[0]
+                region.writable = writable
         return region.size
 
     def open_process_region(
@@ -494,15 +522,49 @@ class SharedBlocks:
             arena_bytes=self.slots.arena.size,
             arena_allocated_bytes=self.slots.arena.allocator.allocated_bytes,
             regions=len(self._regions),
+            regions_mapped=sum(r.base != 0 for r in self._regions.values()),
             region_bytes_in=self.region_bytes_in,
             region_bytes_out=self.region_bytes_out,
         )
 
 
+def may_map(fd: int, st: os.stat_result, uid: int | None) -> bool:
+    """Whether the daemon may map a client's region file and copy with memcpy.
+
+    A mapped file that shrinks under a copy faults the daemon (SIGBUS), so
+    it maps only a file nobody it does not already trust can shrink: a memfd
+    sealed against shrinking (``F_SEAL_SHRINK``), or a file of the daemon's
+    own user handed over by a client of that user (who could stop the
+    daemon anyway) that no other user can open: writable by its owner alone,
+    or without a name (a memfd or unlinked file: only the processes holding
+    it, and whoever may trace them, reach it). Any other region is read and
+    written with ``pread``/``pwrite``, where a shrunk file is a clear error."""
+    seals = getattr(fcntl, "F_GET_SEALS", None)
+    if seals is not None:
+        with contextlib.suppress(OSError):  # (not a memfd: no seals)
+            if fcntl.fcntl(fd, seals) & fcntl.F_SEAL_SHRINK:
+                return True
+    me = os.geteuid()
+    private = st.st_nlink == 0 or not st.st_mode & 0o022
+    return uid == me and st.st_uid == me and private
+
+
 def _close(region: Region) -> None:
+    if region.mapping is not None:
+        region.mapping.close()
+        region.mapping, region.base, region.writable = None, 0, False
     if region.fd >= 0:
         os.close(region.fd)
         region.fd = -1
+
+
+def _check_size(region: Region, offsets: Sequence[int], lengths: Sequence[int]) -> None:
+    """Before a memcpy from a mapping: the file still holds every block
+    (a same-user client that shrinks it mid-copy faults the daemon; one
+    that shrank it before is told here)."""
+    end = max((o + n for o, n in zip(offsets, lengths, strict=True)), default=0)
+    if end > os.fstat(region.fd).st_size:
+        raise OSError(f"the region ends before {end}: was it shrunk?")
 
 
 def _read_into(region: Region, views: Sequence[memoryview], offsets: Sequence[int]) -> None:
@@ -510,6 +572,11 @@ def _read_into(region: Region, views: Sequence[memoryview], offsets: Sequence[in
     if region.pid:
         for view, address in zip(views, offsets, strict=True):
             cma.read_from(region.pid, address, view)
+        return
+    if region.base:
+        _check_size(region, offsets, [len(v) for v in views])
+        for view, offset in zip(views, offsets, strict=True):
+            ctypes.memmove(cma.address_of(view)[0], region.base + offset, len(view))
         return
     fd = region.fd
     for view, offset in zip(views, offsets, strict=True):
@@ -526,6 +593,12 @@ def _write_from(region: Region, blocks: Sequence[tuple[Buffer, int]]) -> None:
     if region.pid:
         for value, address in blocks:
             cma.write_to(region.pid, address, value)
+        return
+    if region.base and region.writable:
+        _check_size(region, [o for _, o in blocks], [len(v) for v, _ in blocks])
+        for value, offset in blocks:
+            address, length = cma.address_of(value)
+            ctypes.memmove(region.base + offset, address, length)
         return
     fd = region.fd
     for value, offset in blocks:
