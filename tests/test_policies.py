@@ -204,3 +204,27 @@ def test_touching_many_keys_at_once_is_touching_each_in_turn(name: str) -> None:
         assert isinstance(batched._policy, HistoryARCPolicy)
         assert apart._policy._sampled == batched._policy._sampled > 0
         assert apart._policy._lru.hits == batched._policy._lru.hits > 0
+
+
+def test_the_lru_order_of_a_history_arc_is_its_two_lists_merged_by_last_access() -> None:
+    """In LRU mode the victims are T1 and T2 merged by each key's last
+    access, as heapq.merge gives them, whichever list runs out first."""
+    import heapq
+    import random
+    from operator import itemgetter
+
+    rng = random.Random(3)
+    policy = HistoryARCPolicy()
+    for i in range(400):
+        policy.admit(k(i))
+        if rng.random() < 0.4:
+            policy.touch(k(rng.randrange(i + 1)))
+    assert policy.mode is Mode.LRU and policy._t1 and policy._t2
+    merged = heapq.merge(policy._t1.items(), policy._t2.items(), key=itemgetter(1))
+    assert list(policy.candidates()) == [key for key, _ in merged]
+    for key in list(policy._t2)[:-1]:  # T2 down to one key, then T1 empty
+        policy.remove(key)
+    assert list(policy.candidates())[-1] in policy._t2 or not policy._t1
+    for key in list(policy._t1):
+        policy.remove(key)
+    assert list(policy.candidates()) == list(policy._t2)

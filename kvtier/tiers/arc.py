@@ -56,11 +56,9 @@ never added is seen only at the filter's false-positive rate.
 from __future__ import annotations
 
 import enum
-import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from operator import itemgetter
 
 import xxhash
 
@@ -108,7 +106,10 @@ class SeenFilter:
 
     def add(self, key: bytes) -> bool:
         """Record ``key``; returns whether it had been seen before."""
-        h = _hash(key)
+        return self.add_hash(_hash(key))
+
+    def add_hash(self, h: int) -> bool:
+        """:meth:`add` of a key whose hash (``_hash``) the caller has."""
         a, b = h & _LOW, ((h >> 30) & _LOW) | 1
         cur = self._current
         m, bits = cur.mask, cur.bits
@@ -320,12 +321,14 @@ class HistoryARCPolicy(ARCPolicy):
         c = self.c
         return 0 if c < MIN_SHADOW else min(SAMPLE, c // MIN_SHADOW)
 
-    def _sample(self, key: bytes, cold: bool = False) -> None:
+    def _sample(self, key: bytes, cold: bool = False, h: int | None = None) -> None:
+        """``key``'s access replayed in the shadows if it is sampled (``h``:
+        its hash, when the caller has it)."""
         c = self.c  # _rate(), inlined: this runs on every admit and touch
         if c < MIN_SHADOW:
             return
         rate = min(SAMPLE, c // MIN_SHADOW)
-        if not _hash(key) % rate:
+        if not (_hash(key) if h is None else h) % rate:
             self._replay(key, rate, cold)
 
     def _replay(self, key: bytes, rate: int, cold: bool = False) -> None:
@@ -355,8 +358,9 @@ class HistoryARCPolicy(ARCPolicy):
             lru.hits /= 2
 
     def admit(self, key: bytes, cold: bool = False) -> None:
-        self._seen_before = self.seen.add(key)
-        self._sample(key, cold)
+        h = _hash(key)  # once, for the history and the sampling
+        self._seen_before = self.seen.add_hash(h)
+        self._sample(key, cold, h)
         super().admit(key, cold)
 
     def touch(self, key: bytes) -> None:
@@ -387,10 +391,38 @@ class HistoryARCPolicy(ARCPolicy):
             return super().candidates()
         # T1 and T2 are each in order of last access: merged by it, they
         # give every resident key least recently used first.
-        merged = heapq.merge(self._t1.items(), self._t2.items(), key=itemgetter(1))
-        return (key for key, _ in merged)
+        t1, t2 = self._t1, self._t2
+        if not t1 or not t2:
+            return iter(t1 or t2)
+        return _merge_by_access(t1, t2)
 
     _seen_before = False
+
+
+def _merge_by_access(t1: OrderedDict[bytes, int], t2: OrderedDict[bytes, int]) -> Iterator[bytes]:
+    """The keys of two lists, each in order of last access, merged by it
+    (T1's first on a tie): what ``heapq.merge`` gives, with less set-up for
+    the one or two keys an eviction usually takes."""
+    first, second = iter(t1.items()), iter(t2.items())
+    k1, a1 = next(first)
+    k2, a2 = next(second)
+    while True:
+        if a1 <= a2:
+            yield k1
+            nxt = next(first, None)
+            if nxt is None:
+                yield k2
+                yield from (k for k, _ in second)
+                return
+            k1, a1 = nxt
+        else:
+            yield k2
+            nxt = next(second, None)
+            if nxt is None:
+                yield k1
+                yield from (k for k, _ in first)
+                return
+            k2, a2 = nxt
 
 
 class _HistoryShadow(ARCPolicy):
