@@ -281,19 +281,23 @@ async def steady_state(tmp: Path, quick: bool, runs: int) -> list[Figure]:
             await asyncio.sleep(0.05)  # allow-sleep: waiting for two sockets to appear
         async with AsyncExitStack() as stack:
             kv_clients = [await Client.connect(str(kv_sock)) for _ in range(8)]
+            staged_clients = [
+                await Client.connect(str(kv_sock), stage_writes=True) for _ in range(8)
+            ]
             socket_clients = [await Client.connect(str(kv_sock), shared=False) for _ in range(8)]
             redis_clients = [aioredis.Redis(unix_socket_path=str(redis_sock)) for _ in range(8)]
-            for c in kv_clients + socket_clients:
+            for c in kv_clients + staged_clients + socket_clients:
                 stack.push_async_callback(c.close)
             for r in redis_clients:
                 stack.push_async_callback(r.aclose)
             value = bytes(range(256)) * (MiB // 256)
             stores: list[Store] = [
                 KvtierStore(kv_clients),
+                KvtierStore(staged_clients, "kvtier-staged"),
                 KvtierStore(socket_clients, "kvtier-socket"),
                 RedisStore(redis_clients),
             ]
-            for store in stores:  # full: a third more than fits
+            for store in (stores[0], stores[-1]):  # full: a third more than fits
                 for n in range(STEADY_BYTES * 4 // 3 // MiB):
                     await store.put(0, b"fill-%d" % n, value)
             fresh = iter(range(1 << 62))

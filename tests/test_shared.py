@@ -64,10 +64,27 @@ async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) ->
     assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
 
 
-async def test_without_cross_memory_reads_use_shared_memory_and_writes_the_socket(
+async def test_by_default_a_lone_large_block_is_staged_and_a_small_one_goes_over_the_socket(
     daemon: Daemon,
 ) -> None:
-    async with await Client.connect(daemon.socket_path, cross_memory=False) as c:
+    async with await Client.connect(daemon.socket_path) as c:
+        before = received_bytes(daemon)
+        assert await c.put(b"big", block(5)) is PutStatus.STORED  # 1 MiB: staged
+        assert received_bytes(daemon) - before < 4096  # the key and a COMMIT
+        assert shared_stats(daemon)["staging_rooms"] == 1  # kept for the next
+        before = received_bytes(daemon)
+        assert await c.put(b"mid", block(6)[: 256 * 1024]) is PutStatus.STORED
+        assert received_bytes(daemon) - before > 256 * 1024  # under 512 KiB: the socket
+        assert bytes(await c.get(b"big") or b"") == block(5)
+        assert bytes(await c.get(b"mid") or b"") == block(6)[: 256 * 1024]
+
+
+async def test_without_staging_reads_use_shared_memory_and_writes_the_socket(
+    daemon: Daemon,
+) -> None:
+    async with await Client.connect(
+        daemon.socket_path, stage_writes=False, cross_memory=False
+    ) as c:
         assert c.shared
         before = received_bytes(daemon)
         await c.put(b"k", block(7))  # over the socket, into its arena slot

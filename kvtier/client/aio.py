@@ -93,7 +93,9 @@ class Client:
         #: blocks read (and written) through shared memory (None: over the socket)
         self._shm: SharedSession | None = None
         #: large blocks are written through staging rooms (with shared memory)
-        self._stage_writes = False
+        #: large writes through staging: True all, None (auto) a lone block
+        #: of CROSS_MEMORY_BYTES or more, False none
+        self._stage_writes: bool | None = None
         #: large blocks are read by the daemon out of this process's memory
         #: (cross-memory attach): asked for, and the region once attached
         #: (None: not tried yet; 0: not available, the socket it is)
@@ -131,7 +133,7 @@ class Client:
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-python/{__version__}",
         shared: bool = True,
-        stage_writes: bool = False,
+        stage_writes: bool | None = None,
         cross_memory: bool = True,
         namespace: str = "",
     ) -> Client:
@@ -145,13 +147,18 @@ class Client:
         ``path`` defaults to the daemon's default socket path. ``shared``:
         read blocks through the daemon's shared memory when it offers it
         (same host; see docs/shared-memory.md), else over the socket.
-        ``stage_writes``: write large blocks through shared memory too
-        (staging and COMMIT); off, they go over the socket, which the daemon
-        receives straight into the block's place (faster from one client).
-        ``cross_memory``: with shared memory and without ``stage_writes``, let
-        the daemon copy the large blocks of a ``put_many`` of several straight
-        out of this process's memory (process_vm_readv; see
-        docs/shared-memory.md), falling back to the socket where it cannot.
+        ``stage_writes``: how large blocks are written when shared memory is
+        on. ``None`` (the default): a lone block of 512 KiB or more through
+        staging (a memcpy into shared memory, then COMMIT; measured about
+        2x the socket for 1 MiB blocks), several such blocks of a
+        ``put_many`` read by the daemon out of this process (``cross_memory``),
+        the rest over the socket, which the daemon receives straight into
+        the block's place. ``True``: every block of 64 KiB or more through
+        staging; ``False``: none. ``cross_memory``: with shared memory and
+        without ``stage_writes=True``, let the daemon copy the large blocks
+        of a ``put_many`` of several straight out of this process's memory
+        (process_vm_readv; see docs/shared-memory.md), falling back to the
+        socket where it cannot.
         """
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
@@ -503,7 +510,10 @@ class Client:
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent).
         ``hint``: what the writer knows of its reuse (docs/eviction.md)."""
-        staged = self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES
+        if self._stage_writes is None:
+            staged = self._shm is not None and len(value) >= CROSS_MEMORY_BYTES
+        else:
+            staged = self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES
         if staged and not hint:
             assert self._shm is not None
             status = await self._shm.put(key, value, durable, self._timeout(timeout))
@@ -530,12 +540,12 @@ class Client:
             raise ValueError("put_many needs one value (and one hint) per key")
         if hints is not None and not any(hints):
             hints = None
-        if (
-            hints is None
-            and self._shm is not None
-            and self._stage_writes
-            and any(len(v) >= SOLO_VALUE_BYTES for v in values)
-        ):
+        large = [i for i, v in enumerate(values) if len(v) >= CROSS_MEMORY_BYTES]
+        if self._stage_writes is None:  # a lone large block: staged (see connect)
+            staged = len(large) == 1
+        else:
+            staged = self._stage_writes and any(len(v) >= SOLO_VALUE_BYTES for v in values)
+        if hints is None and self._shm is not None and staged:
 
             async def over_socket(ks: Sequence[bytes], vs: Sequence[Buffer]) -> list[PutStatus]:
                 return await self._put_socket(ks, vs, None, durable, timeout)
@@ -547,7 +557,6 @@ class Client:
         # process's memory, a few MiB per request, which measured faster than
         # the socket (one block alone is not: the request's worker-thread
         # round trip costs about what the socket's copies do).
-        large = [i for i, v in enumerate(values) if len(v) >= CROSS_MEMORY_BYTES]
         direct = hints is None and not durable and len(large) > 1 and not self._stage_writes
         if direct and await self._process_region_id():
             return await self._put_cross_memory(keys, values, large, timeout)

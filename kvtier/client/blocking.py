@@ -51,7 +51,7 @@ class BlockingClient:
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-python-blocking/{__version__}",
         shared: bool = True,
-        stage_writes: bool = False,
+        stage_writes: bool | None = None,
         cross_memory: bool = True,
         namespace: str = "",
     ) -> None:
@@ -88,7 +88,7 @@ class BlockingClient:
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-python-blocking/{__version__}",
         shared: bool = True,
-        stage_writes: bool = False,
+        stage_writes: bool | None = None,
         cross_memory: bool = True,
         namespace: str = "",
     ) -> BlockingClient:

@@ -253,17 +253,26 @@ class SharedBlocks:
             if self.ram.get(key) is not None:  # (a touch, as a PUT of it would)
                 # Nothing will be stored: the staged bytes need not be read.
                 return PutStatus.EXISTS
+            # Copied first, then checked: the staging region is writable by
+            # every client that opted in, the block's own slot by none, so
+            # the bytes checked are the bytes stored (a check of the staged
+            # bytes could pass and another process change them before the
+            # copy).
             value = self.staging.view(room.slot)[:length]
+            stored_view = self._stage(length, key)
+            block = stored_view if stored_view is not None else memoryview(bytearray(length))
             try:
-                if xxhash.xxh3_64_intdigest(value) != checksum:
+                block[:] = value
+                if xxhash.xxh3_64_intdigest(block) != checksum:
                     self.commits_refused += 1
                     raise BadArgumentError(
                         f"checksum mismatch for key {key.hex()}: the staged bytes changed "
                         "or were not all written; nothing stored"
                     )
-                (status,) = self._put([key], [value])
+                (status,) = self._put([key], [block])
             finally:
                 value.release()
+                self._drop_staged(block)  # unless stored
         finally:
             if keep:
                 room.deadline = self._now() + self.staging_timeout
