@@ -369,22 +369,16 @@ class HistoryARCPolicy(ARCPolicy):
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         """:meth:`touch` of each key in turn, in one call: the same order,
-        shadows and mode as one call per key."""
+        shadows and mode as one call per key (the shadows see only the
+        sampled keys, in order, and never the lists of this policy, so they
+        are replayed first)."""
+        keys = list(keys)
         rate = self._rate()
-        if not rate:
-            super().touch_many(keys)
-            return
-        t1, t2, replay = self._t1, self._t2, self._replay
-        for key in keys:
-            if not _hash(key) % rate:
-                replay(key, rate)
-            self._tick = now = self._tick + 1
-            if key in t2:
-                t2.move_to_end(key)
-                t2[key] = now
-            elif key in t1:
-                del t1[key]
-                t2[key] = now
+        if rate:
+            for key in keys:
+                if not _hash(key) % rate:
+                    self._replay(key, rate)
+        super().touch_many(keys)
 
     def candidates(self) -> Iterator[bytes]:
         if self.mode is not Mode.LRU:
@@ -404,25 +398,20 @@ def _merge_by_access(t1: OrderedDict[bytes, int], t2: OrderedDict[bytes, int]) -
     (T1's first on a tie): what ``heapq.merge`` gives, with less set-up for
     the one or two keys an eviction usually takes."""
     first, second = iter(t1.items()), iter(t2.items())
-    k1, a1 = next(first)
-    k2, a2 = next(second)
-    while True:
-        if a1 <= a2:
-            yield k1
-            nxt = next(first, None)
-            if nxt is None:
-                yield k2
-                yield from (k for k, _ in second)
-                return
-            k1, a1 = nxt
+    one: tuple[bytes, int] | None = next(first)
+    two: tuple[bytes, int] | None = next(second)
+    while one is not None and two is not None:
+        if one[1] <= two[1]:
+            yield one[0]
+            one = next(first, None)
         else:
-            yield k2
-            nxt = next(second, None)
-            if nxt is None:
-                yield k1
-                yield from (k for k, _ in first)
-                return
-            k2, a2 = nxt
+            yield two[0]
+            two = next(second, None)
+    # one list ran out: the rest of the other, in its order
+    head, rest = (one, first) if one is not None else (two, second)
+    assert head is not None
+    yield head[0]
+    yield from (key for key, _ in rest)
 
 
 class _HistoryShadow(ARCPolicy):
