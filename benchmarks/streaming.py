@@ -4,10 +4,11 @@ A RAM-only daemon of 512 MiB is filled first, so every store evicts (the
 steady state an engine produces); a 512-block chain stays resident (each
 lookup touches it). In one run: p50/p99/max of a prefix LOOKUP of the chain
 from this process, idle, then while another process streams fresh 1 MiB
-blocks from 8 concurrent writers, once over the socket (one block per PUT)
-and once in batches of 4 that the daemon copies out of the writer's memory
-(cross-memory attach, docs/shared-memory.md). Prints the figures and the
-ratios to idle, and the writers' GB/s.
+blocks from 8 concurrent writers, once over the socket (one block per PUT),
+once through staging (one block per PUT, the client's default for a lone
+large block) and once in batches of 4 that the daemon copies out of the
+writer's memory (cross-memory attach, docs/shared-memory.md). Prints the
+figures and the ratios to idle, and the writers' GB/s.
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ from kvtier.client.aio import Client
 async def main(path, mode, blocks):
     batch = 4 if mode == "cross-memory" else 1
     value = os.urandom(1 << 20)
-    clients = [await Client.connect(path, cross_memory=mode == "cross-memory") for _ in range(8)]
+    clients = [
+        await Client.connect(
+            path, stage_writes=None if mode == "staged" else False,
+            cross_memory=mode == "cross-memory",
+        )
+        for _ in range(8)
+    ]
     print("go", flush=True)
     started = time.perf_counter()
     async def write(w, c):
@@ -105,7 +112,7 @@ async def measure(sock: str) -> list[tuple[str, list[float], str]]:
             await client.lookup(chain, mode=LookupMode.PREFIX)
             idle.append((time.perf_counter() - started) * 1e6)
         rows = [("idle", idle, "")]
-        for mode in ("socket", "cross-memory"):
+        for mode in ("socket", "staged", "cross-memory"):
             samples, rate = await under_writers(sock, client, chain, mode)
             rows.append((f"8 writers, {mode}", samples, rate))
     return rows
