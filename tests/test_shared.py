@@ -163,9 +163,12 @@ async def test_commits_are_checked_and_rooms_are_the_clients_own(daemon: Daemon)
         arena, staging = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
         staging[offset : offset + MiB] = block(6)
         good = xxhash.xxh3_64_intdigest(block(6))
+        allocated = daemon.ram.stats().arena_allocated_bytes
         bad = wire.Commit(b"k", offset, MiB, good ^ 1, keep_room=True)
         with pytest.raises(BadArgumentError, match="checksum mismatch"):
             await a.request(Op.COMMIT, wire.encode_commit(bad))
+        # the copy checked (in the block's own arena slot) is given back
+        assert daemon.ram.stats().arena_allocated_bytes == allocated
         theirs = wire.Commit(b"k", offset, MiB, good, keep_room=True)
         with pytest.raises(BadArgumentError, match="belongs to this connection"):
             await b.request(Op.COMMIT, wire.encode_commit(theirs))
