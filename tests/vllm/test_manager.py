@@ -83,6 +83,15 @@ def store(
     settle(manager)
 
 
+def load(
+    manager: TieringOffloadingManager, rows: np.ndarray, req: ReqContext, key: bytes, fill: int
+) -> None:
+    """Load ``key`` (its lookup answered HIT) and check its row holds ``fill``."""
+    (chunk,) = manager.prepare_load([key], req).block_ids  # type: ignore[attr-defined]
+    assert (rows[chunk] == fill).all()
+    manager.complete_load([key], req)
+
+
 def load_until_hit(
     manager: TieringOffloadingManager, req: ReqContext, key: bytes
 ) -> list[LookupResult]:
@@ -116,10 +125,7 @@ def test_evicted_block_comes_back_from_kvtier_byte_identical(
     # promoted (HIT_PENDING), then readable from the primary (HIT).
     assert seen[0] is LookupResult.RETRY
     assert LookupResult.HIT_PENDING in seen and seen[-1] is LookupResult.HIT, seen
-    spec = manager.prepare_load([first], reader)
-    (chunk,) = spec.block_ids  # type: ignore[attr-defined]
-    assert (rows[chunk] == 7).all()  # byte-identical after the round trip
-    manager.complete_load([first], reader)
+    load(manager, rows, reader, first, 7)  # byte-identical after the round trip
     manager.on_request_finished(reader)
     settle(manager)
 
@@ -140,9 +146,7 @@ def test_two_engines_share_blocks_through_one_daemon(daemon: Daemon) -> None:
         reader = ReqContext("b-reader")
         b.on_new_request(reader)
         assert load_until_hit(b, reader, shared)[-1] is LookupResult.HIT
-        (chunk,) = b.prepare_load([shared], reader).block_ids  # type: ignore[attr-defined]
-        assert (b_rows[chunk] == 42).all()
-        b.complete_load([shared], reader)
+        load(b, b_rows, reader, shared, 42)
 
         # A third engine is in the middle of storing a block: B waits for it.
         soon = make_offload_key(b"soon" * 4, 0)
@@ -154,9 +158,7 @@ def test_two_engines_share_blocks_through_one_daemon(daemon: Daemon) -> None:
             third.put(bytes(soon), bytes([9]) * BLOCK)
         seen = load_until_hit(b, reader, soon)
         assert seen[-1] is LookupResult.HIT and LookupResult.MISS not in seen
-        (chunk,) = b.prepare_load([soon], reader).block_ids  # type: ignore[attr-defined]
-        assert (b_rows[chunk] == 9).all()
-        b.complete_load([soon], reader)
+        load(b, b_rows, reader, soon, 9)
         b.on_request_finished(reader)
         settle(b)
     finally:
@@ -256,9 +258,7 @@ def test_stores_are_read_by_the_daemon_from_vllms_shared_region(
         reader = ReqContext("reader")
         manager.on_new_request(reader)
         assert load_until_hit(manager, reader, key)[-1] is LookupResult.HIT
-        (chunk,) = manager.prepare_load([key], reader).block_ids  # type: ignore[attr-defined]
-        assert (rows[chunk] == 42).all()
-        manager.complete_load([key], reader)
+        load(manager, rows, reader, key, 42)
         manager.on_request_finished(reader)
         settle(manager)
     finally:
