@@ -151,3 +151,25 @@ def test_a_batch_makes_its_room_in_one_pass_and_no_block_of_it_evicts_another() 
     # A batch larger than the tier makes no room here: each block makes its own.
     assert ram.make_room([b"big%d" % i for i in range(20)], [b"z" * 100] * 20) == []
     assert ram.budget.used == 1000
+
+
+def test_a_staged_batch_evicts_only_the_room_its_blocks_still_need() -> None:
+    """Blocks received in place hold their room from stage() on: storing the
+    batch evicts nothing more, and a full tier stays full."""
+    page = 4096
+    ram = RamTier(8 * page, LRUPolicy(), arena=Arena(10 * page), min_slot=page)
+    for i in range(8):
+        ram.put(b"old%d" % i, b"x" * page)
+    batch = [b"new%d" % i for i in range(3)]
+    views = []
+    for key in batch:
+        view, evicted = ram.stage(page, key)
+        assert view is not None and len(evicted) == 1  # each makes its own room
+        view[:] = b"y" * page
+        views.append(view)
+    assert ram.make_room(batch, views) == []  # held already
+    for key, view in zip(batch, views, strict=True):
+        assert ram.put(key, view) == (True, [])
+    assert len(ram) == 8 and ram.budget.used == 8 * page and ram.reserved_bytes == 0
+    assert not any(ram.contains(b"old%d" % i) for i in range(3))
+    assert all(ram.contains(b"old%d" % i) for i in range(3, 8))

@@ -196,12 +196,18 @@ class ARCPolicy:
             self._t1.move_to_end(key, last=False)
         else:
             self._t1[key] = now
-        self.c = max(self.c, len(self))
+        c = len(self._t1) + len(self._t2)
+        if c > self.c:
+            self.c = c
+        c = self.c
         # Ghosts are trimmed here, after the check: the tier evicts (making
         # ghosts) before it admits the key that needed the room.
-        for ghost in (b1, b2):
-            while len(ghost) > self.c:
-                ghost.popitem(last=False)
+        if len(b1) > c:
+            while len(b1) > c:
+                b1.popitem(last=False)
+        if len(b2) > c:
+            while len(b2) > c:
+                b2.popitem(last=False)
 
     def touch(self, key: bytes) -> None:
         self._tick = now = self._tick + 1
@@ -245,6 +251,16 @@ class ARCPolicy:
         yield from first
         yield from second
 
+    def evict_first(self) -> None:
+        """Evict the first of :meth:`candidates` (there is one)."""
+        t1, t2 = self._t1, self._t2
+        if len(t1) > self.p or not t2:
+            key, _ = t1.popitem(last=False)
+            self._b1[key] = None
+        else:
+            key, _ = t2.popitem(last=False)
+            self._b2[key] = None
+
 
 class _Shadow:
     """A small cache over a sample of the keys, to score a policy online."""
@@ -259,8 +275,8 @@ class _Shadow:
             self.hits += 1
             policy.touch(key)
             return
-        while len(policy) >= capacity:
-            policy.evict(next(policy.candidates()))
+        while len(policy._t1) + len(policy._t2) >= capacity:
+            policy.evict_first()
         policy.admit(key, cold)
 
 

@@ -265,9 +265,13 @@ class RamTier(LocalTier):
         values_held, slots, min_slot = self._values, self.slots, self.min_slot
         need = 0
         for key, value in zip(keys, values, strict=True):
-            if key not in values_held:
-                n = len(value)
-                need += slots.block_size(n) if slots is not None and n >= min_slot else n
+            if key in values_held:
+                continue
+            n = len(value)
+            if slots is None or n < min_slot:
+                need += n
+            elif not slots.is_staged(value):  # a staged block holds its room already
+                need += slots.block_size(n)
         try:
             return self._make_room(need, keys[0]) if need else []
         except (NoCapacityError, ValueTooLargeError):
