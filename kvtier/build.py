@@ -223,6 +223,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             lease_timeout=shc.lease_timeout,
             staging_timeout=shc.staging_timeout,
             limits=service.limits,
+            write_in_place=shc.write_in_place,
         )
         offer = SharedOffer(handoff_path(config), arena.size, staging.size)
     server = Server(

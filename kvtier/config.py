@@ -133,6 +133,10 @@ class SharedConfig(Section):
     #: staging room a client has not committed to for this long is reclaimed
     #: (more than the 10 s a client reuses a room for)
     staging_timeout: float = Field(default=60.0, gt=STAGING_REUSE_SECONDS)
+    #: clients of the daemon's own user get the arena writable and write large
+    #: blocks straight into their RAM slots (no copy in the daemon); others,
+    #: and all clients when off, write through the staging region
+    write_in_place: bool = True
 
 
 class DiskConfig(Section):

@@ -246,6 +246,8 @@ class Daemon:
         self.handoff = Handoff(
             Path(handoff_path(self.config)),
             arena_fd=self.arena.readonly_fd(),
+            arena_rw_fd=os.dup(self.arena.fd) if self.config.shared.write_in_place else None,
+            writable=self.shared.may_write_in_place if self.shared is not None else None,
             arena_bytes=self.arena.size,
             staging_fd=os.dup(self.staging.fd),
             staging_bytes=self.staging.size,

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -17,11 +19,19 @@ from kvtier.daemon import Daemon
 from kvtier.errors import BadArgumentError, ForbiddenError
 from kvtier.model import Buffer, PutStatus
 from kvtier.wire import Op
-from tests.helpers import ROOT, received_bytes, shared_stats
+from tests.helpers import ROOT, received_bytes, running_daemon, shared_stats
 
 MiB = 1024 * 1024
 
 pytestmark = pytest.mark.skipif(not cma.AVAILABLE, reason="Linux only")
+
+
+@pytest.fixture
+async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
+    """A daemon nobody writes in place to: a batch of large blocks is then
+    read out of its writer's memory."""
+    async with running_daemon(sock_dir, shared={"write_in_place": False}) as d:
+        yield d
 
 
 def block(seed: int, size: int = MiB) -> bytes:

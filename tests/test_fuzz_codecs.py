@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvtier import wire
 from kvtier.errors import BatchTooLargeError
-from kvtier.model import Lookup, LookupMode, PutHint, Reserve
+from kvtier.model import Lookup, LookupMode, PutHint, PutStatus, Reserve
 
 MAX_KEYS = 65536
 #: what a decoder may raise on bad input: the codec's own error, or the batch limit
@@ -33,6 +33,9 @@ DECODERS: dict[str, Callable[[bytes], Any]] = {
     "tag": wire.decode_tag,
     "json": wire.decode_json,
     "header": wire.unpack_header,
+    "stage": lambda b: wire.decode_stage(b, "STAGE"),
+    "commit": wire.decode_commit,
+    "commit_reply": wire.decode_commit_reply,
 }
 
 fuzz = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -140,3 +143,35 @@ def test_the_frame_reader_survives_any_stream(chunks: list[bytes]) -> None:
                     assert len(frame.meta) + len(frame.data) <= 4096
     except wire.CodecError:
         pass
+
+
+@fuzz
+@given(
+    offset=st.integers(0, 2**64 - 2),
+    length=st.integers(0, 2**32 - 1),
+    checksum=st.integers(0, 2**64 - 1),
+    keep=st.booleans(),
+    in_place=st.booleans(),
+    unchecked=st.booleans(),
+    key=st.binary(min_size=1, max_size=64),
+)
+def test_stages_and_commits_round_trip(
+    offset: int,
+    length: int,
+    checksum: int,
+    keep: bool,
+    in_place: bool,
+    unchecked: bool,
+    key: bytes,
+) -> None:
+    assert wire.decode_stage(wire.encode_stage(offset, in_place), "STAGE") == (offset, in_place)
+    commit = wire.Commit(key, offset, length, checksum, keep, in_place, unchecked)
+    if unchecked and not in_place:
+        with pytest.raises(wire.CodecError, match="only a COMMIT in place"):
+            wire.decode_commit(wire.encode_commit(commit))
+    else:
+        assert wire.decode_commit(wire.encode_commit(commit)) == commit
+    for status in PutStatus:
+        for room in (None, offset):
+            reply = wire.encode_commit_reply(status, room)
+            assert wire.decode_commit_reply(reply) == (status, room)

@@ -297,8 +297,11 @@ async def test_a_reserved_put_received_in_place_is_counted_once(daemon: Daemon) 
     await wait_until(lambda: ram_bytes(daemon) == (0, MIB))
 
 
-async def test_a_reserved_put_through_staging_is_counted_once(daemon: Daemon) -> None:
-    async with await Client.connect(daemon.socket_path, stage_writes=True) as c:
+async def test_a_reserved_put_through_staging_is_counted_once(sock_dir: Path) -> None:
+    async with (
+        running_daemon(sock_dir, shared={"write_in_place": False}) as daemon,
+        await Client.connect(daemon.socket_path, stage_writes=True) as c,
+    ):
         assert c.shared
         await c.reserve([K], [MIB])
         assert ram_bytes(daemon) == (MIB, 0)
@@ -315,6 +318,31 @@ async def test_a_reserved_put_through_staging_is_counted_once(daemon: Daemon) ->
         assert await c.abort([OTHER]) == [True]
         assert ram_bytes(daemon) == (0, MIB)
         await c.request(Op.UNSTAGE, wire.encode_u64(offset))
+
+
+async def test_a_reserved_put_written_in_place_is_counted_once_committed(daemon: Daemon) -> None:
+    """An in-place room is RAM (its slot becomes the block): while the block
+    is written it counts beside the reservation; once committed, once."""
+    async with await Client.connect(daemon.socket_path) as c:
+        assert c.shared
+        await c.reserve([K], [MIB])
+        assert ram_bytes(daemon) == (MIB, 0)
+        frame = await c.request(Op.STAGE, wire.encode_stage(MIB, in_place=True))
+        offset = wire.decode_u64(frame.meta, "STAGE")
+        assert ram_bytes(daemon) == (2 * MIB, 0)  # the reservation, and the room
+        await c.request(Op.UNSTAGE, wire.encode_stage(offset, in_place=True))
+        assert await c.put(K, bytes([3]) * MIB) == PutStatus.STORED
+        # the block, once; the room kept for the next block is RAM held too
+        assert ram_bytes(daemon) == (MIB, MIB)
+        assert daemon.shared is not None
+        assert daemon.shared.stats().in_place_rooms == 1
+        await c.reserve([OTHER], [MIB])
+        assert await c.abort([OTHER]) == [True]
+        assert ram_bytes(daemon) == (MIB, MIB)
+        assert daemon.server is not None
+        (conn,) = daemon.server.connections
+    await conn.done.wait()
+    assert ram_bytes(daemon) == (0, MIB)  # the spare room given back at close
 
 
 # ---------------------------------------------------------------- memory

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ import xxhash
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.shared import fetch
+from kvtier.core.shared.blocks import may_write_in_place
 from kvtier.daemon import Daemon
-from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError
+from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError, NoCapacityError
 from kvtier.model import PutStatus, State
 from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
@@ -34,8 +36,21 @@ def block(seed: int, size: int = MiB) -> bytes:
     return bytes([seed % 251]) * (size - 1) + bytes([seed % 7])
 
 
-async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) -> None:
-    async with await Client.connect(daemon.socket_path, stage_writes=True) as c:
+@pytest.fixture
+async def staging_daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
+    """A daemon whose clients write through staging (no one writes in place)."""
+    async with running_daemon(sock_dir, shared={"write_in_place": False}) as d:
+        yield d
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
+async def test_blocks_go_through_shared_memory_not_the_socket(
+    sock_dir: Path, in_place: bool
+) -> None:
+    async with (
+        running_daemon(sock_dir, shared={"write_in_place": in_place}) as daemon,
+        await Client.connect(daemon.socket_path, stage_writes=True) as c,
+    ):
         assert c.shared
         before = received_bytes(daemon)
         assert await c.put(b"k", block(1)) == PutStatus.STORED
@@ -56,22 +71,27 @@ async def test_blocks_go_through_shared_memory_not_the_socket(daemon: Daemon) ->
         await c.ping()  # the releases queued above have been sent by now
         st = shared_stats(daemon)
         assert st["leases"] == 0 and st["leases_ended"]["released"] == 4
-        assert st["staging_rooms"] == 1  # kept for the next block of this size
+        # a room kept for the next block of this size: a RAM slot, or staging
+        assert (st["in_place_rooms"], st["staging_rooms"]) == ((1, 0) if in_place else (0, 1))
+        assert st["in_place_commits"] == int(in_place)
         assert daemon.server is not None
         (conn,) = daemon.server.connections
-    await conn.done.wait()  # the client closed: its room is given back
-    st = shared_stats(daemon)
-    assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
+        await c.close()
+        await conn.done.wait()  # the client closed: its room is given back
+        st = shared_stats(daemon)
+        assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
+        assert st["in_place_rooms"] == 0 and st["in_place_quarantined"] == 0
+        assert daemon.ram.reserved_bytes == 0  # no RAM held for a room either
 
 
-async def test_by_default_a_lone_large_block_is_staged_and_a_small_one_goes_over_the_socket(
+async def test_by_default_a_lone_large_block_is_written_in_place_and_a_small_one_is_sent(
     daemon: Daemon,
 ) -> None:
     async with await Client.connect(daemon.socket_path) as c:
         before = received_bytes(daemon)
-        assert await c.put(b"big", block(5)) is PutStatus.STORED  # 1 MiB: staged
-        assert received_bytes(daemon) - before < 4096  # the key and a COMMIT
-        assert shared_stats(daemon)["staging_rooms"] == 1  # kept for the next
+        assert await c.put(b"big", block(5)) is PutStatus.STORED  # 1 MiB: in place
+        assert received_bytes(daemon) - before < 4096  # STAGE and a COMMIT
+        assert shared_stats(daemon)["in_place_rooms"] == 1  # kept for the next
         before = received_bytes(daemon)
         assert await c.put(b"mid", block(6)[: 256 * 1024]) is PutStatus.STORED
         assert received_bytes(daemon) - before > 256 * 1024  # under 512 KiB: the socket
@@ -152,7 +172,8 @@ async def test_a_lease_held_past_its_deadline_is_revoked_and_counted(daemon: Dae
     assert sample == 1
 
 
-async def test_commits_are_checked_and_rooms_are_the_clients_own(daemon: Daemon) -> None:
+async def test_commits_are_checked_and_rooms_are_the_clients_own(staging_daemon: Daemon) -> None:
+    daemon = staging_daemon
     assert daemon.shared is not None
     async with (
         await Client.connect(daemon.socket_path) as a,
@@ -160,7 +181,8 @@ async def test_commits_are_checked_and_rooms_are_the_clients_own(daemon: Daemon)
     ):
         frame = await a.request(Op.STAGE, wire.encode_u64(MiB))
         offset = wire.decode_u64(frame.meta, "STAGE")
-        arena, staging = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+        arena, staging, writable = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+        assert not writable  # write_in_place is off: the arena is read-only
         staging[offset : offset + MiB] = block(6)
         good = xxhash.xxh3_64_intdigest(block(6))
         allocated = daemon.ram.stats().arena_allocated_bytes
@@ -198,7 +220,7 @@ from kvtier.client.aio import Client
 async def main():
     c = await Client.connect(sys.argv[1], stage_writes=True)
     assert c.shared
-    await c.put(b"mine", bytes(1 << 20))  # keeps a staging room
+    await c.put(b"mine", bytes(1 << 20))  # keeps a room (a RAM slot) for the next
     async with c.lease(b"mine") as view:
         async with c.lease(b"mine") as again:
             print("holding", flush=True)
@@ -219,7 +241,7 @@ async def test_a_client_killed_while_holding_leases_leaves_nothing_pinned(daemon
         line = await asyncio.to_thread(proc.stdout.readline)
         assert line == b"holding\n"
         st = shared_stats(daemon)
-        assert st["leases"] == 2 and st["staging_rooms"] == 1
+        assert st["leases"] == 2 and st["in_place_rooms"] == 1
         assert daemon.ram.budget.pinned_count == 1
         assert daemon.server is not None
         (conn,) = daemon.server.connections
@@ -230,8 +252,15 @@ async def test_a_client_killed_while_holding_leases_leaves_nothing_pinned(daemon
         proc.wait()
     st = shared_stats(daemon)
     assert st["leases"] == 0 and st["leases_ended"]["closed"] == 2
-    assert st["staging_rooms"] == 0 and st["staging_allocated_bytes"] == 0
     assert daemon.ram.budget.pinned_count == 0
+    # Its room waits out the grace period (a writer may still have been
+    # copying into it), then is freed: only the stored block stays.
+    assert st["in_place_rooms"] == 0 and st["in_place_quarantined"] == 1
+    assert daemon.shared is not None
+    daemon.shared.expire(daemon.scheduler.now() + daemon.shared.staging_timeout + 1)
+    st = shared_stats(daemon)
+    assert st["in_place_quarantined"] == 0 and daemon.ram.reserved_bytes == 0
+    assert st["arena_allocated_bytes"] == MiB
 
 
 async def test_a_refused_handoff_leaves_the_client_on_the_socket(sock_dir: Path) -> None:
@@ -321,3 +350,205 @@ async def test_a_client_falls_back_when_the_daemon_refuses_the_shared_flag(
             assert [h.shared for h in hellos] == [True, False]
         finally:
             await c.close()
+
+
+async def _stage_in_place(c: Client, length: int = MiB) -> int:
+    frame = await c.request(Op.STAGE, wire.encode_stage(length, in_place=True))
+    return wire.decode_u64(frame.meta, "STAGE")
+
+
+async def test_in_place_commits_are_checked_and_rooms_are_the_clients_own(daemon: Daemon) -> None:
+    """A room in place is a RAM slot: the writer's bytes are the block, and
+    only bytes that match their checksum, committed by the room's own
+    connection at the room's length, are ever stored."""
+    async with (
+        await Client.connect(daemon.socket_path) as a,
+        await Client.connect(daemon.socket_path) as b,
+    ):
+        before = daemon.ram.stats().arena_allocated_bytes or 0
+        offset = await _stage_in_place(a)
+        assert shared_stats(daemon)["in_place_rooms"] == 1
+        assert daemon.ram.reserved_bytes == MiB  # the room counts against RAM
+        arena, staging, writable = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+        try:
+            assert writable  # a client of the daemon's own user
+            arena[offset : offset + MiB] = block(8)
+            good = xxhash.xxh3_64_intdigest(block(8))
+
+            def commit(key: bytes, length: int, checksum: int, renew: bool = True) -> bytes:
+                return wire.encode_commit(wire.Commit(key, offset, length, checksum, renew, True))
+
+            with pytest.raises(BadArgumentError, match="belongs to this connection"):
+                await b.request(Op.COMMIT, commit(b"k", MiB, good))
+            with pytest.raises(BadArgumentError, match="one block of the length"):
+                await a.request(Op.COMMIT, commit(b"k", MiB - 1, good))
+            assert shared_stats(daemon)["in_place_rooms"] == 1  # both left it a's
+            frame = await a.request(Op.COMMIT, commit(b"k", MiB, good))
+            status, room = wire.decode_commit_reply(frame.meta)
+            assert status is PutStatus.STORED and room is not None and room != offset
+            assert bytes(await b.get(b"k") or b"") == block(8)
+            # The key held now: EXISTS, and the new room stays a's (it is the next).
+            offset = room
+            frame = await a.request(Op.COMMIT, commit(b"k", MiB, 0))
+            assert wire.decode_commit_reply(frame.meta) == (PutStatus.EXISTS, offset)
+            # A lying checksum (or bytes torn by another writer) stores nothing,
+            # and the slot goes back.
+            arena[offset : offset + MiB] = block(9)
+            with pytest.raises(BadArgumentError, match="checksum mismatch"):
+                await a.request(Op.COMMIT, commit(b"k2", MiB, good))
+            assert await b.get(b"k2") is None
+            st = shared_stats(daemon)
+            assert st["in_place_rooms"] == 0 and st["commits_refused"] == 3
+            assert st["in_place_commits"] == 1
+            assert daemon.ram.stats().arena_allocated_bytes == before + MiB  # k alone
+            assert daemon.ram.reserved_bytes == 0
+            # Without a checksum the slot is stored as written (a socket PUT's trust).
+            offset = await _stage_in_place(a)
+            arena[offset : offset + MiB] = block(10)
+            unchecked = wire.Commit(b"k3", offset, MiB, 0, False, True, unchecked=True)
+            frame = await a.request(Op.COMMIT, wire.encode_commit(unchecked))
+            assert wire.decode_commit_reply(frame.meta) == (PutStatus.STORED, None)
+            assert bytes(await b.get(b"k3") or b"") == block(10)
+            assert shared_stats(daemon)["in_place_commits"] == 2
+            # A connection holds a bounded number of rooms; UNSTAGE gives one back.
+            with pytest.raises(NoCapacityError, match=r"under shared\.min_block"):
+                await _stage_in_place(a, 4096)
+            rooms = [await _stage_in_place(a, 64 * 1024) for _ in range(8)]
+            with pytest.raises(NoCapacityError, match="at most 8"):
+                await _stage_in_place(a, 64 * 1024)
+            gone = await a.request(Op.UNSTAGE, wire.encode_stage(rooms[0], in_place=True))
+            assert gone.meta == b"\x01"
+            again = await b.request(Op.UNSTAGE, wire.encode_stage(rooms[1], in_place=True))
+            assert again.meta == b"\x00"  # not b's to give back
+            assert shared_stats(daemon)["in_place_rooms"] == 7
+        finally:
+            arena.close()
+            staging.close()
+
+
+async def test_writing_in_place_is_refused_where_it_is_off(staging_daemon: Daemon) -> None:
+    async with await Client.connect(staging_daemon.socket_path) as c:
+        with pytest.raises(ForbiddenError, match="write_in_place"):
+            await _stage_in_place(c)
+        assert await c.put(b"k", block(3)) is PutStatus.STORED  # staged instead
+        assert shared_stats(staging_daemon)["staging_rooms"] == 1
+        assert bytes(await c.get(b"k") or b"") == block(3)
+
+
+def test_only_the_daemons_own_user_writes_in_place() -> None:
+    me = os.geteuid()
+    assert may_write_in_place(me)
+    assert not may_write_in_place(me + 4242)
+    assert not may_write_in_place(None)  # credentials unknown
+    assert not may_write_in_place(me, enabled=False)
+
+
+@pytest.mark.parametrize("writable", [True, False])
+async def test_the_handoff_gives_the_arena_writable_only_to_whom_it_may(
+    sock_dir: Path, writable: bool
+) -> None:
+    arena, staging = Arena(1 << 20), Arena(1 << 20)
+    asked: list[int | None] = []
+
+    def may(uid: int | None) -> bool:
+        asked.append(uid)
+        return writable
+
+    handoff = Handoff(
+        sock_dir / "h.shm",
+        arena_fd=arena.readonly_fd(),
+        arena_bytes=arena.size,
+        arena_rw_fd=os.dup(arena.fd),
+        writable=may,
+        staging_fd=os.dup(staging.fd),
+        staging_bytes=staging.size,
+        peers=PeerPolicy.for_socket(0o600, None, None),
+        mode=0o600,
+    )
+    handoff.bind()
+    task = asyncio.create_task(handoff.serve())
+    try:
+        got, room, was_writable = await asyncio.to_thread(fetch, str(handoff.path), 1.0)
+        assert was_writable is writable and asked == [os.getuid()]
+        if writable:
+            got[:4] = b"abcd"
+            assert arena.mapping[:4] == b"abcd"  # the daemon's own memory
+        else:
+            with pytest.raises(TypeError):
+                got[:4] = b"abcd"
+        got.close()
+        room.close()
+        assert handoff.handed == 1 and handoff.handed_writable == int(writable)
+        assert f"writable={int(writable)}" in repr(handoff)
+    finally:
+        task.cancel()
+        handoff.close()
+        arena.close()
+        staging.close()
+
+
+async def test_put_many_writes_each_large_block_in_place(daemon: Daemon) -> None:
+    sizes = [MiB, 300_000, 100, MiB, 2 * MiB, 70_000]
+    keys = [b"m%d" % i for i in range(len(sizes))]
+    values = [block(i, n) for i, n in enumerate(sizes)]
+    async with await Client.connect(daemon.socket_path) as c:
+        before = received_bytes(daemon)
+        assert await c.put_many(keys, values) == [PutStatus.STORED] * len(keys)
+        assert received_bytes(daemon) - before < 64 * 1024  # only the 100 bytes crossed
+        assert shared_stats(daemon)["in_place_commits"] == 5
+        for key, value in zip(keys, values, strict=True):
+            assert bytes(await c.get(key) or b"") == value
+        again = await c.put_many(keys, values)
+        assert again == [PutStatus.EXISTS] * len(keys)
+
+
+_HALF_WRITER = """
+import asyncio, sys
+from kvtier import wire
+from kvtier.client.aio import Client
+from kvtier.client.shared import fetch
+from kvtier.wire import Op
+
+async def main():
+    c = await Client.connect(sys.argv[1])
+    frame = await c.request(Op.STAGE, wire.encode_stage(1 << 20, in_place=True))
+    offset = wire.decode_u64(frame.meta, "STAGE")
+    arena, _, writable = fetch(sys.argv[1] + ".shm", 1.0)
+    assert writable
+    arena[offset : offset + (1 << 19)] = b"x" * (1 << 19)  # half the block
+    print("writing", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_writer_killed_mid_store_leaves_no_slot_behind(daemon: Daemon) -> None:
+    assert daemon.shared is not None
+    before = daemon.ram.stats().arena_allocated_bytes
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_HALF_WRITER), str(daemon.socket_path)],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        assert await asyncio.to_thread(proc.stdout.readline) == b"writing\n"
+        assert shared_stats(daemon)["in_place_rooms"] == 1
+        assert daemon.server is not None
+        (conn,) = daemon.server.connections
+        proc.send_signal(signal.SIGKILL)
+        await conn.done.wait()
+    finally:
+        proc.kill()
+        proc.wait()
+    st = shared_stats(daemon)
+    assert st["in_place_rooms"] == 0 and st["in_place_quarantined"] == 1
+    assert "quarantined=1" in repr(daemon.shared)
+    daemon.shared.expire(daemon.scheduler.now() + daemon.shared.staging_timeout - 1)
+    assert shared_stats(daemon)["in_place_quarantined"] == 1  # not before its time
+    daemon.shared.expire(daemon.scheduler.now() + daemon.shared.staging_timeout + 1)
+    st = shared_stats(daemon)
+    assert st["in_place_quarantined"] == 0 and st["in_place_commits"] == 0
+    assert daemon.ram.stats().arena_allocated_bytes == before
+    assert daemon.ram.reserved_bytes == 0 and len(daemon.ram) == 0

@@ -96,6 +96,8 @@ class Client:
         #: large writes through staging: True all, None (auto) a lone block
         #: of CROSS_MEMORY_BYTES or more, False none
         self._stage_writes: bool | None = None
+        #: large blocks are written straight into their RAM slots when allowed
+        self._write_in_place = True
         #: large blocks are read by the daemon out of this process's memory
         #: (cross-memory attach): asked for, and the region once attached
         #: (None: not tried yet; 0: not available, the socket it is)
@@ -135,6 +137,7 @@ class Client:
         shared: bool = True,
         stage_writes: bool | None = None,
         cross_memory: bool = True,
+        write_in_place: bool = True,
         namespace: str = "",
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
@@ -148,15 +151,21 @@ class Client:
         read blocks through the daemon's shared memory when it offers it
         (same host; see docs/shared-memory.md), else over the socket.
         ``stage_writes``: how large blocks are written when shared memory is
-        on. ``None`` (the default): a lone block of 512 KiB or more through
-        staging (a memcpy into shared memory, then COMMIT; measured about
-        2x the socket for 1 MiB blocks), several such blocks of a
-        ``put_many`` read by the daemon out of this process (``cross_memory``),
-        the rest over the socket, which the daemon receives straight into
-        the block's place. ``True``: every block of 64 KiB or more through
-        staging; ``False``: none. ``cross_memory``: with shared memory and
-        without ``stage_writes=True``, let the daemon copy the large blocks
-        of a ``put_many`` of several straight out of this process's memory
+        on. ``None`` (the default): a block of 512 KiB or more through
+        shared memory: written in place (``write_in_place``) or else staged
+        (a memcpy into the staging region, then COMMIT), except that
+        without writing in place several such blocks of a ``put_many`` are
+        read by the daemon out of this process (``cross_memory``); with
+        writing in place, every block of 64 KiB or more of a ``put_many``
+        of such blocks goes in place too. The rest go over the socket, which
+        the daemon receives straight into the block's place. ``True``: every
+        block of 64 KiB or more through shared memory; ``False``: none.
+        ``write_in_place``: where the daemon allows it (a client of its own
+        user), write each large block straight into its RAM slot, one memcpy
+        and no copy in the daemon; ``False``: through staging.
+        ``cross_memory``: with shared memory and without
+        ``stage_writes=True``, let the daemon copy the large blocks of a
+        ``put_many`` of several straight out of this process's memory
         (process_vm_readv; see docs/shared-memory.md), falling back to the
         socket where it cannot.
         """
@@ -174,6 +183,7 @@ class Client:
         client._want_shared = shared
         client._stage_writes = stage_writes
         client._cross_memory = cross_memory
+        client._write_in_place = write_in_place
         client.namespace = namespace
         if namespace and namespace != DEFAULT_NAMESPACE_NAME:
             try:
@@ -255,11 +265,14 @@ class Client:
 
     async def _map_shared(self, offer: wire.SharedOffer) -> None:
         try:
-            arena, staging = await asyncio.to_thread(fetch, offer.path, self.timeout or 5.0)
+            arena, staging, writable = await asyncio.to_thread(
+                fetch, offer.path, self.timeout or 5.0
+            )
         except OSError as exc:
             log.info("shared memory offered but not usable (%s); using the socket", exc)
             return
-        self._shm = SharedSession(self, arena, staging, self._prefix)
+        in_place = writable and self._write_in_place and self._stage_writes is not False
+        self._shm = SharedSession(self, arena, staging, self._prefix, in_place=in_place)
 
     async def __aenter__(self) -> Client:
         return self
@@ -274,6 +287,8 @@ class Client:
     async def close(self) -> None:
         transport = self._protocol.transport
         if transport is not None:
+            if self._shm is not None and not transport.is_closing():
+                self._shm.release_rooms()
             transport.close()
             await self._protocol.closed_event.wait()
         if self._shm is not None:
@@ -542,7 +557,7 @@ class Client:
             hints = None
         large = [i for i, v in enumerate(values) if len(v) >= CROSS_MEMORY_BYTES]
         if self._stage_writes is None:  # a lone large block: staged (see connect)
-            staged = len(large) == 1
+            staged = len(large) == 1 or bool(large and self._shm is not None and self._shm.in_place)
         else:
             staged = self._stage_writes and any(len(v) >= SOLO_VALUE_BYTES for v in values)
         if hints is None and self._shm is not None and staged:

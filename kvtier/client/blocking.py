@@ -53,6 +53,7 @@ class BlockingClient:
         shared: bool = True,
         stage_writes: bool | None = None,
         cross_memory: bool = True,
+        write_in_place: bool = True,
         namespace: str = "",
     ) -> None:
         """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>` does."""
@@ -64,6 +65,7 @@ class BlockingClient:
                 shared=shared,
                 stage_writes=stage_writes,
                 cross_memory=cross_memory,
+                write_in_place=write_in_place,
                 namespace=namespace,
             )
         )
@@ -90,6 +92,7 @@ class BlockingClient:
         shared: bool = True,
         stage_writes: bool | None = None,
         cross_memory: bool = True,
+        write_in_place: bool = True,
         namespace: str = "",
     ) -> BlockingClient:
         """The same as the constructor: connect and negotiate (HELLO)."""
@@ -100,6 +103,7 @@ class BlockingClient:
             shared=shared,
             stage_writes=stage_writes,
             cross_memory=cross_memory,
+            write_in_place=write_in_place,
             namespace=namespace,
         )
 

@@ -2,16 +2,19 @@
 
 A client that was offered shared memory at HELLO connects to this socket
 (next to the daemon's own, same permission bits, same SO_PEERCRED check)
-and receives, in one message with SCM_RIGHTS, a read-only descriptor of
-RAM's arena and a read-write descriptor of the staging region; it maps
-both and the connection closes. A client the policy refuses gets nothing.
+and receives, in one message with SCM_RIGHTS, a descriptor of RAM's arena
+and a read-write descriptor of the staging region; it maps both and the
+connection closes. The arena is read-only, except to a client the
+``writable`` check lets write blocks in place (one of the daemon's own
+user). A client the policy refuses gets nothing.
 
 A client may answer on the same connection with a region of its own: the
 token REGION gave it and, with SCM_RIGHTS, the descriptor of its memory
 file (:data:`~kvtier.wire.REGION_HANDOFF`). The daemon attaches it to the
 connection REGION came from and answers with a status and the file's size.
 
-Invariants: the arena descriptor handed out cannot be mapped writable;
+Invariants: the arena descriptor handed out cannot be mapped writable,
+unless ``writable`` says so of the client's uid;
 every accepted connection is closed whatever happened, and every
 descriptor received is either owned by a region or closed; one client
 cannot hold up another's handoff (each is served apart, for at most
@@ -47,6 +50,8 @@ class Handoff:
         *,
         arena_fd: int,
         arena_bytes: int,
+        arena_rw_fd: int | None = None,
+        writable: Callable[[int | None], bool] | None = None,
         staging_fd: int,
         staging_bytes: int,
         peers: PeerPolicy,
@@ -55,6 +60,10 @@ class Handoff:
     ) -> None:
         self.path = path
         self._fds = [arena_fd, staging_fd]
+        #: the arena opened read-write, and who may have it instead (a client
+        #: of this uid writes blocks in place); None: everyone gets read-only
+        self._arena_rw_fd = arena_rw_fd
+        self._writable = writable
         self._message = HANDOFF.pack(HANDOFF_TAG, arena_bytes, staging_bytes)
         self._peers = peers
         self._mode = mode
@@ -65,13 +74,16 @@ class Handoff:
         #: descriptors handed out, and connections refused
         self.handed = 0
         self.refused = 0
+        #: of the descriptors handed, those with the arena writable
+        self.handed_writable = 0
         #: client regions attached, and refused
         self.regions = 0
         self.regions_refused = 0
 
     def __repr__(self) -> str:
         return (
-            f"<Handoff {self.path} handed={self.handed} refused={self.refused} "
+            f"<Handoff {self.path} handed={self.handed} writable={self.handed_writable} "
+            f"refused={self.refused} "
             f"regions={self.regions} regions_refused={self.regions_refused}>"
         )
 
@@ -108,7 +120,12 @@ class Handoff:
             return False
         conn.setblocking(True)
         conn.settimeout(1.0)  # one small message to a local client
-        socket.send_fds(conn, [self._message], self._fds)
+        fds = self._fds
+        rw, writable = self._arena_rw_fd, self._writable
+        if rw is not None and writable is not None and writable(peer.uid if peer else None):
+            fds = [rw, fds[1]]
+            self.handed_writable += 1
+        socket.send_fds(conn, [self._message], fds)
         self.handed += 1
         return True
 
@@ -151,10 +168,11 @@ class Handoff:
             self._sock = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        for fd in self._fds:
+        for fd in [*self._fds, *([self._arena_rw_fd] if self._arena_rw_fd is not None else [])]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = []
+        self._arena_rw_fd = None
 
 
 async def _readable(conn: socket.socket) -> None:

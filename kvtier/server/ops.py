@@ -338,22 +338,39 @@ class Ops:
 
     def stage(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)
-        length = wire.decode_u64(frame.meta, "STAGE")
-        return Reply(wire.encode_u64(shared.stage(conn.conn_id, length)))
+        length, in_place = wire.decode_stage(frame.meta, "STAGE")
+        if in_place:
+            self._check_in_place(shared, conn)
+        return Reply(wire.encode_u64(shared.stage(conn.conn_id, length, in_place)))
+
+    def _check_in_place(self, shared: SharedService, conn: Connection) -> None:
+        if not shared.may_write_in_place(conn.peer.uid if conn.peer is not None else None):
+            raise ForbiddenError(
+                "writing in place is for clients of the daemon's own user, with "
+                "shared.write_in_place on; stage the block instead"
+            )
 
     def commit(self, conn: Connection, frame: Frame) -> Reply | Later:
         shared = self._shared_of(conn)
         c = wire.decode_commit(frame.meta, conn.scope)
-        status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
+        if c.in_place:
+            checksum = None if c.unchecked else c.checksum
+            status, room = shared.commit_in_place(
+                conn.conn_id, c.key, c.offset, c.length, checksum, c.keep_room
+            )
+            reply = wire.encode_commit_reply(status, room)
+        else:
+            status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
+            reply = wire.encode_put_reply([status])
         if frame.header.flags & wire.FLAG_DURABLE:
             durable = self.service.make_durable([c.key], [None])
-            return Later(durable, lambda _: Reply(wire.encode_put_reply([status])))
-        return Reply(wire.encode_put_reply([status]))
+            return Later(durable, lambda _: Reply(reply))
+        return Reply(reply)
 
     def unstage(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)
-        freed = shared.unstage(conn.conn_id, wire.decode_u64(frame.meta, "UNSTAGE"))
-        return Reply(bytes([int(freed)]))
+        offset, in_place = wire.decode_stage(frame.meta, "UNSTAGE")
+        return Reply(bytes([int(shared.unstage(conn.conn_id, offset, in_place))]))
 
     # -- regions: the daemon copies blocks to and from a client's memory file
 

@@ -23,7 +23,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.model import Buffer, Leased
+from kvtier.model import Buffer, Leased, PutStatus
 from kvtier.wire.codecs import (
     MISSING,
     KeyScope,
@@ -71,6 +71,16 @@ REGION_CHECKSUMS = 0x01  # PUT_REGION: one XXH3-64 per block follows the spans
 _SPAN = struct.Struct("<QQ")
 
 COMMIT_KEEP_ROOM = 0x01  # the staging room stays the client's for the next block
+#: the room is a slot of the arena the client wrote in place (STAGE_IN_PLACE):
+#: the slot becomes the block; with KEEP_ROOM the reply carries a new room
+COMMIT_IN_PLACE = 0x02
+#: with IN_PLACE: the block carries no checksum (the daemon stores what its
+#: writer wrote, as a PUT over the socket stores what arrived)
+COMMIT_UNCHECKED = 0x04
+#: STAGE / UNSTAGE flag: a room in the arena itself, written in place
+STAGE_IN_PLACE = 0x01
+#: an in-place COMMIT's reply when no new room could be had
+NO_ROOM = (1 << 64) - 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,6 +90,10 @@ class Commit:
     length: int
     checksum: int
     keep_room: bool
+    #: the room is an arena slot written in place (else a staging room)
+    in_place: bool = False
+    #: ``checksum`` means nothing: the block is not checked (in place only)
+    unchecked: bool = False
 
 
 def _encode_ids(ids: Sequence[int]) -> bytes:
@@ -175,8 +189,30 @@ def decode_u64(buf: Buffer, what: str) -> int:
     return int(value)
 
 
+def encode_stage(length: int, in_place: bool = False) -> bytes:
+    """STAGE's (and UNSTAGE's, with an offset) request: the number, then a
+    flags byte when the room is in the arena."""
+    return _U64.pack(length) + (bytes([STAGE_IN_PLACE]) if in_place else b"")
+
+
+def decode_stage(buf: Buffer, what: str) -> tuple[int, bool]:
+    """The number and whether the room is in place; see :func:`encode_stage`."""
+    if len(buf) == 8:
+        return decode_u64(buf, what), False
+    if len(buf) != 9:
+        raise CodecError(f"{what} carries one 8-byte number and an optional flags byte")
+    flags = buf[8]
+    if flags & ~STAGE_IN_PLACE:
+        raise CodecError(f"unknown {what} flags 0x{flags:02x}")
+    return decode_u64(buf[:8], what), bool(flags & STAGE_IN_PLACE)
+
+
 def encode_commit(c: Commit, prefix: bytes = b"") -> bytes:
-    flags = COMMIT_KEEP_ROOM if c.keep_room else 0
+    flags = (
+        (COMMIT_KEEP_ROOM if c.keep_room else 0)
+        | (COMMIT_IN_PLACE if c.in_place else 0)
+        | (COMMIT_UNCHECKED if c.unchecked else 0)
+    )
     return _COMMIT.pack(c.offset, c.length, c.checksum, flags) + encode_keys([c.key], prefix)
 
 
@@ -184,12 +220,39 @@ def decode_commit(buf: Buffer, scope: KeyScope | None = None) -> Commit:
     if len(buf) < _COMMIT.size:
         raise CodecError("truncated COMMIT")
     offset, length, checksum, flags = _COMMIT.unpack_from(buf, 0)
-    if flags & ~COMMIT_KEEP_ROOM:
+    if flags & ~(COMMIT_KEEP_ROOM | COMMIT_IN_PLACE | COMMIT_UNCHECKED):
         raise CodecError(f"unknown COMMIT flags 0x{flags:02x}")
+    if flags & COMMIT_UNCHECKED and not flags & COMMIT_IN_PLACE:
+        raise CodecError("only a COMMIT in place may carry no checksum")
     keys, end, _ = decode_keys(buf, _COMMIT.size, 1, scope)
     if len(keys) != 1 or end != len(buf):
         raise CodecError("COMMIT carries exactly one key")
-    return Commit(keys[0], offset, length, checksum, bool(flags & COMMIT_KEEP_ROOM))
+    return Commit(
+        keys[0],
+        offset,
+        length,
+        checksum,
+        bool(flags & COMMIT_KEEP_ROOM),
+        bool(flags & COMMIT_IN_PLACE),
+        bool(flags & COMMIT_UNCHECKED),
+    )
+
+
+def encode_commit_reply(status: PutStatus, room: int | None) -> bytes:
+    """An in-place COMMIT's reply: the status, then the offset of the next
+    room (:data:`NO_ROOM`: none)."""
+    return bytes([int(status)]) + _U64.pack(NO_ROOM if room is None else room)
+
+
+def decode_commit_reply(buf: Buffer) -> tuple[PutStatus, int | None]:
+    if len(buf) != 9:
+        raise CodecError("an in-place COMMIT's reply is a status and an 8-byte offset")
+    (room,) = _U64.unpack_from(buf, 1)
+    try:
+        status = PutStatus(buf[0])
+    except ValueError:
+        raise CodecError(f"unknown PUT status {buf[0]}") from None
+    return status, None if room == NO_ROOM else int(room)
 
 
 # --------------------------------------------------------------------------- regions

@@ -38,6 +38,7 @@ import ctypes
 import fcntl
 import itertools
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -62,12 +63,20 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class Room:
-    """Staging room one connection asked for."""
+    """Staging room one connection asked for, or a RAM slot it writes in place."""
 
     owner: ConnId
     slot: Slot
-    #: reclaimed when not committed to before this time
+    #: reclaimed when not committed to before this time (an in-place room:
+    #: freed at this time once its connection has closed; never before)
     deadline: float
+    #: an in-place room's view of its RAM slot (it becomes the block); None
+    #: for a room of the staging region
+    view: memoryview | None = field(default=None, repr=False)
+
+
+#: in-place rooms one connection may hold at once (one per write in flight)
+MAX_IN_PLACE_ROOMS = 8
 
 
 #: regions one connection may hold (attached or waiting for their descriptor)
@@ -117,6 +126,12 @@ class SharedStats:
     leased_bytes: int
     arena_bytes: int
     arena_allocated_bytes: int
+    #: RAM slots clients write blocks into in place now, and those of closed
+    #: connections waiting out the staging timeout before they are freed
+    in_place_rooms: int
+    in_place_quarantined: int
+    #: blocks committed where their writer wrote them (no copy)
+    in_place_commits: int
     #: client regions held now (attached or waiting for their descriptor)
     regions: int
     #: of those, the files the daemon maps and copies with memcpy (may_map)
@@ -138,12 +153,13 @@ class SharedBlocks:
         *,
         put: Callable[[Sequence[bytes], Sequence[Buffer]], list[PutStatus]],
         unpin: Callable[[Sequence[bytes], Sequence[Buffer | None]], None],
-        stage: Callable[[int, bytes], memoryview | None],
+        stage: Callable[[int, bytes | None], memoryview | None],
         drop_staged: Callable[[Buffer], None],
         now: Callable[[], float],
         lease_timeout: float,
         staging_timeout: float,
         limits: Limits,
+        write_in_place: bool = True,
     ) -> None:
         assert ram.slots is not None, "shared memory needs RAM in the arena"
         self.ram = ram
@@ -163,6 +179,17 @@ class SharedBlocks:
         self._leased: dict[int, Buffer] = {}
         #: staging room handed out, by offset in the staging region
         self._rooms: dict[int, Room] = {}
+        #: whether clients of the daemon's own user may write RAM slots in place
+        #: (see :func:`may_write_in_place`)
+        self.write_in_place = write_in_place
+        #: in-place rooms handed out, by offset in the arena, and how many each
+        #: connection holds
+        self._places: dict[int, Room] = {}
+        self._places_of: dict[ConnId, int] = {}
+        #: in-place rooms of closed connections: a writer process may still be
+        #: in the middle of a copy into one, so each is freed at its deadline
+        self._quarantine: list[Room] = []
+        self.in_place_commits = 0
         #: staging rooms reclaimed at their deadline
         self.rooms_expired = 0
         #: commits refused: wrong length, wrong checksum, or not the caller's room
@@ -180,6 +207,7 @@ class SharedBlocks:
         return (
             f"<SharedBlocks {self.leases!r} rooms={len(self._rooms)} "
             f"staging={self.staging.allocator.allocated_bytes}/{self.staging.size} "
+            f"in_place={len(self._places)} quarantined={len(self._quarantine)} "
             f"regions={len(self._regions)}>"
         )
 
@@ -224,11 +252,16 @@ class SharedBlocks:
 
     # -- writes
 
-    def stage(self, owner: ConnId, length: int) -> int:
-        """Room for a block of ``length`` bytes; returns its offset in the staging region."""
+    def stage(self, owner: ConnId, length: int, in_place: bool = False) -> int:
+        """Room for a block of ``length`` bytes; returns its offset in the
+        staging region, or with ``in_place`` in RAM's arena: a slot of RAM
+        the client writes itself (the caller checked it may,
+        :func:`may_write_in_place`), which becomes the block at COMMIT."""
         if length <= 0:
             raise BadArgumentError("STAGE needs a positive length")
         check_sizes(self._limits, [length], "value")
+        if in_place:
+            return self._place(owner, length)
         try:
             slot = self.staging.allocate(length)
         except OutOfArena as exc:
@@ -280,11 +313,111 @@ class SharedBlocks:
                 self._free_room(offset)
         return status
 
-    def unstage(self, owner: ConnId, offset: int) -> bool:
-        room = self._rooms.get(offset)
+    def may_write_in_place(self, uid: int | None) -> bool:
+        """Whether a client of ``uid`` may write in place here (:func:`may_write_in_place`)."""
+        return may_write_in_place(uid, self.write_in_place)
+
+    def _place(self, owner: ConnId, length: int) -> int:
+        """A RAM slot of ``length`` bytes for ``owner`` to write in place."""
+        if not self.write_in_place:
+            raise ForbiddenError("writing in place is off (shared.write_in_place)")
+        held = self._places_of.get(owner, 0)
+        if held >= MAX_IN_PLACE_ROOMS:
+            raise NoCapacityError(
+                f"a connection holds at most {MAX_IN_PLACE_ROOMS} in-place rooms at once"
+            )
+        if length < self.ram.min_slot:
+            raise NoCapacityError(
+                f"a block of {length} bytes is under shared.min_block ({self.ram.min_slot}): "
+                "it is kept outside the arena, so it cannot be written in place"
+            )
+        view = self._stage(length, None)
+        if view is None:
+            raise NoCapacityError(f"no room in RAM's arena for a block of {length} bytes")
+        slot = self.slots.slot_of(view)
+        assert slot is not None
+        self._places[slot.offset] = Room(owner, slot, math.inf, view)
+        self._places_of[owner] = held + 1
+        return slot.offset
+
+    def commit_in_place(
+        self,
+        owner: ConnId,
+        key: bytes,
+        offset: int,
+        length: int,
+        checksum: int | None,
+        renew: bool,
+    ) -> tuple[PutStatus, int | None]:
+        """Store the block ``owner`` wrote into its in-place room at ``offset``
+        under ``key``: its slot becomes the block, nothing is copied. Returns
+        the status and, with ``renew``, the offset of a new room of the same
+        length (None: none to be had now).
+
+        A ``checksum`` is checked over the slot after the writer is done: a
+        block that does not match (torn, or a lying checksum) stores nothing
+        and its slot is freed. Without one the slot is stored as written, as
+        a PUT over the socket stores what arrived (a writer in place is of
+        the daemon's own user: see :func:`may_write_in_place`). A key already
+        held answers EXISTS; the room stays the writer's (it is the next
+        room) or, without ``renew``, is freed."""
+        room = self._places.get(offset)
+        if room is None or room.owner != owner or room.view is None:
+            self.commits_refused += 1
+            raise BadArgumentError(
+                f"no in-place room at offset {offset} belongs to this connection"
+            )
+        view = room.view
+        if length != len(view):
+            self.commits_refused += 1
+            raise BadArgumentError(
+                f"a block of {length} bytes committed to an in-place room of {len(view)} "
+                "(a room holds one block of the length it was asked for)"
+            )
+        if self.ram.get(key) is not None:  # (a touch, as a PUT of it would)
+            if renew:
+                return PutStatus.EXISTS, offset
+            self._unplace(offset)
+            self._drop_staged(view)
+            return PutStatus.EXISTS, None
+        self._unplace(offset)
+        try:
+            if checksum is not None and xxhash.xxh3_64_intdigest(view) != checksum:
+                self.commits_refused += 1
+                raise BadArgumentError(
+                    f"checksum mismatch for key {key.hex()}: the block written in place "
+                    "changed or was not all written; nothing stored"
+                )
+            (status,) = self._put([key], [view])
+        finally:
+            self._drop_staged(view)  # unless stored
+        self.in_place_commits += status is PutStatus.STORED
+        if not renew:
+            return status, None
+        try:
+            return status, self._place(owner, length)
+        except NoCapacityError:
+            return status, None
+
+    def _unplace(self, offset: int) -> Room:
+        room = self._places.pop(offset)
+        left = self._places_of[room.owner] - 1
+        if left:
+            self._places_of[room.owner] = left
+        else:
+            del self._places_of[room.owner]
+        return room
+
+    def unstage(self, owner: ConnId, offset: int, in_place: bool = False) -> bool:
+        rooms = self._places if in_place else self._rooms
+        room = rooms.get(offset)
         if room is None or room.owner != owner:
             return False
-        self._free_room(offset)
+        if room.view is not None:
+            self._unplace(offset)
+            self._drop_staged(room.view)
+        else:
+            self._free_room(offset)
         return True
 
     def _free_room(self, offset: int) -> None:
@@ -495,6 +628,12 @@ class SharedBlocks:
         self.leases.close(owner)
         for offset in [o for o, r in self._rooms.items() if r.owner == owner]:
             self._free_room(offset)
+        if owner in self._places_of:
+            deadline = self._now() + self.staging_timeout
+            for offset in [o for o, r in self._places.items() if r.owner == owner]:
+                room = self._unplace(offset)
+                room.deadline = deadline
+                self._quarantine.append(room)
         for region in [r for r in self._regions.values() if r.owner == owner]:
             self._drop_region(region)
 
@@ -508,6 +647,12 @@ class SharedBlocks:
             )
             self._free_room(offset)
         self.rooms_expired += len(late)
+        if self._quarantine and self._quarantine[0].deadline <= now:
+            done = [r for r in self._quarantine if r.deadline <= now]
+            self._quarantine = [r for r in self._quarantine if r.deadline > now]
+            for room in done:
+                assert room.view is not None
+                self._drop_staged(room.view)
 
     def close(self) -> None:
         """End every lease and room (shutdown)."""
@@ -515,6 +660,12 @@ class SharedBlocks:
             self.leases.close(owner)
         for offset in list(self._rooms):
             self._free_room(offset)
+        for offset in list(self._places):
+            self._quarantine.append(self._unplace(offset))
+        for room in self._quarantine:
+            assert room.view is not None
+            self._drop_staged(room.view)
+        self._quarantine = []
         for region in list(self._regions.values()):
             self._drop_region(region)
 
@@ -530,6 +681,9 @@ class SharedBlocks:
             leased_bytes=self.leased_bytes,
             arena_bytes=self.slots.arena.size,
             arena_allocated_bytes=self.slots.arena.allocator.allocated_bytes,
+            in_place_rooms=len(self._places),
+            in_place_quarantined=len(self._quarantine),
+            in_place_commits=self.in_place_commits,
             regions=len(self._regions),
             regions_mapped=sum(r.base != 0 for r in self._regions.values()),
             region_bytes_in=self.region_bytes_in,
@@ -556,6 +710,15 @@ def may_map(fd: int, st: os.stat_result, uid: int | None) -> bool:
     me = os.geteuid()
     private = st.st_nlink == 0 or not st.st_mode & 0o022
     return uid == me and st.st_uid == me and private
+
+
+def may_write_in_place(uid: int | None, enabled: bool = True) -> bool:
+    """Whether a client of ``uid`` may write blocks into RAM's arena in place
+    (and gets the arena writable at the handoff): only a process of the
+    daemon's own user, which could already open the daemon's arena through
+    ``/proc/<pid>/fd``, stop the daemon or rewrite its files; every other
+    user writes through staging, whose bytes the daemon copies and checks."""
+    return enabled and uid is not None and uid == os.geteuid()
 
 
 def _close(region: Region) -> None:
