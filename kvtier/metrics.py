@@ -233,6 +233,16 @@ class _Collector(Collector):
                 "Clients' memory files the daemon copies blocks to and from, held now",
                 st.regions,
             ),
+            (
+                "kvtier_shared_in_place_rooms",
+                "RAM slots clients are writing blocks into in place now",
+                st.in_place_rooms,
+            ),
+            (
+                "kvtier_shared_in_place_quarantined",
+                "In-place rooms of closed connections, freed after the staging timeout",
+                st.in_place_quarantined,
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         region_bytes = CounterMetricFamily(
@@ -248,6 +258,11 @@ class _Collector(Collector):
                 "kvtier_shared_staging_expired",
                 "Staging rooms reclaimed after the staging timeout",
                 st.staging_expired,
+            ),
+            (
+                "kvtier_shared_in_place_commits",
+                "Blocks stored where their writer wrote them (COMMIT in place: no copy)",
+                st.in_place_commits,
             ),
             (
                 "kvtier_shared_commits_refused",

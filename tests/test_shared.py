@@ -74,6 +74,9 @@ async def test_blocks_go_through_shared_memory_not_the_socket(
         # a room kept for the next block of this size: a RAM slot, or staging
         assert (st["in_place_rooms"], st["staging_rooms"]) == ((1, 0) if in_place else (0, 1))
         assert st["in_place_commits"] == int(in_place)
+        sample = daemon.metrics.registry.get_sample_value
+        assert sample("kvtier_shared_in_place_commits_total") == int(in_place)
+        assert sample("kvtier_shared_in_place_rooms") == int(in_place)
         assert daemon.server is not None
         (conn,) = daemon.server.connections
         await c.close()
