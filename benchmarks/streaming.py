@@ -5,10 +5,12 @@ steady state an engine produces); a 512-block chain stays resident (each
 lookup touches it). In one run: p50/p99/max of a prefix LOOKUP of the chain
 from this process, idle, then while another process streams fresh 1 MiB
 blocks from 8 concurrent writers, once over the socket (one block per PUT),
-once through staging (one block per PUT, the client's default for a lone
-large block) and once in batches of 4 that the daemon copies out of the
-writer's memory (cross-memory attach, docs/shared-memory.md). Prints the
-figures and the ratios to idle, and the writers' GB/s.
+once through staging (one block per PUT), once written in place (one block
+per PUT, the client's default for a large block; each writer a fresh
+process, so it faults the arena's pages in as it goes) and once in batches
+of 4 that the daemon copies out of the writer's memory (cross-memory
+attach, docs/shared-memory.md). Prints the figures and the ratios to idle,
+and the writers' GB/s.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ async def main(path, mode, blocks):
     value = os.urandom(1 << 20)
     clients = [
         await Client.connect(
-            path, stage_writes=None if mode == "staged" else False,
-            cross_memory=mode == "cross-memory",
+            path, stage_writes=None if mode in ("staged", "in-place") else False,
+            cross_memory=mode == "cross-memory", write_in_place=mode == "in-place",
         )
         for _ in range(8)
     ]
@@ -112,7 +114,7 @@ async def measure(sock: str) -> list[tuple[str, list[float], str]]:
             await client.lookup(chain, mode=LookupMode.PREFIX)
             idle.append((time.perf_counter() - started) * 1e6)
         rows = [("idle", idle, "")]
-        for mode in ("socket", "staged", "cross-memory"):
+        for mode in ("socket", "staged", "in-place", "cross-memory"):
             samples, rate = await under_writers(sock, client, chain, mode)
             rows.append((f"8 writers, {mode}", samples, rate))
     return rows
