@@ -545,7 +545,8 @@ async def main(args: argparse.Namespace) -> tuple[list[Figure], int]:
                     await Client.connect(paths["kvtier"], shared=False) for _ in range(8)
                 ]
                 staged_clients = [
-                    await Client.connect(paths["kvtier"], stage_writes=True) for _ in range(8)
+                    await Client.connect(paths["kvtier"], stage_writes=True, write_in_place=False)
+                    for _ in range(8)
                 ]
                 for c in kv_clients + socket_clients + staged_clients:
                     stack.push_async_callback(c.close)
@@ -645,13 +646,15 @@ NOTES = """## Reading the figures
 
 * Paths: **kvtier** is the Python client as it comes (reads through shared
   memory: a lease, then one copy out of the arena into the caller's buffer;
-  blocks of 512 KiB and more written by the daemon reading them out of the
-  client's memory, cross-memory attach, one copy into the block's arena
-  slot; smaller ones over the socket, received straight into the slot).
-  **kvtier-staged** also writes through shared memory (a
-  staging room, then COMMIT). **kvtier-socket** is a client that does not
-  opt in (`shared=False`). *memcpy* copies the same working set once in the
-  client process: the floor of any data path on this machine.
+  blocks of 512 KiB and more written in place, one copy by the client
+  straight into the block's RAM slot, none in the daemon; smaller ones over
+  the socket, received straight into the slot). **kvtier-staged** writes
+  every block of 64 KiB or more through the staging region instead (a
+  staging room, then COMMIT: the daemon copies and checks it), as a client
+  of another user than the daemon's does. **kvtier-socket** is a client
+  that does not opt in (`shared=False`). *memcpy* copies the same working
+  set once in the client process: the floor of any data path on this
+  machine.
 * Every PUT run stores new keys (they are deleted before each run), for
   Redis as for kvtier. The *steady* rows store into stores already full at
   the same capacity (512 MiB; Redis with `allkeys-lru`): every PUT is a
@@ -660,11 +663,13 @@ NOTES = """## Reading the figures
   block, of the order of a 1 MiB copy here, so single-client rows are far
   from memcpy; the batched rows (16 blocks per request, `MGET`/`MSET` for
   Redis) and the 4- and 8-client rows show the data path itself.
-* A staged PUT passes over the bytes four times (the client's copy and
-  checksum, the daemon's checksum and its copy into the read-only arena);
-  a socket PUT twice (two kernel copies, received in place). From one
-  client the socket wins; with several, the daemon's event loop is the
-  bottleneck of the socket path and staging wins.
+* A PUT in place passes over the bytes once (the client's copy into the
+  slot); a staged PUT four times (the client's copy and checksum, the
+  daemon's copy into the arena and its checksum); a socket PUT twice (two
+  kernel copies, received in place). In the steady rows every client of
+  the default path has filled the store once first, as an engine's
+  long-running writers have (a client faults each arena page into its
+  mapping the first time it writes there).
 * Reading in place (`get in place`) costs one lease round trip whatever the
   block size.
 * Probe sharing is measured against a gated in-memory remote tier: 64 lookups
