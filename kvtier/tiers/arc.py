@@ -344,15 +344,21 @@ class HistoryARCPolicy(ARCPolicy):
         if c < MIN_SHADOW:
             return
         rate = min(SAMPLE, c // MIN_SHADOW)
-        if not (_hash(key) if h is None else h) % rate:
-            self._replay(key, rate, cold)
+        if h is None:
+            h = _hash(key)
+        if not h % rate:
+            self._replay(key, rate, cold, h)
 
-    def _replay(self, key: bytes, rate: int, cold: bool = False) -> None:
+    def _replay(self, key: bytes, rate: int, cold: bool = False, h: int | None = None) -> None:
         """A sampled access, replayed in each shadow; now and then the duel
-        is decided."""
+        is decided (``h``: the key's hash, when the caller has it)."""
         capacity = self.c // rate
         with_, without, lru = self._with, self._without, self._lru
+        shadow = with_.policy
+        assert isinstance(shadow, _HistoryShadow)
+        shadow.next_hash = h
         with_.access(key, capacity, cold)
+        shadow.next_hash = None  # (a hit admits nothing)
         without.access(key, capacity, cold)
         lru.access(key, capacity, cold)
         self._sampled += 1
@@ -392,8 +398,9 @@ class HistoryARCPolicy(ARCPolicy):
         rate = self._rate()
         if rate:
             for key in keys:
-                if not _hash(key) % rate:
-                    self._replay(key, rate)
+                h = _hash(key)
+                if not h % rate:
+                    self._replay(key, rate, h=h)
         super().touch_many(keys)
 
     def candidates(self) -> Iterator[bytes]:
@@ -439,10 +446,13 @@ class _HistoryShadow(ARCPolicy):
         return self._seen_before
 
     def admit(self, key: bytes, cold: bool = False) -> None:
-        self._seen_before = self.seen.add(key)
+        h, self.next_hash = self.next_hash, None
+        self._seen_before = self.seen.add_hash(_hash(key) if h is None else h)
         super().admit(key, cold)
 
     _seen_before = False
+    #: the hash of the key the next admit() is for, when its caller has it
+    next_hash: int | None = None
 
 
 #: one key in SAMPLE feeds the shadow caches
