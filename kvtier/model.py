@@ -22,6 +22,9 @@ Buffer = bytes | bytearray | memoryview
 #: a client reuses a staging room for at most this long after its last commit;
 #: the daemon's ``shared.staging_timeout`` (when it reclaims idle rooms) is longer
 STAGING_REUSE_SECONDS: Final = 10.0
+#: in-place rooms (RAM slots a client writes blocks into) one connection may
+#: hold at once; the client keeps no more writes in place in flight
+MAX_IN_PLACE_ROOMS: Final = 8
 
 #: starts a background task in the daemon's task group
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]

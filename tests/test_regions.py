@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import fcntl
 import os
 import secrets
@@ -26,7 +27,7 @@ from kvtier.errors import (
     NoCapacityError,
     ProtocolError,
 )
-from kvtier.model import PutStatus
+from kvtier.model import PutStatus, State
 from tests.helpers import received_bytes, shared_stats
 
 MiB = 1024 * 1024
@@ -234,3 +235,54 @@ def test_the_daemon_maps_only_files_no_one_it_does_not_trust_can_shrink(tmp_path
     finally:
         for fd in (sealed, plain, private, shared):
             os.close(fd)
+
+
+class GatedExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The loop's worker threads, each job held at ``gate`` until the test opens it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=2)
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        def held() -> Any:
+            self.started.set()
+            self.gate.wait(10)
+            return fn(*args, **kwargs)
+
+        return super().submit(held)
+
+
+async def test_blocks_read_pending_while_the_daemon_copies_them_in(
+    daemon: Daemon, memfd: int
+) -> None:
+    """PUT_REGION reserves its keys itself: a reader finds them PENDING (not
+    MISS) while the copy runs, HIT once stored; a copy that fails ends them."""
+    loop = asyncio.get_running_loop()
+    sample = daemon.metrics.registry.get_sample_value
+    async with (
+        await Client.connect(daemon.socket_path) as c,
+        await Client.connect(daemon.socket_path) as reader,
+    ):
+        region = await c.attach_region(memfd)
+        gated, waiter = GatedExecutor(), concurrent.futures.ThreadPoolExecutor(1)
+        loop.set_default_executor(gated)
+        try:
+            put = asyncio.ensure_future(c.put_region(region, KEYS, SPANS))
+            assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+            assert (await reader.lookup(KEYS)).states == [State.PENDING] * 3
+            assert not put.done()
+            gated.gate.set()
+            assert await put == [PutStatus.STORED] * 3
+        finally:
+            gated.gate.set()
+            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
+            gated.shutdown()
+            waiter.shutdown()
+        assert (await reader.lookup(KEYS)).states == [State.HIT] * 3
+        assert sample("kvtier_reservations_total", {"event": "completed"}) == 3
+        os.ftruncate(memfd, MiB // 2)
+        with pytest.raises(KvtierError, match="shrunk"):
+            await c.put_region(region, [b"gone"], SPANS[:1])
+        assert (await reader.lookup([b"gone"])).states == [State.MISS]
+        assert sample("kvtier_reservations_total", {"event": "aborted"}) == 1

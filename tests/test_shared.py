@@ -20,7 +20,7 @@ from kvtier.client.shared import fetch
 from kvtier.core.shared.blocks import may_write_in_place
 from kvtier.daemon import Daemon
 from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError, NoCapacityError
-from kvtier.model import PutStatus, State
+from kvtier.model import MAX_IN_PLACE_ROOMS, PutStatus, State
 from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.ram import Arena
@@ -555,3 +555,23 @@ async def test_a_writer_killed_mid_store_leaves_no_slot_behind(daemon: Daemon) -
     assert st["in_place_quarantined"] == 0 and st["in_place_commits"] == 0
     assert daemon.ram.stats().arena_allocated_bytes == before
     assert daemon.ram.reserved_bytes == 0 and len(daemon.ram) == 0
+
+
+async def test_many_writes_in_place_share_the_connections_rooms(daemon: Daemon) -> None:
+    """More large blocks than a connection may hold rooms for wait for one
+    (none falls back to staging), and a block of a new length makes way by
+    giving a spare room back."""
+    async with await Client.connect(daemon.socket_path) as c:
+        keys = [b"b%d" % i for i in range(3 * MAX_IN_PLACE_ROOMS)]
+        values = [block(i) for i in range(len(keys))]
+        assert await c.put_many(keys, values) == [PutStatus.STORED] * len(keys)
+        st = shared_stats(daemon)
+        assert st["in_place_commits"] == len(keys) and st["staging_rooms"] == 0
+        assert st["in_place_rooms"] == MAX_IN_PLACE_ROOMS  # each renewed, kept as spares
+        odd = block(99, 600_000)
+        assert await c.put(b"odd", odd) is PutStatus.STORED
+        st = shared_stats(daemon)
+        assert st["in_place_commits"] == len(keys) + 1 and st["staging_rooms"] == 0
+        assert st["in_place_rooms"] == MAX_IN_PLACE_ROOMS
+        for key, value in [*zip(keys, values, strict=True), (b"odd", odd)]:
+            assert bytes(await c.get(key) or b"") == value

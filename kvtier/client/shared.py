@@ -38,7 +38,13 @@ from kvtier.errors import (
     ValueTooLargeError,
     error_from_code,
 )
-from kvtier.model import STAGING_REUSE_SECONDS, Buffer, Leased, PutStatus
+from kvtier.model import (
+    MAX_IN_PLACE_ROOMS,
+    STAGING_REUSE_SECONDS,
+    Buffer,
+    Leased,
+    PutStatus,
+)
 from kvtier.wire import FLAG_DURABLE, Frame, Op
 
 log = logging.getLogger("kvtier.client")
@@ -154,6 +160,10 @@ class SharedSession:
         #: in-place rooms not in use, by the block length they were asked for
         #: (the daemon keeps them this connection's until it closes)
         self._places: dict[int, list[int]] = {}
+        #: writes in place in flight: no more than the rooms the daemon lets
+        #: a connection hold (more wait for one, rather than stage)
+        self._writing = asyncio.Semaphore(MAX_IN_PLACE_ROOMS)
+        self._in_flight = 0
         #: the arena's 64 KiB chunks this process has faulted in
         self._touched = bytearray((len(arena) >> _CHUNK_SHIFT) + 1) if in_place else bytearray()
         #: leases done with, given back with the next request
@@ -290,6 +300,16 @@ class SharedSession:
     ) -> PutStatus | None:
         """Write the block into a RAM slot of its own and COMMIT it there (the
         reply brings the room for the next block); None when no room."""
+        async with self._writing:
+            self._in_flight += 1
+            try:
+                return await self._write_in_place(key, value, durable, timeout)
+            finally:
+                self._in_flight -= 1
+
+    async def _write_in_place(
+        self, key: bytes, value: Buffer, durable: bool, timeout: float | None
+    ) -> PutStatus | None:
         length = len(value)
         offset = await self._place(length, timeout)
         if offset is None:
@@ -328,6 +348,16 @@ class SharedSession:
         spare = self._places.get(length)
         if spare:
             return spare.pop()
+        # Spare rooms of other lengths count against the connection's rooms:
+        # with as many held as it may, one goes back to make way.
+        spares = [o for rooms in self._places.values() for o in rooms]
+        while spares and len(spares) + self._in_flight > MAX_IN_PLACE_ROOMS:
+            offset = spares.pop()
+            for rooms in self._places.values():
+                if offset in rooms:
+                    rooms.remove(offset)
+            with contextlib.suppress(KvtierError):
+                self._calls.post(Op.UNSTAGE, wire.encode_stage(offset, in_place=True))
         try:
             frame = await self._calls.request(
                 Op.STAGE, wire.encode_stage(length, in_place=True), timeout=timeout

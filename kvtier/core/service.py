@@ -655,6 +655,20 @@ class Service:
             statuses.append(ReserveStatus.GRANTED)
         return statuses
 
+    def reserve_arriving(self, keys: Sequence[bytes], owner: ConnId) -> None:
+        """Reserve, without holding room, the ``keys`` whose blocks ``owner``
+        is copying into their staged slots now (a PUT_REGION): other readers
+        find them PENDING, not MISS, until they are stored (the store ends
+        the reservation), the copy fails (:meth:`abort`) or the connection
+        closes. Keys held anywhere, or already pending, are left as they are."""
+        now = self._now()
+        deadline = self.cfg.pending_deadline
+        locate, pending = self.locator.locate, self.pending
+        for key in keys:
+            if key not in pending.table and locate(key, now).where is Where.ABSENT:
+                pending.reserve(key, owner, deadline, 0, now)
+                self.counters.reservations.inc("granted")
+
     def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
         """End ``owner``'s reservations of ``keys``; other writers' are untouched."""
         check_keys(self.limits, keys)

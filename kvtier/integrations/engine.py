@@ -616,25 +616,27 @@ class EngineTier:
             names = keys
             if self._watch is not None:  # before the PUT: no eviction can come first
                 self._watch.stored(names)
-            sizes = [memoryview(r).nbytes for r in rows]
-            # Tasks start in creation order: the RESERVE leaves ahead of the
-            # PUT on the same connection, so other engines read PENDING while
-            # the blocks travel instead of recomputing them.
-            reserve = (
-                asyncio.create_task(client.reserve(names, sizes, deadline=self.store_deadline))
-                if self.reserve_stores
-                else None
-            )
             spans = self._spans(rows)
             region = await self._region_of(client) if spans is not None else 0
             if region and spans is not None:
-                put = asyncio.create_task(client.put_region(region, names, spans))
+                # The daemon copies the rows itself, and its PUT_REGION
+                # reserves the keys while it does: others read PENDING.
+                await client.put_region(region, names, spans)
             else:
+                sizes = [memoryview(r).nbytes for r in rows]
+                # Tasks start in creation order: the RESERVE leaves ahead of
+                # the PUT on the same connection, so other engines read
+                # PENDING while the blocks travel instead of recomputing them.
+                reserve = (
+                    asyncio.create_task(client.reserve(names, sizes, deadline=self.store_deadline))
+                    if self.reserve_stores
+                    else None
+                )
                 put = asyncio.create_task(client.put_many(names, rows))
-            await asyncio.gather(
-                *(t for t in (reserve, put) if t is not None), return_exceptions=True
-            )
-            put.result()  # the job stands or falls with the PUT
+                await asyncio.gather(
+                    *(t for t in (reserve, put) if t is not None), return_exceptions=True
+                )
+                put.result()  # the job stands or falls with the PUT
             ok = True
         except (KvtierError, OSError) as exc:
             log.warning("store job %d failed: %s", job_id, exc)

@@ -53,7 +53,7 @@ from kvtier import cma
 from kvtier.core.service import check_keys, check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
-from kvtier.model import Buffer, ConnId, Leased, Limits, PutStatus
+from kvtier.model import MAX_IN_PLACE_ROOMS, Buffer, ConnId, Leased, Limits, PutStatus
 from kvtier.tiers.ram import Arena, OutOfArena, RamTier, Slot
 
 log = logging.getLogger("kvtier.shared")
@@ -73,10 +73,6 @@ class Room:
     #: an in-place room's view of its RAM slot (it becomes the block); None
     #: for a room of the staging region
     view: memoryview | None = field(default=None, repr=False)
-
-
-#: in-place rooms one connection may hold at once (one per write in flight)
-MAX_IN_PLACE_ROOMS = 8
 
 
 #: regions one connection may hold (attached or waiting for their descriptor)
@@ -155,6 +151,8 @@ class SharedBlocks:
         unpin: Callable[[Sequence[bytes], Sequence[Buffer | None]], None],
         stage: Callable[[int, bytes | None], memoryview | None],
         drop_staged: Callable[[Buffer], None],
+        reserve_arriving: Callable[[Sequence[bytes], ConnId], None],
+        abort: Callable[[Sequence[bytes], ConnId], object],
         now: Callable[[], float],
         lease_timeout: float,
         staging_timeout: float,
@@ -170,6 +168,10 @@ class SharedBlocks:
         #: a RAM slot to receive a block in place (the service's), and its undo
         self._stage = stage
         self._drop_staged = drop_staged
+        #: a PUT_REGION's keys read PENDING while their copy runs (the
+        #: service's reservations without room), and their end if it fails
+        self._reserve_arriving = reserve_arriving
+        self._abort = abort
         self._now = now
         self._limits = limits
         self.lease_timeout = lease_timeout
@@ -536,10 +538,16 @@ class SharedBlocks:
             return statuses
         offsets = [spans[i][0] for i in todo]
         wanted = None if checksums is None else [checksums[i] for i in todo]
+        arriving = [keys[i] for i in todo]
+        self._reserve_arriving(arriving, owner)
 
         def release() -> None:
             for view in views:
                 self._drop_staged(view)  # unless stored
+
+        def abandoned() -> None:
+            release()
+            self._abort(arriving, owner)  # (those stored ended when stored)
 
         def copy() -> list[int]:
             _read_into(region, views, offsets)
@@ -547,16 +555,19 @@ class SharedBlocks:
                 return []
             return [i for i, v in enumerate(views) if xxhash.xxh3_64_intdigest(v) != wanted[i]]
 
-        torn = await self._copy(region, copy, release)
+        torn = await self._copy(region, copy, abandoned)
         if torn:
-            release()
+            abandoned()
             self.commits_refused += 1
             raise BadArgumentError(
                 f"block {todo[torn[0]]} does not match its checksum after the copy "
                 "(changed while it was read, or a wrong checksum); nothing stored"
             )
         try:
-            stored = self._put([keys[i] for i in todo], views)
+            stored = self._put(arriving, views)  # (each store ends its reservation)
+        except BaseException:
+            self._abort(arriving, owner)
+            raise
         finally:
             release()
         for i, status in zip(todo, stored, strict=True):
