@@ -218,6 +218,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             put=lambda keys, values: service.put(keys, values, copy=True),
             unpin=service.unpin,
             stage=service.stage,
+            stage_many=service.stage_many,
             drop_staged=service.drop_staged,
             reserve_arriving=service.reserve_arriving,
             abort=service.abort,

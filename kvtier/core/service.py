@@ -842,6 +842,19 @@ class Service:
         self._evicted(evicted)
         return view
 
+    def stage_many(
+        self, lengths: Sequence[int], keys: Sequence[bytes]
+    ) -> list[memoryview | None]:
+        """:meth:`stage` for a batch, with the room for all of it made first
+        in one eviction pass (:meth:`RamTier.make_room_for`)."""
+        ram, table = self.ram, self.pending.table
+        for key in keys:
+            res = table.get(key)
+            if res is not None and res.size:  # its room is the slot's now
+                self.pending.claim(res)
+        self._evicted(ram.make_room_for(keys, lengths))
+        return [self.stage(length, key) for length, key in zip(lengths, keys, strict=True)]
+
     def drop_staged(self, value: Buffer) -> None:
         self.ram.drop_staged(value)
 

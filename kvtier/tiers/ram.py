@@ -260,18 +260,29 @@ class RamTier(LocalTier):
         then finds its room free, and no block of the batch evicts another);
         returns the evicted pairs. A batch that does not fit makes no room
         here: each block then makes its own, or fails on its own."""
+        slots = self.slots
+        # a staged block holds its room already
+        lengths = [
+            0 if slots is not None and slots.is_staged(value) else len(value) for value in values
+        ]
+        return self.make_room_for(keys, lengths)
+
+    def make_room_for(
+        self, keys: Sequence[bytes], lengths: Sequence[int]
+    ) -> list[tuple[bytes, Buffer]]:
+        """:meth:`make_room` for blocks of ``lengths`` about to be staged: the
+        victims' slots are all freed (and merge with their free neighbours)
+        before any block of the batch takes one, so a block larger than the
+        victims finds contiguous room more often than when each block evicts
+        for itself as it is staged."""
         if self._touches:
             self._apply_touches()
         values_held, slots, min_slot = self._values, self.slots, self.min_slot
         need = 0
-        for key, value in zip(keys, values, strict=True):
-            if key in values_held:
+        for key, n in zip(keys, lengths, strict=True):
+            if key in values_held or not n:
                 continue
-            n = len(value)
-            if slots is None or n < min_slot:
-                need += n
-            elif not slots.is_staged(value):  # a staged block holds its room already
-                need += slots.block_size(n)
+            need += slots.block_size(n) if slots is not None and n >= min_slot else n
         try:
             return self._make_room(need, keys[0]) if need else []
         except (NoCapacityError, ValueTooLargeError):

@@ -150,6 +150,7 @@ class SharedBlocks:
         put: Callable[[Sequence[bytes], Sequence[Buffer]], list[PutStatus]],
         unpin: Callable[[Sequence[bytes], Sequence[Buffer | None]], None],
         stage: Callable[[int, bytes | None], memoryview | None],
+        stage_many: Callable[[Sequence[int], Sequence[bytes]], list[memoryview | None]],
         drop_staged: Callable[[Buffer], None],
         reserve_arriving: Callable[[Sequence[bytes], ConnId], None],
         abort: Callable[[Sequence[bytes], ConnId], object],
@@ -167,6 +168,7 @@ class SharedBlocks:
         self._unpin = unpin
         #: a RAM slot to receive a block in place (the service's), and its undo
         self._stage = stage
+        self._stage_many = stage_many
         self._drop_staged = drop_staged
         #: a PUT_REGION's keys read PENDING while their copy runs (the
         #: service's reservations without room), and their end if it fails
@@ -526,16 +528,15 @@ class SharedBlocks:
         region = self._region_of(owner, region_id, spans)
         check_sizes(self._limits, [n for _, n in spans], "value")
         statuses = [PutStatus.EXISTS] * len(keys)
-        todo: list[int] = []
-        views: list[memoryview] = []
-        for i, (key, (_, length)) in enumerate(zip(keys, spans, strict=True)):
-            if self.ram.get(key) is not None:  # (a touch, as a PUT of it would)
-                continue
-            view = self._stage(length, key)
-            todo.append(i)
-            views.append(view if view is not None else memoryview(bytearray(length)))
+        # (a touch of each key held, as a PUT of it would)
+        todo = [i for i, key in enumerate(keys) if self.ram.get(key) is None]
         if not todo:
             return statuses
+        staged = self._stage_many([spans[i][1] for i in todo], [keys[i] for i in todo])
+        views = [
+            view if view is not None else memoryview(bytearray(spans[i][1]))
+            for i, view in zip(todo, staged, strict=True)
+        ]
         offsets = [spans[i][0] for i in todo]
         wanted = None if checksums is None else [checksums[i] for i in todo]
         arriving = [keys[i] for i in todo]
