@@ -842,9 +842,7 @@ class Service:
         self._evicted(evicted)
         return view
 
-    def stage_many(
-        self, lengths: Sequence[int], keys: Sequence[bytes]
-    ) -> list[memoryview | None]:
+    def stage_many(self, lengths: Sequence[int], keys: Sequence[bytes]) -> list[memoryview | None]:
         """:meth:`stage` for a batch, with the room for all of it made first
         in one eviction pass (:meth:`RamTier.make_room_for`)."""
         ram, table = self.ram, self.pending.table
