@@ -2,19 +2,27 @@
 
 After HELLO offers shared memory, the client fetches two descriptors from
 the daemon's handoff socket (SCM_RIGHTS): RAM's arena, which it maps
-read-only, and the staging region, which it maps read-write. Then:
+read-only (read-write when the daemon lets this process write in place),
+and the staging region, which it maps read-write. Then:
 
 * reads ask GET_SHARED and copy each leased block out of the mapping (or
   hand the caller a read-only view of it, :meth:`SharedSession.lease`);
   the leases are given back in the next GET_SHARED, or by one UNLEASE
   sent as soon as the event loop is idle, whichever comes first;
-* writes of blocks of at least ``SOLO_VALUE_BYTES`` copy the block into a
-  staging room the client keeps (asked for once per size with STAGE) and
-  COMMIT it with its checksum: one round trip, no bytes on the socket.
+* writes of blocks of at least ``SOLO_VALUE_BYTES`` go in place where
+  allowed: the block is copied into a room that is its own RAM slot and
+  COMMITted there (the reply brings the room for the next block);
+  otherwise into a staging room the client keeps (asked for once per size
+  with STAGE) and COMMITted with its checksum: one round trip, no bytes on
+  the socket.
 
 Invariants: a lease's bytes are read only while the lease is held (the
 daemon never reuses them before); every lease taken is given back once;
-a room is used by one write at a time. Imports the wire and the records.
+a room is used by one write at a time; an in-place room is written only
+before its COMMIT is sent, and never reused once committed (a COMMIT
+whose outcome is unknown gives the room back with UNSTAGE, which frees
+only a room); at most ``MAX_IN_PLACE_ROOMS`` writes in place are in
+flight. Imports the wire and the records.
 """
 
 from __future__ import annotations

@@ -3,12 +3,15 @@
 A client that opted in reads a RAM block in place: GET_SHARED pins the
 block (the GET path's own pin) and hands the pin to a lease, which ends
 when the client releases it, when its connection closes, or at the lease
-deadline (revoked and counted). A client writes a block by asking for room
-in the staging region, writing there, and committing it under a key: the
-daemon checks length and checksum, copies the bytes into RAM (a writer
-never touches a block a reader may hold) and the room stays the client's
-for its next block until it gives it back, goes idle past the staging
-deadline, or disconnects.
+deadline (revoked and counted). A client of the daemon's own user
+(:func:`may_write_in_place`) writes a large block *in place*: it asks for
+a room that is a staged RAM slot, writes the block there through its
+writable mapping of the arena, and commits it under a key; the slot
+becomes the block (no copy) and the reply carries the next room. Any
+other client writes through the staging region: the daemon checks length
+and checksum, copies the bytes into RAM (a writer never touches a block a
+reader may hold) and the room stays the client's for its next block until
+it gives it back, goes idle past the staging deadline, or disconnects.
 
 A client whose blocks already sit in a memory file of its own (an engine's
 host pool in a memfd) registers that file as a *region*: the daemon then
@@ -22,7 +25,11 @@ error). It uses the descriptor with the access the client opened it with.
 
 Invariants: a block under a lease keeps its bytes (its slot is never
 reused before the lease ends); every lease, staging room and region of a
-connection ends when the connection closes; a staged slot or a pinned
+connection ends when the connection closes; an in-place room is freed
+only by its commit (it becomes the block, or a refused one is freed), an
+UNSTAGE, or ``staging_timeout`` after its connection closed (never while
+its writer may still be copying into it); a connection holds at most
+``MAX_IN_PLACE_ROOMS``; a staged slot or a pinned
 block a copy thread works on outlives the copy, even when its request is
 cancelled, and a region's descriptor is closed (and its mapping
 unmapped) only once no copy uses it;
