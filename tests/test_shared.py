@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -233,19 +233,21 @@ asyncio.run(main())
 """
 
 
-async def test_a_client_killed_while_holding_leases_leaves_nothing_pinned(daemon: Daemon) -> None:
+async def killed_client(
+    daemon: Daemon, script: str, ready: bytes, while_alive: Callable[[], None]
+) -> None:
+    """Run ``script`` as a client process of ``daemon``; once it prints
+    ``ready``, check ``while_alive()``, kill it (SIGKILL) and wait until the
+    daemon has closed its connection."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_HOLDER), str(daemon.socket_path)],
+        [sys.executable, "-c", textwrap.dedent(script), str(daemon.socket_path)],
         stdout=subprocess.PIPE,
         cwd=ROOT,
     )
     try:
         assert proc.stdout is not None
-        line = await asyncio.to_thread(proc.stdout.readline)
-        assert line == b"holding\n"
-        st = shared_stats(daemon)
-        assert st["leases"] == 2 and st["in_place_rooms"] == 1
-        assert daemon.ram.budget.pinned_count == 1
+        assert await asyncio.to_thread(proc.stdout.readline) == ready
+        while_alive()
         assert daemon.server is not None
         (conn,) = daemon.server.connections
         proc.send_signal(signal.SIGKILL)
@@ -253,6 +255,15 @@ async def test_a_client_killed_while_holding_leases_leaves_nothing_pinned(daemon
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_a_client_killed_while_holding_leases_leaves_nothing_pinned(daemon: Daemon) -> None:
+    def holding() -> None:
+        st = shared_stats(daemon)
+        assert st["leases"] == 2 and st["in_place_rooms"] == 1
+        assert daemon.ram.budget.pinned_count == 1
+
+    await killed_client(daemon, _HOLDER, b"holding\n", holding)
     st = shared_stats(daemon)
     assert st["leases"] == 0 and st["leases_ended"]["closed"] == 2
     assert daemon.ram.budget.pinned_count == 0
@@ -529,22 +540,11 @@ asyncio.run(main())
 async def test_a_writer_killed_mid_store_leaves_no_slot_behind(daemon: Daemon) -> None:
     assert daemon.shared is not None
     before = daemon.ram.stats().arena_allocated_bytes
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_HALF_WRITER), str(daemon.socket_path)],
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-    )
-    try:
-        assert proc.stdout is not None
-        assert await asyncio.to_thread(proc.stdout.readline) == b"writing\n"
+
+    def writing() -> None:
         assert shared_stats(daemon)["in_place_rooms"] == 1
-        assert daemon.server is not None
-        (conn,) = daemon.server.connections
-        proc.send_signal(signal.SIGKILL)
-        await conn.done.wait()
-    finally:
-        proc.kill()
-        proc.wait()
+
+    await killed_client(daemon, _HALF_WRITER, b"writing\n", writing)
     st = shared_stats(daemon)
     assert st["in_place_rooms"] == 0 and st["in_place_quarantined"] == 1
     assert "quarantined=1" in repr(daemon.shared)
