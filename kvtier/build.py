@@ -219,6 +219,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             unpin=service.unpin,
             stage=service.stage,
             stage_many=service.stage_many,
+            stage_room=service.stage_room,
             drop_staged=service.drop_staged,
             reserve_arriving=service.reserve_arriving,
             abort=service.abort,

@@ -319,7 +319,9 @@ class SharedService(Protocol):
 
     def unlease(self, owner: ConnId, ids: Sequence[int]) -> int: ...
 
-    def stage(self, owner: ConnId, length: int, in_place: bool = False) -> int: ...
+    def stage(
+        self, owner: ConnId, length: int, in_place: bool = False, namespace: bytes = b""
+    ) -> int: ...
 
     def commit(
         self, owner: ConnId, key: bytes, offset: int, length: int, checksum: int, keep: bool

@@ -357,3 +357,38 @@ def test_bad_namespace_tables_are_clear_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="ram_min add up to"):
         build(too_much)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "socket"])
+async def test_a_namespace_at_its_max_writing_large_blocks_evicts_only_its_own(
+    sock_dir: Path, in_place: bool
+) -> None:
+    """A block written in place takes its room in its namespace's share, as
+    its PUT would: a namespace at its max gives up its own blocks for it,
+    never another's (RAM is 64 MiB; 'capped' may hold 4 MiB of it, and
+    there is room for that beside the other namespace's blocks)."""
+    block = b"c" * (1024 * 1024)
+    quotas = {"capped": {"ram_max": "4MiB"}, "other": {}}
+    async with (
+        running_daemon(sock_dir, disk=RAM_ONLY, namespaces=quotas) as d,
+        await Client.connect(d.socket_path, namespace="other") as other,
+        await Client.connect(
+            d.socket_path, namespace="capped", write_in_place=in_place, stage_writes=in_place
+        ) as capped,
+    ):
+        theirs = [b"o%d" % i for i in range(48)]  # room left for capped's 4 MiB and rooms
+        await other.put_many(theirs, [b"o" * (1024 * 1024)] * len(theirs))
+        assert (await other.lookup(theirs, mode=LookupMode.KEYS)).states == [H] * len(theirs)
+        assert d.shared is not None
+        commits = d.shared.stats().in_place_commits
+        mine = [b"c%d" % i for i in range(12)]
+        for key in mine:
+            assert await capped.put(key, block) is not None
+        written = d.shared.stats().in_place_commits - commits
+        assert written == (len(mine) if in_place else 0)
+        # Its newest 4 MiB; in place, the room kept for its next block is
+        # RAM of its share too, so one block fewer.
+        kept = 3 if in_place else 4
+        held = (await capped.lookup(mine, mode=LookupMode.KEYS)).states
+        assert held.count(H) == kept and held[-kept:] == [H] * kept
+        assert (await other.lookup(theirs, mode=LookupMode.KEYS)).states == [H] * len(theirs)

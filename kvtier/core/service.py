@@ -824,10 +824,10 @@ class Service:
 
     def stage(self, length: int, key: bytes | None) -> memoryview | None:
         """Room in RAM's shared arena to receive a PUT body of ``length`` bytes
-        for ``key`` in place (None: a block whose key comes later, written in
-        place by a client); None when it must be received into a buffer of
-        its own (or ``key`` is resident: the body will not be kept). Give it
-        back with :meth:`drop_staged` unless a PUT stores it.
+        for ``key`` in place (None: a block whose key is not known yet); None
+        when it must be received into a buffer of its own (or ``key`` is
+        resident: the body will not be kept). Give it back with
+        :meth:`drop_staged` unless a PUT stores it.
 
         A reservation of ``key`` that holds room gives it up here: the slot
         the body lands in is that room, so the block is counted once from
@@ -839,6 +839,16 @@ class Service:
             if res is not None and res.size:
                 self.pending.claim(res)
         view, evicted = self.ram.stage(length, key)
+        self._evicted(evicted)
+        return view
+
+    def stage_room(self, length: int, namespace: bytes) -> memoryview | None:
+        """Room in RAM's shared arena for a block of ``length`` bytes whose key
+        comes later (a client writes it in place), made in the share of the
+        namespace ``namespace`` (a key prefix) as its PUT would make it; None
+        when there is none. Give it back with :meth:`drop_staged` unless a
+        PUT stores it."""
+        view, evicted = self.ram.stage(length, namespace)
         self._evicted(evicted)
         return view
 

@@ -341,7 +341,8 @@ class Ops:
         length, in_place = wire.decode_stage(frame.meta, "STAGE")
         if in_place:
             self._check_in_place(shared, conn)
-        return Reply(wire.encode_u64(shared.stage(conn.conn_id, length, in_place)))
+        namespace = conn.scope.prefix if conn.scope is not None else b""
+        return Reply(wire.encode_u64(shared.stage(conn.conn_id, length, in_place, namespace)))
 
     def _check_in_place(self, shared: SharedService, conn: Connection) -> None:
         if not shared.may_write_in_place(conn.peer.uid if conn.peer is not None else None):

@@ -80,6 +80,8 @@ class Room:
     #: an in-place room's view of its RAM slot (it becomes the block); None
     #: for a room of the staging region
     view: memoryview | None = field(default=None, repr=False)
+    #: an in-place room's namespace, as a key prefix: the room is its RAM
+    namespace: bytes = b""
 
 
 #: regions one connection may hold (attached or waiting for their descriptor)
@@ -158,6 +160,7 @@ class SharedBlocks:
         unpin: Callable[[Sequence[bytes], Sequence[Buffer | None]], None],
         stage: Callable[[int, bytes | None], memoryview | None],
         stage_many: Callable[[Sequence[int], Sequence[bytes]], list[memoryview | None]],
+        stage_room: Callable[[int, bytes], memoryview | None],
         drop_staged: Callable[[Buffer], None],
         reserve_arriving: Callable[[Sequence[bytes], ConnId], None],
         abort: Callable[[Sequence[bytes], ConnId], object],
@@ -176,6 +179,8 @@ class SharedBlocks:
         #: a RAM slot to receive a block in place (the service's), and its undo
         self._stage = stage
         self._stage_many = stage_many
+        #: a RAM slot for a block whose key comes later, in a namespace's share
+        self._stage_room = stage_room
         self._drop_staged = drop_staged
         #: a PUT_REGION's keys read PENDING while their copy runs (the
         #: service's reservations without room), and their end if it fails
@@ -263,16 +268,20 @@ class SharedBlocks:
 
     # -- writes
 
-    def stage(self, owner: ConnId, length: int, in_place: bool = False) -> int:
+    def stage(
+        self, owner: ConnId, length: int, in_place: bool = False, namespace: bytes = b""
+    ) -> int:
         """Room for a block of ``length`` bytes; returns its offset in the
         staging region, or with ``in_place`` in RAM's arena: a slot of RAM
         the client writes itself (the caller checked it may,
-        :func:`may_write_in_place`), which becomes the block at COMMIT."""
+        :func:`may_write_in_place`), which becomes the block at COMMIT. Its
+        room is made in ``namespace``'s share (the connection's key prefix:
+        docs/tenancy.md), as a PUT of the block would make it."""
         if length <= 0:
             raise BadArgumentError("STAGE needs a positive length")
         check_sizes(self._limits, [length], "value")
         if in_place:
-            return self._place(owner, length)
+            return self._place(owner, length, namespace)
         try:
             slot = self.staging.allocate(length)
         except OutOfArena as exc:
@@ -328,7 +337,7 @@ class SharedBlocks:
         """Whether a client of ``uid`` may write in place here (:func:`may_write_in_place`)."""
         return may_write_in_place(uid, self.write_in_place)
 
-    def _place(self, owner: ConnId, length: int) -> int:
+    def _place(self, owner: ConnId, length: int, namespace: bytes) -> int:
         """A RAM slot of ``length`` bytes for ``owner`` to write in place."""
         if not self.write_in_place:
             raise ForbiddenError("writing in place is off (shared.write_in_place)")
@@ -342,12 +351,12 @@ class SharedBlocks:
                 f"a block of {length} bytes is under shared.min_block ({self.ram.min_slot}): "
                 "it is kept outside the arena, so it cannot be written in place"
             )
-        view = self._stage(length, None)
+        view = self._stage_room(length, namespace)
         if view is None:
             raise NoCapacityError(f"no room in RAM's arena for a block of {length} bytes")
         slot = self.slots.slot_of(view)
         assert slot is not None
-        self._places[slot.offset] = Room(owner, slot, math.inf, view)
+        self._places[slot.offset] = Room(owner, slot, math.inf, view, namespace)
         self._places_of[owner] = held + 1
         return slot.offset
 
@@ -406,7 +415,7 @@ class SharedBlocks:
         if not renew:
             return status, None
         try:
-            return status, self._place(owner, length)
+            return status, self._place(owner, length, room.namespace)
         except NoCapacityError:
             return status, None
 
