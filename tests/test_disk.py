@@ -251,3 +251,17 @@ async def test_write_policy_none_writes_only_durable_puts(sock_dir: Path) -> Non
             await d.settle()
             assert not d.disk.contains(b"cache-only")
             assert d.disk.contains(b"durable")
+
+
+async def test_a_durable_put_written_in_place_is_on_disk_when_it_returns(
+    daemon_with_disk: Daemon,
+) -> None:
+    d = daemon_with_disk
+    assert d.disk is not None and d.shared is not None
+    block = bytes(range(256)) * 4096  # 1 MiB: written in place
+    async with await Client.connect(d.socket_path) as c:
+        assert await c.put(b"big", block, durable=True) == PutStatus.STORED
+        assert d.shared.stats().in_place_commits == 1
+        assert d.disk.contains(b"big")
+        d.ram.remove(b"big")  # only the disk has it now
+        assert bytes(await c.get(b"big") or b"") == block
