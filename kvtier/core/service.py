@@ -822,32 +822,28 @@ class Service:
             for k, v, h in zip(keys, values, hints, strict=True)
         ]
 
-    def stage(self, length: int, key: bytes | None) -> memoryview | None:
+    def stage(self, length: int, key: bytes) -> memoryview | None:
         """Room in RAM's shared arena to receive a PUT body of ``length`` bytes
-        for ``key`` in place (None: a block whose key is not known yet); None
-        when it must be received into a buffer of its own (or ``key`` is
-        resident: the body will not be kept). Give it back with
-        :meth:`drop_staged` unless a PUT stores it.
+        for ``key`` in place; None when it must be received into a buffer of
+        its own (or ``key`` is resident: the body will not be kept). Give it
+        back with :meth:`drop_staged` unless a PUT stores it.
 
         A reservation of ``key`` that holds room gives it up here: the slot
         the body lands in is that room, so the block is counted once from
         RESERVE to the last byte of its PUT."""
-        if key is not None:
-            if self.ram.contains(key):
-                return None
-            res = self.pending.table.get(key)
-            if res is not None and res.size:
-                self.pending.claim(res)
-        view, evicted = self.ram.stage(length, key)
-        self._evicted(evicted)
-        return view
+        if self.ram.contains(key):
+            return None
+        res = self.pending.table.get(key)
+        if res is not None and res.size:
+            self.pending.claim(res)
+        return self.stage_room(length, key)
 
     def stage_room(self, length: int, namespace: bytes) -> memoryview | None:
-        """Room in RAM's shared arena for a block of ``length`` bytes whose key
-        comes later (a client writes it in place), made in the share of the
-        namespace ``namespace`` (a key prefix) as its PUT would make it; None
-        when there is none. Give it back with :meth:`drop_staged` unless a
-        PUT stores it."""
+        """Room in RAM's shared arena for a block of ``length`` bytes, made in
+        the share of ``namespace``'s namespace (a key of it, or its key
+        prefix: a block whose key comes later, written in place by a client)
+        as its PUT would make it; None when there is none. Give it back with
+        :meth:`drop_staged` unless a PUT stores it."""
         view, evicted = self.ram.stage(length, namespace)
         self._evicted(evicted)
         return view

@@ -158,7 +158,7 @@ class SharedBlocks:
         *,
         put: Callable[[Sequence[bytes], Sequence[Buffer]], list[PutStatus]],
         unpin: Callable[[Sequence[bytes], Sequence[Buffer | None]], None],
-        stage: Callable[[int, bytes | None], memoryview | None],
+        stage: Callable[[int, bytes], memoryview | None],
         stage_many: Callable[[Sequence[int], Sequence[bytes]], list[memoryview | None]],
         stage_room: Callable[[int, bytes], memoryview | None],
         drop_staged: Callable[[Buffer], None],
