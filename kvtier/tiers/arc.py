@@ -177,7 +177,9 @@ class ARCPolicy:
         """Whether a key admitted without a ghost hit starts in T2."""
         return False
 
-    def admit(self, key: bytes, cold: bool = False) -> None:
+    def admit(self, key: bytes, cold: bool = False, h: int | None = None) -> None:
+        """``key`` is resident now (``cold``: a TAIL hint; ``h``: its hash,
+        when the caller has it, for a subclass that hashes keys)."""
         b1, b2 = self._b1, self._b2
         self._tick = now = self._tick + 1
         if key in b1:
@@ -269,7 +271,7 @@ class _Shadow:
         self.policy = policy
         self.hits = 0.0
 
-    def access(self, key: bytes, capacity: int, cold: bool = False) -> None:
+    def access(self, key: bytes, capacity: int, cold: bool = False, h: int | None = None) -> None:
         policy = self.policy
         if key in policy._t1 or key in policy._t2:
             self.hits += 1
@@ -277,7 +279,7 @@ class _Shadow:
             return
         while len(policy._t1) + len(policy._t2) >= capacity:
             policy.evict_first()
-        policy.admit(key, cold)
+        policy.admit(key, cold, h)
 
 
 class _LRUShadow:
@@ -354,11 +356,7 @@ class HistoryARCPolicy(ARCPolicy):
         is decided (``h``: the key's hash, when the caller has it)."""
         capacity = self.c // rate
         with_, without, lru = self._with, self._without, self._lru
-        shadow = with_.policy
-        assert isinstance(shadow, _HistoryShadow)
-        shadow.next_hash = h
-        with_.access(key, capacity, cold)
-        shadow.next_hash = None  # (a hit admits nothing)
+        with_.access(key, capacity, cold, h)
         without.access(key, capacity, cold)
         lru.access(key, capacity, cold)
         self._sampled += 1
@@ -379,8 +377,9 @@ class HistoryARCPolicy(ARCPolicy):
             without.hits /= 2
             lru.hits /= 2
 
-    def admit(self, key: bytes, cold: bool = False) -> None:
-        h = _hash(key)  # once, for the history and the sampling
+    def admit(self, key: bytes, cold: bool = False, h: int | None = None) -> None:
+        if h is None:
+            h = _hash(key)  # once, for the history and the sampling
         self._seen_before = self.seen.add_hash(h)
         self._sample(key, cold, h)
         super().admit(key, cold)
@@ -445,14 +444,11 @@ class _HistoryShadow(ARCPolicy):
     def _frequent(self, key: bytes) -> bool:
         return self._seen_before
 
-    def admit(self, key: bytes, cold: bool = False) -> None:
-        h, self.next_hash = self.next_hash, None
+    def admit(self, key: bytes, cold: bool = False, h: int | None = None) -> None:
         self._seen_before = self.seen.add_hash(_hash(key) if h is None else h)
         super().admit(key, cold)
 
     _seen_before = False
-    #: the hash of the key the next admit() is for, when its caller has it
-    next_hash: int | None = None
 
 
 #: one key in SAMPLE feeds the shadow caches
