@@ -316,12 +316,7 @@ class SharedBlocks:
             block = stored_view if stored_view is not None else memoryview(bytearray(length))
             try:
                 block[:] = value
-                if xxhash.xxh3_64_intdigest(block) != checksum:
-                    self.commits_refused += 1
-                    raise BadArgumentError(
-                        f"checksum mismatch for key {key.hex()}: the staged bytes changed "
-                        "or were not all written; nothing stored"
-                    )
+                self._verify(block, checksum, key, "the staged block")
                 (status,) = self._put([key], [block])
             finally:
                 value.release()
@@ -397,17 +392,12 @@ class SharedBlocks:
         if self.ram.get(key) is not None:  # (a touch, as a PUT of it would)
             if renew:
                 return PutStatus.EXISTS, offset
-            self._unplace(offset)
-            self._drop_staged(view)
+            self._free_place(offset)
             return PutStatus.EXISTS, None
         self._unplace(offset)
         try:
-            if checksum is not None and xxhash.xxh3_64_intdigest(view) != checksum:
-                self.commits_refused += 1
-                raise BadArgumentError(
-                    f"checksum mismatch for key {key.hex()}: the block written in place "
-                    "changed or was not all written; nothing stored"
-                )
+            if checksum is not None:
+                self._verify(view, checksum, key, "the block written in place")
             (status,) = self._put([key], [view])
         finally:
             self._drop_staged(view)  # unless stored
@@ -418,6 +408,20 @@ class SharedBlocks:
             return status, self._place(owner, length, room.namespace)
         except NoCapacityError:
             return status, None
+
+    def _verify(self, block: memoryview, checksum: int, key: bytes, what: str) -> None:
+        """Refuse (and count) a block whose bytes do not match its checksum."""
+        if xxhash.xxh3_64_intdigest(block) != checksum:
+            self.commits_refused += 1
+            raise BadArgumentError(
+                f"checksum mismatch for key {key.hex()}: {what} changed or was not "
+                "all written; nothing stored"
+            )
+
+    def _free_place(self, offset: int) -> None:
+        room = self._unplace(offset)
+        assert room.view is not None
+        self._drop_staged(room.view)
 
     def _unplace(self, offset: int) -> Room:
         room = self._places.pop(offset)
@@ -433,9 +437,8 @@ class SharedBlocks:
         room = rooms.get(offset)
         if room is None or room.owner != owner:
             return False
-        if room.view is not None:
-            self._unplace(offset)
-            self._drop_staged(room.view)
+        if in_place:
+            self._free_place(offset)
         else:
             self._free_room(offset)
         return True
