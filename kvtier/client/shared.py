@@ -342,8 +342,7 @@ class SharedSession:
         except BaseException:
             # Committed or not, the room is not this writer's to reuse: an
             # UNSTAGE frees it if the COMMIT did not (a block it is not).
-            with contextlib.suppress(KvtierError):
-                self._calls.post(Op.UNSTAGE, wire.encode_stage(offset, in_place=True))
+            self._give_back(offset)
             raise
         status, renewed = wire.decode_commit_reply(frame.meta)
         if renewed is not None:
@@ -357,15 +356,12 @@ class SharedSession:
         if spare:
             return spare.pop()
         # Spare rooms of other lengths count against the connection's rooms:
-        # with as many held as it may, one goes back to make way.
-        spares = [o for rooms in self._places.values() for o in rooms]
-        while spares and len(spares) + self._in_flight > MAX_IN_PLACE_ROOMS:
-            offset = spares.pop()
-            for rooms in self._places.values():
-                if offset in rooms:
-                    rooms.remove(offset)
-            with contextlib.suppress(KvtierError):
-                self._calls.post(Op.UNSTAGE, wire.encode_stage(offset, in_place=True))
+        # with as many held as it may, some go back to make way.
+        held = sum(len(rooms) for rooms in self._places.values())
+        for rooms in self._places.values():
+            while rooms and held + self._in_flight > MAX_IN_PLACE_ROOMS:
+                self._give_back(rooms.pop())
+                held -= 1
         try:
             frame = await self._calls.request(
                 Op.STAGE, wire.encode_stage(length, in_place=True), timeout=timeout
@@ -394,10 +390,14 @@ class SharedSession:
         """Give back the spare in-place rooms (the connection is about to close:
         freed now rather than after the daemon's grace period for them)."""
         places, self._places = self._places, {}
+        for offsets in places.values():
+            for offset in offsets:
+                self._give_back(offset)
+
+    def _give_back(self, offset: int) -> None:
+        """UNSTAGE an in-place room, without waiting (the connection may be gone)."""
         with contextlib.suppress(KvtierError):
-            for offsets in places.values():
-                for offset in offsets:
-                    self._calls.post(Op.UNSTAGE, wire.encode_stage(offset, in_place=True))
+            self._calls.post(Op.UNSTAGE, wire.encode_stage(offset, in_place=True))
 
     async def _room(self, length: int, timeout: float | None) -> int:
         free = self._rooms.get(length)
