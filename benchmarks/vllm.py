@@ -156,12 +156,15 @@ def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
 
 def warm(sock: Path) -> None:
     """Fill the daemon's RAM once with blocks of its own, so the figures are
-    its steady state (arena pages touched, blocks evicted to make room), not
-    the first touch of fresh memory."""
+    its steady state (every arena page touched by the daemon's own copies,
+    as the tier's stores make them, and blocks evicted to make room), not
+    the first touch of fresh memory. (Written in place, the blocks would
+    leave the pages unmapped in the daemon: its first copy into each then
+    maps it, docs/shared-memory.md.)"""
     from kvtier import BlockingClient
 
     block = bytes(MiB)
-    with BlockingClient(sock) as c:
+    with BlockingClient(sock, write_in_place=False) as c:
         for lo in range(0, 640, 32):  # 640 MiB through a 512 MiB RAM tier
             c.put_many([b"warm-%d" % i for i in range(lo, lo + 32)], [block] * 32)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvtier import wire
+from kvtier import cma, wire
 from kvtier.errors import BadArgumentError, ForbiddenError, UnsupportedVersionError
 from kvtier.model import (
     DEFAULT_NAMESPACE,
@@ -230,7 +230,10 @@ class Ops:
             keys, _, _ = wire.decode_keys(meta, 0, 1, conn.scope)
         except (wire.CodecError, ForbiddenError):
             return None  # the handler reports it
-        return self.service.stage(header.data_len, keys[0])
+        view = self.service.stage(header.data_len, keys[0])
+        if view is not None:
+            cma.fault_in(view)  # (the kernel's copy into it then faults no page)
+        return view
 
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:
         durable = bool(frame.header.flags & wire.FLAG_DURABLE)

@@ -315,6 +315,8 @@ class SharedBlocks:
             stored_view = self._stage(length, key)
             block = stored_view if stored_view is not None else memoryview(bytearray(length))
             try:
+                if stored_view is not None:
+                    cma.fault_in(stored_view)
                 block[:] = value
                 self._verify(block, checksum, key, "the staged block")
                 (status,) = self._put([key], [block])
@@ -570,6 +572,9 @@ class SharedBlocks:
             self._abort(arriving, owner)  # (those stored ended when stored)
 
         def copy() -> list[int]:
+            for view in staged:
+                if view is not None:
+                    cma.fault_in(view)
             _read_into(region, views, offsets)
             if wanted is None:
                 return []
