@@ -9,8 +9,10 @@ once through staging (one block per PUT), once written in place (one block
 per PUT, the client's default for a large block; each writer a fresh
 process, so it faults the arena's pages in as it goes) and once in batches
 of 4 that the daemon copies out of the writer's memory (cross-memory
-attach, docs/shared-memory.md). Prints the figures and the ratios to idle,
-and the writers' GB/s.
+attach, docs/shared-memory.md). Five rounds, each measuring idle again
+right before its writers (this machine's quiet moments move): prints the
+medians over the rounds of p50, p99, max, the p99's ratio to its round's
+idle p99, and the writers' GB/s.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from tests.enginedaemon import start
 MiB = 1024 * 1024
 RAM = 512 * MiB
 CHAIN = 512
-IDLE_LOOKUPS = 2000
+IDLE_LOOKUPS = 1000
+ROUNDS = 5
+MODES = ("socket", "staged", "in-place", "cross-memory")
 
 _WRITER = """
 import asyncio, os, sys, time
@@ -100,7 +104,11 @@ async def under_writers(
     return samples, rate
 
 
-async def measure(sock: str) -> list[tuple[str, list[float], str]]:
+#: one round: the idle samples, then each mode's samples and its writers' GB/s
+Round = tuple[list[float], dict[str, tuple[list[float], float]]]
+
+
+async def measure(sock: str) -> list[Round]:
     async with await Client.connect(sock) as client:
         filler = os.urandom(MiB)
         for n in range(0, RAM // MiB, 16):  # full: every later store evicts
@@ -108,30 +116,45 @@ async def measure(sock: str) -> list[tuple[str, list[float], str]]:
             await client.put_many(keys, [filler] * 16)
         chain = [f"chain-{i:04d}".encode() for i in range(CHAIN)]
         await client.put_many(chain, [b"c" * 4096] * CHAIN)
-        idle: list[float] = []
-        for _ in range(IDLE_LOOKUPS):
-            started = time.perf_counter()
-            await client.lookup(chain, mode=LookupMode.PREFIX)
-            idle.append((time.perf_counter() - started) * 1e6)
-        rows = [("idle", idle, "")]
-        for mode in ("socket", "staged", "in-place", "cross-memory"):
-            samples, rate = await under_writers(sock, client, chain, mode)
-            rows.append((f"8 writers, {mode}", samples, rate))
-    return rows
+        rounds: list[Round] = []
+        for _ in range(ROUNDS):
+            idle: list[float] = []
+            for _ in range(IDLE_LOOKUPS):
+                started = time.perf_counter()
+                await client.lookup(chain, mode=LookupMode.PREFIX)
+                idle.append((time.perf_counter() - started) * 1e6)
+            busy: dict[str, tuple[list[float], float]] = {}
+            for mode in MODES:
+                samples, rate = await under_writers(sock, client, chain, mode)
+                busy[mode] = (samples, float(rate))
+            rounds.append((idle, busy))
+    return rounds
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvt-stream-", dir="/tmp") as tmp:
         daemon = start(Path(tmp), "--no-disk", "--ram-capacity", str(RAM))
         try:
-            rows = asyncio.run(measure(str(daemon.socket_path)))
+            rounds = asyncio.run(measure(str(daemon.socket_path)))
         finally:
             daemon.stop()
-    base = percentiles(rows[0][1])
-    print("prefix LOOKUP of 512 blocks   p50 us   p99 us   max us  p99/idle  writers GB/s")
-    for name, samples, rate in rows:
-        p50, p99, worst = percentiles(samples)
-        print(f"{name:28} {p50:8.0f} {p99:8.0f} {worst:8.0f} {p99 / base[1]:8.2f}x  {rate:>12}")
+    med = statistics.median
+    print(f"prefix LOOKUP of {CHAIN} blocks, medians of {len(rounds)} rounds")
+    print(f"{'':28} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'p99/idle':>9} {'writers GB/s':>13}")
+    idle = [percentiles(samples) for samples, _ in rounds]
+    print(
+        f"{'idle':28} {med(p[0] for p in idle):8.0f} {med(p[1] for p in idle):8.0f}"
+        f" {med(p[2] for p in idle):8.0f} {'1.00x':>9} {'':>13}"
+    )
+    for mode in MODES:
+        figures = [percentiles(busy[mode][0]) for _, busy in rounds]
+        ratios = [f[1] / i[1] for f, i in zip(figures, idle, strict=True)]
+        rate = med(busy[mode][1] for _, busy in rounds)
+        print(
+            f"{'8 writers, ' + mode:28} {med(f[0] for f in figures):8.0f}"
+            f" {med(f[1] for f in figures):8.0f} {med(f[2] for f in figures):8.0f}"
+            f" {med(ratios):8.2f}x {rate:13.2f}"
+        )
     return 0
 
 
