@@ -14,7 +14,10 @@ records only.
 
 Also here, for the other copies into memory another process shares:
 :func:`fault_in`, which maps a shared file's pages into this process before
-they are written.
+they are written. Unlike the copies it does not wait long (a read each 64
+KiB; a fault where a page is not yet mapped, once per page per process),
+so it runs on the event loop too, right before the kernel receives a PUT's
+body into a slot.
 """
 
 from __future__ import annotations
