@@ -23,6 +23,7 @@ import asyncio
 import inspect
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -55,6 +56,9 @@ ERROR_NAMES = {int(c): c.name.lower() for c in ErrorCode}
 TRUNCATED = "truncated_frame"
 #: the largest first frame the peer gate reads: a HELLO fits many times over
 _GATE_FRAME = 4096
+#: requests that store blocks: each waits for the end of its loop step, so
+#: that the reads which arrived with it are answered first (:meth:`Connection._hold`)
+STORES = frozenset({Op.PUT, Op.COMMIT, Op.PUT_REGION})
 _CLOSES_FRAMING = (ErrorCode.MALFORMED, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OPCODE)
 
 
@@ -104,6 +108,9 @@ class Connection(asyncio.BufferedProtocol):
         #: PUT bodies received straight into RAM's arena, by id, until their
         #: frames are handled (each is stored or given back)
         self._staged: dict[int, memoryview] = {}
+        #: frames handled at the end of this loop step (:meth:`_hold`): a
+        #: store, and every later frame of this connection, behind it
+        self._held: deque[Frame] = deque()
         #: whether this connection agreed to shared memory at HELLO
         self.shared = False
         #: the keys it may name (its namespace's, docs/tenancy.md); None on the
@@ -135,7 +142,8 @@ class Connection(asyncio.BufferedProtocol):
         ns = f" namespace={self.namespace.decode()}" if self.namespace else ""
         return (
             f"<Connection #{self.conn_id.value}{ns} inflight={self.inflight} "
-            f"closed={self.closed} eof={self._eof} {self.flow!r} {self.reader!r}>"
+            f"held={len(self._held)} closed={self.closed} eof={self._eof} "
+            f"{self.flow!r} {self.reader!r}>"
         )
 
     # -- asyncio callbacks
@@ -252,7 +260,34 @@ class Connection(asyncio.BufferedProtocol):
         for frame in frames:
             if not self.admitted and not self._admit(frame):
                 return  # refused and closing: nothing more of it is read
-            self._dispatch(frame)
+            if self._held or frame.header.opcode in STORES:
+                self._hold(frame)
+            else:
+                self._dispatch(frame)
+        self._maybe_finish()
+
+    def _hold(self, frame: Frame) -> None:
+        """Handle ``frame`` at the end of this loop step, once the reads that
+        arrived with it on other connections are answered: a LOOKUP never
+        waits behind the stores of a step, only behind the one running when
+        it arrives. Later frames of this connection wait behind it (its
+        requests keep their order). Counted in flight meanwhile: an EOF or
+        a shutdown waits for it, and reading pauses past ``max_inflight``."""
+        if not self._held:
+            self.server.hold(self)
+        self._held.append(frame)
+        self.inflight += 1
+        self._update_reading()
+
+    def release_held(self) -> None:
+        """Handle the held frames in order; none if the connection has closed
+        meanwhile (a body it received into RAM went with it)."""
+        held, self._held = self._held, deque()
+        self.inflight -= len(held)
+        if not self.closed:
+            for frame in held:
+                self._dispatch(frame)
+        self._update_reading()
         self._maybe_finish()
 
     def eof_received(self) -> bool | None:

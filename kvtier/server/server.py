@@ -111,14 +111,32 @@ class Server:
         self._service = service
         self._next_id = 0
         self._aserver: asyncio.AbstractServer | None = None
+        #: connections with frames held until the end of this loop step, in
+        #: the order they were held; one callback a step hands them back
+        self._holding: dict[Connection, None] = {}
         # bound once: every request records one
         self._observed: dict[tuple[str, str], Any] = {}
 
     def __repr__(self) -> str:
         gate = f" {self.gate!r}" if self.gate is not None else ""
         return (
-            f"<Server connections={len(self.connections)} shutting_down={self.shutting_down}{gate}>"
+            f"<Server connections={len(self.connections)} holding={len(self._holding)} "
+            f"shutting_down={self.shutting_down}{gate}>"
         )
+
+    def hold(self, conn: Connection) -> None:
+        """``conn`` holds frames until the end of this loop step (its stores
+        wait for the reads that came with them): handed back, connection by
+        connection in the order they were held, by one callback scheduled now.
+        Frames held while that callback runs wait for the next step."""
+        if not self._holding:
+            asyncio.get_running_loop().call_soon(self._release_held)
+        self._holding[conn] = None
+
+    def _release_held(self) -> None:
+        holding, self._holding = self._holding, {}
+        for conn in holding:
+            conn.release_held()
 
     def stats(self) -> dict[str, Any]:
         return {
