@@ -310,6 +310,21 @@ class EventSource(Protocol):
     def snapshot(self) -> list[BlockEvent]: ...
 
 
+@dataclass(slots=True, frozen=True)
+class Copied:
+    """Blocks a PUT_REGION copied into their slots, to be stored: their
+    statuses as the store gives them, and ``store``, which stores them.
+
+    The caller answers with the statuses and then calls ``store``, once, in
+    the same loop step: no request is read between the two, so none can
+    find the blocks missing, and the writer has its answer (its memory is
+    free to reuse: the daemon is done reading it) while the daemon still
+    files the blocks away."""
+
+    statuses: list[PutStatus]
+    store: Callable[[], None]
+
+
 class SharedService(Protocol):
     """Leases and staging room for same-host clients; the core's ``SharedBlocks``."""
 
@@ -360,7 +375,7 @@ class SharedService(Protocol):
         keys: Sequence[bytes],
         spans: Sequence[tuple[int, int]],
         checksums: Sequence[int] | None = None,
-    ) -> list[PutStatus]: ...
+    ) -> Copied: ...
 
     async def get_region(
         self,

@@ -253,6 +253,67 @@ class GatedExecutor(concurrent.futures.ThreadPoolExecutor):
         return super().submit(held)
 
 
+async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
+    daemon: Daemon, memfd: int
+) -> None:
+    """The answer leaves as soon as the daemon is done reading the writer's
+    memory; the blocks are stored right after, in the same step (no request
+    in between), even when the writer hung up during the copy."""
+    loop = asyncio.get_running_loop()
+    shared = daemon.shared
+    assert shared is not None
+    sent = daemon.server.counters.sent_bytes
+    stored_after: list[float] = []
+    stored = asyncio.Event()
+    put = shared._put
+
+    def recording_put(keys: Any, values: Any) -> Any:
+        stored_after.append(sent.value)  # what the daemon had sent by then
+        stored.set()
+        return put(keys, values)
+
+    shared._put = recording_put
+    async with (
+        await Client.connect(daemon.socket_path) as c,
+        await Client.connect(daemon.socket_path) as reader,
+    ):
+        region = await c.attach_region(memfd)
+        gated, waiter = GatedExecutor(), concurrent.futures.ThreadPoolExecutor(1)
+        loop.set_default_executor(gated)
+        try:
+            # (blocks of a slot each: a block under shared.min_block has none,
+            # makes its room as it is stored, and is stored before the answer)
+            answered = asyncio.ensure_future(c.put_region(region, KEYS[:2], SPANS[:2]))
+            assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+            before = sent.value
+            gated.gate.set()
+            assert await answered == [PutStatus.STORED] * 2
+            # the reply was handed to the transport before the store ran
+            assert stored_after == [before + wire.framing.HEADER_SIZE + 4 + 2]
+            assert (await reader.lookup(KEYS[:2])).states == [State.HIT] * 2
+
+            # A writer gone during its copy: its blocks are stored all the same.
+            gated.gate.clear()
+            gated.started.clear()
+            stored.clear()
+            hung_up = asyncio.ensure_future(c.put_region(region, [b"late"], SPANS[:1]))
+            assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+            await c.close()
+            with pytest.raises(KvtierError):
+                await hung_up
+            gated.gate.set()
+            await stored.wait()
+            assert (await reader.lookup([b"late"])).states == [State.HIT]
+        finally:
+            gated.gate.set()
+            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
+            gated.shutdown()
+            waiter.shutdown()
+            shared._put = put
+    assert len(stored_after) == 2
+    assert shared_stats(daemon)["regions"] == 0
+
+
 async def test_blocks_read_pending_while_the_daemon_copies_them_in(
     daemon: Daemon, memfd: int
 ) -> None:

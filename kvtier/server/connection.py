@@ -64,11 +64,14 @@ _CLOSES_FRAMING = (ErrorCode.MALFORMED, ErrorCode.UNSUPPORTED_VERSION, ErrorCode
 
 @dataclass(slots=True)
 class Reply:
-    """A reply's meta and data; ``on_sent`` runs once the frame is handed to the transport."""
+    """A reply's meta and data; ``on_sent`` runs once the transport has
+    written the frame out, ``then`` right after the frame is handed to it,
+    in the same step (whether or not the client is still there)."""
 
     meta: bytes
     data: list[Buffer] = field(default_factory=list)
     on_sent: Callable[[], None] | None = None
+    then: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -435,6 +438,8 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             if reply.on_sent is not None:
                 self._after_flush(reply.on_sent)
+            if reply.then is not None:
+                reply.then()
 
     async def push(self, opcode: int, request_id: int, meta: Buffer) -> None:
         """One more reply to a streaming request (flag MORE), once the

@@ -22,6 +22,7 @@ from kvtier.model import (
     BlockEvent,
     Buffer,
     CacheService,
+    Copied,
     EventSource,
     Leased,
     LookupReply,
@@ -396,8 +397,9 @@ class Ops:
         if frame.data:
             raise wire.CodecError("PUT_REGION carries no data: the blocks are in the region")
         io = wire.decode_region_io(frame.meta, self.max_batch, conn.scope)
-        done = shared.put_region(conn.conn_id, io.region, io.keys, io.spans, io.checksums)
-        return Later(done, lambda statuses: Reply(wire.encode_put_reply(statuses)))
+        copied = shared.put_region(conn.conn_id, io.region, io.keys, io.spans, io.checksums)
+        # answered once the bytes are copied; stored right after (Copied)
+        return Later(copied, _copied_reply)
 
     def get_region(self, conn: Connection, frame: Frame) -> Later:
         shared = self._shared_of(conn)
@@ -482,6 +484,10 @@ def _scoped(events: Iterable[BlockEvent], prefix: bytes) -> list[BlockEvent]:
 
 def _put_reply(statuses: list[PutStatus]) -> Reply:
     return Reply(wire.encode_put_reply(statuses))
+
+
+def _copied_reply(copied: Copied) -> Reply:
+    return Reply(wire.encode_put_reply(copied.statuses), then=copied.store)
 
 
 def _lookup_reply(reply: LookupReply) -> Reply:

@@ -60,7 +60,15 @@ from kvtier import cma
 from kvtier.core.service import check_keys, check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
-from kvtier.model import MAX_IN_PLACE_ROOMS, Buffer, ConnId, Leased, Limits, PutStatus
+from kvtier.model import (
+    MAX_IN_PLACE_ROOMS,
+    Buffer,
+    ConnId,
+    Copied,
+    Leased,
+    Limits,
+    PutStatus,
+)
 from kvtier.tiers.ram import Arena, OutOfArena, RamTier, Slot
 
 log = logging.getLogger("kvtier.shared")
@@ -539,9 +547,11 @@ class SharedBlocks:
         keys: Sequence[bytes],
         spans: Sequence[tuple[int, int]],
         checksums: Sequence[int] | None = None,
-    ) -> list[PutStatus]:
-        """Store the blocks at ``spans`` of the region under ``keys``: each is
-        read straight into its RAM slot, off the event loop. With
+    ) -> Copied:
+        """Copy the blocks at ``spans`` of the region, to be stored under
+        ``keys``: each is read straight into its RAM slot, off the event
+        loop. Returned once copied: the statuses to answer with, and the
+        store to call right after answering (see :class:`Copied`). With
         ``checksums``, a block whose bytes do not match its XXH3-64 after the
         copy (the writer changed it meanwhile, or lied) fails the request and
         nothing is stored."""
@@ -552,7 +562,7 @@ class SharedBlocks:
         # (a touch of each key held, as a PUT of it would)
         todo = [i for i, key in enumerate(keys) if self.ram.get(key) is None]
         if not todo:
-            return statuses
+            return Copied(statuses, _nothing)
         staged = self._stage_many([spans[i][1] for i in todo], [keys[i] for i in todo])
         views = [
             view if view is not None else memoryview(bytearray(spans[i][1]))
@@ -588,17 +598,40 @@ class SharedBlocks:
                 f"block {todo[torn[0]]} does not match its checksum after the copy "
                 "(changed while it was read, or a wrong checksum); nothing stored"
             )
-        try:
-            stored = self._put(arriving, views)  # (each store ends its reservation)
-        except BaseException:
-            self._abort(arriving, owner)
-            raise
-        finally:
-            release()
-        for i, status in zip(todo, stored, strict=True):
-            statuses[i] = status
-        self.region_bytes_in += sum(len(v) for v in views)
-        return statuses
+
+        def store() -> list[PutStatus]:
+            try:
+                return self._put(arriving, views)  # (each store ends its reservation)
+            except BaseException:
+                self._abort(arriving, owner)
+                raise
+            finally:
+                release()
+                self.region_bytes_in += sum(len(v) for v in views)
+
+        if any(view is None for view in staged):
+            # A block without a slot makes room as it is stored, which can
+            # fail: stored before the answer.
+            for i, status in zip(todo, store(), strict=True):
+                statuses[i] = status
+            return Copied(statuses, _nothing)
+        # Every block is in its slot, whose room is made: storing it cannot
+        # fail, and a key another writer stored meanwhile answers EXISTS.
+        contains = self.ram.contains
+        for i, key in zip(todo, arriving, strict=True):
+            statuses[i] = PutStatus.EXISTS if contains(key) else PutStatus.STORED
+        answered = [statuses[i] for i in todo]
+
+        def store_answered() -> None:
+            try:
+                stored = store()
+            except Exception:  # answered already: only the log can tell
+                log.exception("region %d: blocks answered STORED failed to store", region_id)
+                return
+            if stored != answered:  # (nothing ran between the answer and here)
+                log.error("region %d: blocks stored otherwise than answered", region_id)
+
+        return Copied(statuses, store_answered)
 
     async def get_region(
         self,
@@ -814,6 +847,10 @@ def _write_from(region: Region, blocks: Sequence[tuple[Buffer, int]]) -> None:
         done = 0
         while done < len(view):
             done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+def _nothing() -> None:
+    """The store of a :class:`Copied` whose blocks are stored already."""
 
 
 async def off_loop(copy: Callable[[], T], abandoned: Callable[[], None]) -> T:
