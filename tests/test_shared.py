@@ -10,6 +10,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -438,6 +439,56 @@ async def test_in_place_commits_are_checked_and_rooms_are_the_clients_own(daemon
         finally:
             arena.close()
             staging.close()
+
+
+async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: Daemon) -> None:
+    """The COMMIT's reply (with the next room, made first) is handed to the
+    transport before the block is stored, in the same step: the writer
+    fills its next room while the daemon files the last block away; a
+    durable COMMIT is stored first (its disk write is of what RAM holds)."""
+    shared = daemon.shared
+    assert shared is not None
+    sent = daemon.server.counters.sent_bytes
+    stored_after: list[float] = []
+    put = shared._put
+
+    def recording_put(keys: Any, values: Any) -> Any:
+        stored_after.append(sent.value)  # what the daemon had sent by then
+        return put(keys, values)
+
+    shared._put = recording_put
+    try:
+        async with (
+            await Client.connect(daemon.socket_path) as a,
+            await Client.connect(daemon.socket_path) as b,
+        ):
+            offset = await _stage_in_place(a)
+            arena, staging, _ = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+            try:
+                arena[offset : offset + MiB] = block(11)
+                commit = wire.Commit(b"k", offset, MiB, 0, True, True, unchecked=True)
+                before = sent.value
+                frame = await a.request(Op.COMMIT, wire.encode_commit(commit))
+                status, room = wire.decode_commit_reply(frame.meta)
+                assert status is PutStatus.STORED and room is not None
+                assert stored_after == [before + wire.framing.HEADER_SIZE + 9]
+                assert bytes(await b.get(b"k") or b"") == block(11)
+
+                arena[room : room + MiB] = block(12)
+                durable = wire.Commit(b"d", room, MiB, 0, False, True, unchecked=True)
+                before = sent.value
+                frame = await a.request(
+                    Op.COMMIT, wire.encode_commit(durable), flags=wire.FLAG_DURABLE
+                )
+                assert wire.decode_commit_reply(frame.meta) == (PutStatus.STORED, None)
+                assert stored_after[1] == before  # stored, then answered
+                assert bytes(await b.get(b"d") or b"") == block(12)
+                assert shared_stats(daemon)["in_place_commits"] == 2
+            finally:
+                arena.close()
+                staging.close()
+    finally:
+        shared._put = put
 
 
 async def test_writing_in_place_is_refused_where_it_is_off(staging_daemon: Daemon) -> None:

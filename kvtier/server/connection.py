@@ -439,7 +439,10 @@ class Connection(asyncio.BufferedProtocol):
             if reply.on_sent is not None:
                 self._after_flush(reply.on_sent)
             if reply.then is not None:
-                reply.then()
+                try:
+                    reply.then()
+                except Exception:  # answered already: only the log can tell
+                    log.exception("after the reply to %s #%d", OP_NAMES.get(opcode), request_id)
 
     async def push(self, opcode: int, request_id: int, meta: Buffer) -> None:
         """One more reply to a streaming request (flag MORE), once the

@@ -360,17 +360,20 @@ class Ops:
         c = wire.decode_commit(frame.meta, conn.scope)
         if c.in_place:
             checksum = None if c.unchecked else c.checksum
-            status, room = shared.commit_in_place(
+            copied, room = shared.commit_in_place(
                 conn.conn_id, c.key, c.offset, c.length, checksum, c.keep_room
             )
-            reply = wire.encode_commit_reply(status, room)
+            meta, store = wire.encode_commit_reply(copied.statuses[0], room), copied.store
         else:
             status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
-            reply = wire.encode_put_reply([status])
+            meta, store = wire.encode_put_reply([status]), None
         if frame.header.flags & wire.FLAG_DURABLE:
+            if store is not None:
+                store()  # now: the disk write is of what RAM holds in this step
             durable = self.service.make_durable([c.key], [None])
-            return Later(durable, lambda _: Reply(reply))
-        return Reply(reply)
+            return Later(durable, lambda _: Reply(meta))
+        # answered first, stored right after (an in-place block: Copied)
+        return Reply(meta, then=store)
 
     def unstage(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)

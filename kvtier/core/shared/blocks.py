@@ -373,11 +373,13 @@ class SharedBlocks:
         length: int,
         checksum: int | None,
         renew: bool,
-    ) -> tuple[PutStatus, int | None]:
+    ) -> tuple[Copied, int | None]:
         """Store the block ``owner`` wrote into its in-place room at ``offset``
         under ``key``: its slot becomes the block, nothing is copied. Returns
-        the status and, with ``renew``, the offset of a new room of the same
-        length (None: none to be had now).
+        the status to answer with and the store to call right after the
+        answer (:class:`Copied`: the slot's room is made, so the store cannot
+        fail), and, with ``renew``, the offset of a new room of the same
+        length (None: none to be had now), made before the block is stored.
 
         A ``checksum`` is checked over the slot after the writer is done: a
         block that does not match (torn, or a lying checksum) stores nothing
@@ -401,23 +403,29 @@ class SharedBlocks:
             )
         if self.ram.get(key) is not None:  # (a touch, as a PUT of it would)
             if renew:
-                return PutStatus.EXISTS, offset
+                return Copied([PutStatus.EXISTS], _nothing), offset
             self._free_place(offset)
-            return PutStatus.EXISTS, None
+            return Copied([PutStatus.EXISTS], _nothing), None
         self._unplace(offset)
-        try:
-            if checksum is not None:
+        if checksum is not None:
+            try:
                 self._verify(view, checksum, key, "the block written in place")
-            (status,) = self._put([key], [view])
-        finally:
-            self._drop_staged(view)  # unless stored
-        self.in_place_commits += status is PutStatus.STORED
-        if not renew:
-            return status, None
-        try:
-            return status, self._place(owner, length, room.namespace)
-        except NoCapacityError:
-            return status, None
+            except BaseException:
+                self._drop_staged(view)
+                raise
+        next_room = None
+        if renew:
+            with contextlib.suppress(NoCapacityError):
+                next_room = self._place(owner, length, room.namespace)
+
+        def store() -> None:
+            try:
+                (status,) = self._put([key], [view])
+            finally:
+                self._drop_staged(view)  # unless stored
+            self.in_place_commits += status is PutStatus.STORED
+
+        return Copied([PutStatus.STORED], store), next_room
 
     def _verify(self, block: memoryview, checksum: int, key: bytes, what: str) -> None:
         """Refuse (and count) a block whose bytes do not match its checksum."""
@@ -623,12 +631,7 @@ class SharedBlocks:
         answered = [statuses[i] for i in todo]
 
         def store_answered() -> None:
-            try:
-                stored = store()
-            except Exception:  # answered already: only the log can tell
-                log.exception("region %d: blocks answered STORED failed to store", region_id)
-                return
-            if stored != answered:  # (nothing ran between the answer and here)
+            if store() != answered:  # (nothing ran between the answer and here)
                 log.error("region %d: blocks stored otherwise than answered", region_id)
 
         return Copied(statuses, store_answered)
