@@ -379,7 +379,9 @@ class SharedBlocks:
         the status to answer with and the store to call right after the
         answer (:class:`Copied`: the slot's room is made, so the store cannot
         fail), and, with ``renew``, the offset of a new room of the same
-        length (None: none to be had now), made before the block is stored.
+        length (None: none to be had now), made before the block is stored
+        (where namespaces have shares, after it, and the block is stored
+        before the answer).
 
         A ``checksum`` is checked over the slot after the writer is done: a
         block that does not match (torn, or a lying checksum) stores nothing
@@ -413,10 +415,6 @@ class SharedBlocks:
             except BaseException:
                 self._drop_staged(view)
                 raise
-        next_room = None
-        if renew:
-            with contextlib.suppress(NoCapacityError):
-                next_room = self._place(owner, length, room.namespace)
 
         def store() -> None:
             try:
@@ -425,7 +423,23 @@ class SharedBlocks:
                 self._drop_staged(view)  # unless stored
             self.in_place_commits += status is PutStatus.STORED
 
-        return Copied([PutStatus.STORED], store), next_room
+        def next_room() -> int | None:
+            try:
+                return self._place(owner, length, room.namespace)
+            except NoCapacityError:
+                return None
+
+        if not renew:
+            return Copied([PutStatus.STORED], store), None
+        if self.ram.budget.shares is not None:
+            # A namespace's share counts its blocks, not its rooms: the next
+            # room is made once this block is in, so that the two fit its max
+            # (docs/tenancy.md), and the block is stored before the answer.
+            store()
+            return Copied([PutStatus.STORED], _nothing), next_room()
+        # Made before the block is stored, the room evicts as it would after:
+        # the block's slot counts against RAM already.
+        return Copied([PutStatus.STORED], store), next_room()
 
     def _verify(self, block: memoryview, checksum: int, key: bytes, what: str) -> None:
         """Refuse (and count) a block whose bytes do not match its checksum."""
