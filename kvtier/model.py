@@ -312,8 +312,9 @@ class EventSource(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class Copied:
-    """Blocks a PUT_REGION copied into their slots, to be stored: their
-    statuses as the store gives them, and ``store``, which stores them.
+    """Blocks in their RAM slots, to be stored (a PUT_REGION's, copied in by
+    the daemon; an in-place COMMIT's, written by the client): their statuses
+    as the store gives them, and ``store``, which stores them.
 
     The caller answers with the statuses and then calls ``store``, once, in
     the same loop step: no request is read between the two, so none can

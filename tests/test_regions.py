@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import fcntl
 import os
 import secrets
@@ -253,6 +254,22 @@ class GatedExecutor(concurrent.futures.ThreadPoolExecutor):
         return super().submit(held)
 
 
+@contextlib.contextmanager
+def gated_copies() -> Iterator[tuple[GatedExecutor, concurrent.futures.ThreadPoolExecutor]]:
+    """The loop's worker threads held at a gate (:class:`GatedExecutor`),
+    and a thread to wait for the first job to start on."""
+    loop = asyncio.get_running_loop()
+    gated, waiter = GatedExecutor(), concurrent.futures.ThreadPoolExecutor(1)
+    loop.set_default_executor(gated)
+    try:
+        yield gated, waiter
+    finally:
+        gated.gate.set()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
+        gated.shutdown()
+        waiter.shutdown()
+
+
 async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
     daemon: Daemon, memfd: int
 ) -> None:
@@ -273,43 +290,38 @@ async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
         return put(keys, values)
 
     shared._put = recording_put
-    async with (
-        await Client.connect(daemon.socket_path) as c,
-        await Client.connect(daemon.socket_path) as reader,
-    ):
-        region = await c.attach_region(memfd)
-        gated, waiter = GatedExecutor(), concurrent.futures.ThreadPoolExecutor(1)
-        loop.set_default_executor(gated)
-        try:
-            # (blocks of a slot each: a block under shared.min_block has none,
-            # makes its room as it is stored, and is stored before the answer)
-            answered = asyncio.ensure_future(c.put_region(region, KEYS[:2], SPANS[:2]))
-            assert await loop.run_in_executor(waiter, gated.started.wait, 10)
-            before = sent.value
-            gated.gate.set()
-            assert await answered == [PutStatus.STORED] * 2
-            # the reply was handed to the transport before the store ran
-            assert stored_after == [before + wire.framing.HEADER_SIZE + 4 + 2]
-            assert (await reader.lookup(KEYS[:2])).states == [State.HIT] * 2
+    try:
+        async with (
+            await Client.connect(daemon.socket_path) as c,
+            await Client.connect(daemon.socket_path) as reader,
+        ):
+            region = await c.attach_region(memfd)
+            with gated_copies() as (gated, waiter):
+                # (blocks of a slot each: a block under shared.min_block has none,
+                # makes its room as it is stored, and is stored before the answer)
+                answered = asyncio.ensure_future(c.put_region(region, KEYS[:2], SPANS[:2]))
+                assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+                before = sent.value
+                gated.gate.set()
+                assert await answered == [PutStatus.STORED] * 2
+                # the reply was handed to the transport before the store ran
+                assert stored_after == [before + wire.framing.HEADER_SIZE + 4 + 2]
+                assert (await reader.lookup(KEYS[:2])).states == [State.HIT] * 2
 
-            # A writer gone during its copy: its blocks are stored all the same.
-            gated.gate.clear()
-            gated.started.clear()
-            stored.clear()
-            hung_up = asyncio.ensure_future(c.put_region(region, [b"late"], SPANS[:1]))
-            assert await loop.run_in_executor(waiter, gated.started.wait, 10)
-            await c.close()
-            with pytest.raises(KvtierError):
-                await hung_up
-            gated.gate.set()
-            await stored.wait()
-            assert (await reader.lookup([b"late"])).states == [State.HIT]
-        finally:
-            gated.gate.set()
-            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
-            gated.shutdown()
-            waiter.shutdown()
-            shared._put = put
+                # A writer gone during its copy: its blocks are stored all the same.
+                gated.gate.clear()
+                gated.started.clear()
+                stored.clear()
+                hung_up = asyncio.ensure_future(c.put_region(region, [b"late"], SPANS[:1]))
+                assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+                await c.close()
+                with pytest.raises(KvtierError):
+                    await hung_up
+                gated.gate.set()
+                await stored.wait()
+                assert (await reader.lookup([b"late"])).states == [State.HIT]
+    finally:
+        shared._put = put
     assert len(stored_after) == 2
     assert shared_stats(daemon)["regions"] == 0
 
@@ -326,20 +338,13 @@ async def test_blocks_read_pending_while_the_daemon_copies_them_in(
         await Client.connect(daemon.socket_path) as reader,
     ):
         region = await c.attach_region(memfd)
-        gated, waiter = GatedExecutor(), concurrent.futures.ThreadPoolExecutor(1)
-        loop.set_default_executor(gated)
-        try:
+        with gated_copies() as (gated, waiter):
             put = asyncio.ensure_future(c.put_region(region, KEYS, SPANS))
             assert await loop.run_in_executor(waiter, gated.started.wait, 10)
             assert (await reader.lookup(KEYS)).states == [State.PENDING] * 3
             assert not put.done()
             gated.gate.set()
             assert await put == [PutStatus.STORED] * 3
-        finally:
-            gated.gate.set()
-            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
-            gated.shutdown()
-            waiter.shutdown()
         assert (await reader.lookup(KEYS)).states == [State.HIT] * 3
         assert sample("kvtier_reservations_total", {"event": "completed"}) == 3
         os.ftruncate(memfd, MiB // 2)

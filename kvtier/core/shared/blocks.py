@@ -623,13 +623,14 @@ class SharedBlocks:
 
         def store() -> list[PutStatus]:
             try:
-                return self._put(arriving, views)  # (each store ends its reservation)
+                stored = self._put(arriving, views)  # (each store ends its reservation)
             except BaseException:
                 self._abort(arriving, owner)
                 raise
             finally:
                 release()
-                self.region_bytes_in += sum(len(v) for v in views)
+            self.region_bytes_in += sum(len(v) for v in views)
+            return stored
 
         if any(view is None for view in staged):
             # A block without a slot makes room as it is stored, which can
