@@ -13,7 +13,8 @@ import sys
 import tempfile
 import threading
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +276,37 @@ def shared_stats(d: Daemon) -> dict[str, Any]:
     """The daemon's shared-memory figures (leases, staging, regions)."""
     assert d.shared is not None
     return d.shared.stats().as_dict()
+
+
+@dataclass
+class StoresSeen:
+    """What :func:`watching_stores` saw."""
+
+    #: the bytes the daemon had sent when each store of shared blocks ran
+    sent: list[float] = field(default_factory=list)
+    #: set as each runs
+    stored: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@contextlib.contextmanager
+def watching_stores(d: Daemon) -> Iterator[StoresSeen]:
+    """Each store of blocks from shared memory (a COMMIT's, a PUT_REGION's)
+    as it runs, against the bytes the daemon had sent by then: whether its
+    reply left first."""
+    shared = d.shared
+    assert shared is not None
+    sent, seen, put = d.server.counters.sent_bytes, StoresSeen(), shared._put
+
+    def recording(keys: Any, values: Any) -> Any:
+        seen.sent.append(sent.value)
+        seen.stored.set()
+        return put(keys, values)
+
+    shared._put = recording
+    try:
+        yield seen
+    finally:
+        shared._put = put
 
 
 def received_bytes(d: Daemon) -> float:

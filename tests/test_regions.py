@@ -29,7 +29,7 @@ from kvtier.errors import (
     ProtocolError,
 )
 from kvtier.model import PutStatus, State
-from tests.helpers import received_bytes, shared_stats
+from tests.helpers import received_bytes, shared_stats, watching_stores
 
 MiB = 1024 * 1024
 
@@ -277,20 +277,8 @@ async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
     memory; the blocks are stored right after, in the same step (no request
     in between), even when the writer hung up during the copy."""
     loop = asyncio.get_running_loop()
-    shared = daemon.shared
-    assert shared is not None
     sent = daemon.server.counters.sent_bytes
-    stored_after: list[float] = []
-    stored = asyncio.Event()
-    put = shared._put
-
-    def recording_put(keys: Any, values: Any) -> Any:
-        stored_after.append(sent.value)  # what the daemon had sent by then
-        stored.set()
-        return put(keys, values)
-
-    shared._put = recording_put
-    try:
+    with watching_stores(daemon) as seen:
         async with (
             await Client.connect(daemon.socket_path) as c,
             await Client.connect(daemon.socket_path) as reader,
@@ -305,24 +293,22 @@ async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
                 gated.gate.set()
                 assert await answered == [PutStatus.STORED] * 2
                 # the reply was handed to the transport before the store ran
-                assert stored_after == [before + wire.framing.HEADER_SIZE + 4 + 2]
+                assert seen.sent == [before + wire.framing.HEADER_SIZE + 4 + 2]
                 assert (await reader.lookup(KEYS[:2])).states == [State.HIT] * 2
 
                 # A writer gone during its copy: its blocks are stored all the same.
                 gated.gate.clear()
                 gated.started.clear()
-                stored.clear()
+                seen.stored.clear()
                 hung_up = asyncio.ensure_future(c.put_region(region, [b"late"], SPANS[:1]))
                 assert await loop.run_in_executor(waiter, gated.started.wait, 10)
                 await c.close()
                 with pytest.raises(KvtierError):
                     await hung_up
                 gated.gate.set()
-                await stored.wait()
+                await seen.stored.wait()
                 assert (await reader.lookup([b"late"])).states == [State.HIT]
-    finally:
-        shared._put = put
-    assert len(stored_after) == 2
+    assert len(seen.sent) == 2
     assert shared_stats(daemon)["regions"] == 0
 
 

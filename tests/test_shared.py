@@ -10,7 +10,6 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import xxhash
@@ -26,7 +25,7 @@ from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.ram import Arena
 from kvtier.wire import Op
-from tests.helpers import ROOT, received_bytes, running_daemon, shared_stats
+from tests.helpers import ROOT, received_bytes, running_daemon, shared_stats, watching_stores
 
 MiB = 1024 * 1024
 
@@ -446,18 +445,8 @@ async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: 
     transport before the block is stored, in the same step: the writer
     fills its next room while the daemon files the last block away; a
     durable COMMIT is stored first (its disk write is of what RAM holds)."""
-    shared = daemon.shared
-    assert shared is not None
     sent = daemon.server.counters.sent_bytes
-    stored_after: list[float] = []
-    put = shared._put
-
-    def recording_put(keys: Any, values: Any) -> Any:
-        stored_after.append(sent.value)  # what the daemon had sent by then
-        return put(keys, values)
-
-    shared._put = recording_put
-    try:
+    with watching_stores(daemon) as seen:
         async with (
             await Client.connect(daemon.socket_path) as a,
             await Client.connect(daemon.socket_path) as b,
@@ -471,7 +460,7 @@ async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: 
                 frame = await a.request(Op.COMMIT, wire.encode_commit(commit))
                 status, room = wire.decode_commit_reply(frame.meta)
                 assert status is PutStatus.STORED and room is not None
-                assert stored_after == [before + wire.framing.HEADER_SIZE + 9]
+                assert seen.sent == [before + wire.framing.HEADER_SIZE + 9]
                 assert bytes(await b.get(b"k") or b"") == block(11)
 
                 arena[room : room + MiB] = block(12)
@@ -481,14 +470,12 @@ async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: 
                     Op.COMMIT, wire.encode_commit(durable), flags=wire.FLAG_DURABLE
                 )
                 assert wire.decode_commit_reply(frame.meta) == (PutStatus.STORED, None)
-                assert stored_after[1] == before  # stored, then answered
+                assert seen.sent[1] == before  # stored, then answered
                 assert bytes(await b.get(b"d") or b"") == block(12)
                 assert shared_stats(daemon)["in_place_commits"] == 2
             finally:
                 arena.close()
                 staging.close()
-    finally:
-        shared._put = put
 
 
 async def test_writing_in_place_is_refused_where_it_is_off(staging_daemon: Daemon) -> None:
