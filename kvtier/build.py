@@ -32,6 +32,7 @@ from kvtier.core.service import Service
 from kvtier.core.shared.blocks import SharedBlocks
 from kvtier.core.timers import Scheduler
 from kvtier.errors import ConfigError
+from kvtier.loops import IdlePoll
 from kvtier.metrics import Metrics
 from kvtier.model import Limits, namespace_id
 from kvtier.server.gate import PeerGate
@@ -230,6 +231,8 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             write_in_place=shc.write_in_place,
         )
         offer = SharedOffer(handoff_path(config), arena.size, staging.size)
+    # One poller for the loop: both listeners' requests keep it awake.
+    idle_poll = IdlePoll(sc.idle_poll)
     server = Server(
         service,
         max_frame=int(sc.max_frame_bytes),
@@ -245,6 +248,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         handshake_timeout=sc.handshake_timeout
         if sc.allowed_uids is not None or sc.allowed_gids is not None
         else None,
+        idle_poll=idle_poll,
     )
     peer_server = None
     if pc.listen is not None:
@@ -256,6 +260,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             node_id=node_id,
             handshake_timeout=pc.handshake_timeout,
             max_unauthenticated=pc.max_unauthenticated,
+            idle_poll=idle_poll,
         )
     parts = Parts(
         config=config,

@@ -33,7 +33,7 @@ from kvtier.client.batching import (
 )
 from kvtier.client.protocol import ClientProtocol, expire
 from kvtier.client.shared import SharedSession, checksum, fetch, hand_region
-from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
+from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL, default_socket_path
 from kvtier.errors import (
     BadArgumentError,
     ConnectionClosedError,
@@ -44,6 +44,7 @@ from kvtier.errors import (
     ValueTooLargeError,
     error_from_code,
 )
+from kvtier.loops import IdlePoll
 from kvtier.model import (
     DEFAULT_NAMESPACE_NAME,
     BlockEvent,
@@ -79,8 +80,12 @@ class Client:
         timeout: float | None,
         name: str,
         token: bytes = b"",
+        idle_poll: float = IDLE_POLL,
     ) -> None:
         self._protocol = protocol
+        #: keeps the loop polling while a reply is awaited (for ``idle_poll``
+        #: seconds after each request at most), instead of sleeping
+        self.idle_poll = IdlePoll(idle_poll, busy=lambda: bool(protocol.pending))
         #: the socket path, or host:port for a peer connection
         self.path = path
         self.timeout = timeout
@@ -113,7 +118,10 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         shm = f" {self._shm!r}" if self._shm is not None else ""
-        return f"<Client {self.path} {state} in_flight={len(self._protocol.pending)}{shm}>"
+        return (
+            f"<Client {self.path} {state} in_flight={len(self._protocol.pending)}"
+            f"{shm} {self.idle_poll!r}>"
+        )
 
     @property
     def shared(self) -> bool:
@@ -139,6 +147,7 @@ class Client:
         cross_memory: bool = True,
         write_in_place: bool = True,
         namespace: str = "",
+        idle_poll: float = IDLE_POLL,
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
 
@@ -168,6 +177,10 @@ class Client:
         ``put_many`` of several straight out of this process's memory
         (process_vm_readv; see docs/shared-memory.md), falling back to the
         socket where it cannot.
+        ``idle_poll``: seconds this client's event loop keeps polling for a
+        reply after each request, instead of sleeping until the kernel wakes
+        it (docs/client.md); it stops as soon as no reply is awaited. 0: sleep
+        at once.
         """
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
@@ -179,7 +192,7 @@ class Client:
             raise DaemonUnavailableError(f"no kvtier daemon is listening on {path}: {exc}") from exc
         except OSError as exc:
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from exc
-        client = cls(protocol, path, timeout, name)
+        client = cls(protocol, path, timeout, name, idle_poll=idle_poll)
         client._want_shared = shared
         client._stage_writes = stage_writes
         client._cross_memory = cross_memory
@@ -219,6 +232,7 @@ class Client:
         connect_timeout: float = 1.0,
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-peer/{__version__}",
+        idle_poll: float = IDLE_POLL,
     ) -> Client:
         """Connect to a daemon's peer port and authenticate with ``token`` (HELLO).
 
@@ -242,7 +256,7 @@ class Client:
             ) from exc
         except OSError as exc:  # ssl.SSLError included: a failed handshake
             raise DaemonUnavailableError(f"cannot connect to peer {address}: {exc}") from exc
-        client = cls(protocol, address, timeout, name, token)
+        client = cls(protocol, address, timeout, name, token, idle_poll)
         try:
             async with asyncio.timeout(connect_timeout):
                 client.server = await client.hello()
@@ -322,6 +336,7 @@ class Client:
         else:
             fut.add_done_callback(lambda _f: proto.pending.pop(rid, None))
         proto.transport.writelines(wire.frame_parts(op, rid, meta, data, flags=flags))
+        self.idle_poll.touch()
         return fut
 
     async def _await(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier import loops
 from kvtier._version import __version__
 from kvtier.client.aio import Client, Timeout
-from kvtier.defaults import DEFAULT_TIMEOUT
+from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL
 from kvtier.errors import KvtierError
 from kvtier.model import (
     BlockEvent,
@@ -55,6 +55,7 @@ class BlockingClient:
         cross_memory: bool = True,
         write_in_place: bool = True,
         namespace: str = "",
+        idle_poll: float = IDLE_POLL,
     ) -> None:
         """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>` does."""
         self._start(
@@ -67,6 +68,7 @@ class BlockingClient:
                 cross_memory=cross_memory,
                 write_in_place=write_in_place,
                 namespace=namespace,
+                idle_poll=idle_poll,
             )
         )
 
@@ -94,6 +96,7 @@ class BlockingClient:
         cross_memory: bool = True,
         write_in_place: bool = True,
         namespace: str = "",
+        idle_poll: float = IDLE_POLL,
     ) -> BlockingClient:
         """The same as the constructor: connect and negotiate (HELLO)."""
         return cls(
@@ -105,6 +108,7 @@ class BlockingClient:
             cross_memory=cross_memory,
             write_in_place=write_in_place,
             namespace=namespace,
+            idle_poll=idle_poll,
         )
 
     @classmethod
@@ -118,6 +122,7 @@ class BlockingClient:
         connect_timeout: float = 1.0,
         timeout: float | None = DEFAULT_TIMEOUT,
         name: str = f"kvtier-peer/{__version__}",
+        idle_poll: float = IDLE_POLL,
     ) -> BlockingClient:
         """A blocking client of a daemon's peer port (TCP, ``token``, optional TLS)."""
         self = cls.__new__(cls)
@@ -130,6 +135,7 @@ class BlockingClient:
                 connect_timeout=connect_timeout,
                 timeout=timeout,
                 name=name,
+                idle_poll=idle_poll,
             )
         )
         return self

@@ -241,6 +241,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.server.counters.received_bytes.value += nbytes
+        self.server.idle_poll.touch()  # the next request is likely close behind
         try:
             frames = self.reader.buffer_updated(nbytes)
         except wire.OversizedFrame as exc:

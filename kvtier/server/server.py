@@ -20,6 +20,7 @@ from typing import Any
 from kvtier import wire
 from kvtier._version import __version__
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
+from kvtier.loops import IdlePoll
 from kvtier.model import CacheService, EventSource, SharedService, Spawn
 from kvtier.server.connection import Connection
 from kvtier.server.gate import PeerGate, Refusal
@@ -72,11 +73,14 @@ class Server:
         access: NamespaceAccess | None = None,
         handshake_timeout: float | None = None,
         max_unauthenticated: int | None = None,
+        idle_poll: IdlePoll | None = None,
     ) -> None:
         """``handshake_timeout``: seconds a new connection has to be admitted
         by the gate (or, without one, to send its first frame) before it is
         closed; None: no deadline. ``max_unauthenticated``: connections
-        waiting for that at most; past it, the oldest is closed."""
+        waiting for that at most; past it, the oldest is closed.
+        ``idle_poll``: the loop's poller, touched as requests arrive (one per
+        loop, shared by its servers); None: the loop sleeps between them."""
         #: runs a request that needs awaiting; the task group's, from :meth:`start`
         self.spawn: Spawn = _not_started
         self.max_frame = max_frame
@@ -88,6 +92,8 @@ class Server:
         #: the peer listener's token check and op list; None on the local socket
         self.gate = gate
         self.counters = ServerCounters()
+        #: keeps the loop polling a while after each request arrives
+        self.idle_poll = idle_poll if idle_poll is not None else IdlePoll(0)
         self.handshake_timeout = handshake_timeout
         self.max_unauthenticated = max_unauthenticated
         #: connections not admitted yet, oldest first, and their deadline timers
@@ -121,7 +127,7 @@ class Server:
         gate = f" {self.gate!r}" if self.gate is not None else ""
         return (
             f"<Server connections={len(self.connections)} holding={len(self._holding)} "
-            f"shutting_down={self.shutting_down}{gate}>"
+            f"shutting_down={self.shutting_down}{gate} {self.idle_poll!r}>"
         )
 
     def hold(self, conn: Connection) -> None:

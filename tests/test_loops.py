@@ -1,0 +1,124 @@
+"""The loop's idle poller alone: one callback a loop step while the window
+lasts, none after it, and never in the way of the loop's other work; then
+its wiring into the daemon and the client.
+
+Loop steps are counted with ``asyncio.sleep(0)`` (each resumes this task one
+step later) against a clock the test moves by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from kvtier import Client
+from kvtier.config import load_config
+from kvtier.defaults import IDLE_POLL
+from kvtier.loops import IdlePoll
+from tests.helpers import running_daemon
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def steps(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_it_polls_once_a_step_until_the_window_has_passed() -> None:
+    clock = Clock()
+    poll = IdlePoll(1.0, clock=clock)
+    assert repr(poll) == "<IdlePoll window=1000000us idle polls=0>"
+    poll.touch()
+    assert poll.polling
+    await steps(5)
+    assert poll.polls == 5
+    assert repr(poll) == "<IdlePoll window=1000000us polling polls=5>"
+    clock.now = 0.999
+    await steps(1)
+    assert poll.polls == 6
+    clock.now = 1.0  # the window has passed: the next poll is the last
+    await steps(3)
+    assert not poll.polling
+    assert poll.polls == 6
+    assert repr(poll) == "<IdlePoll window=1000000us idle polls=6>"
+
+
+async def test_a_touch_while_polling_extends_the_window_without_a_second_poller() -> None:
+    clock = Clock()
+    poll = IdlePoll(1.0, clock=clock)
+    poll.touch()
+    await steps(2)
+    clock.now = 0.8
+    poll.touch()  # now until 1.8
+    poll.touch()
+    await steps(4)
+    assert poll.polls == 6  # still one poll a step
+    clock.now = 1.5
+    await steps(1)
+    assert poll.polls == 7
+    clock.now = 1.8
+    await steps(2)
+    assert not poll.polling
+    assert poll.polls == 7
+    poll.touch()  # a later touch starts it again
+    await steps(1)
+    assert poll.polling
+    assert poll.polls == 8
+
+
+async def test_it_stops_once_nothing_is_awaited() -> None:
+    clock = Clock()
+    awaited = [1]
+    poll = IdlePoll(1.0, busy=lambda: bool(awaited), clock=clock)
+    poll.touch()
+    await steps(3)
+    assert poll.polls == 3
+    awaited.clear()  # the reply came, well inside the window
+    await steps(2)
+    assert not poll.polling
+    assert poll.polls == 3
+
+
+async def test_a_window_of_zero_never_polls() -> None:
+    poll = IdlePoll(0)
+    poll.touch()
+    assert not poll.polling
+    await steps(3)
+    assert poll.polls == 0
+
+
+async def test_other_callbacks_run_between_polls() -> None:
+    clock = Clock()
+    poll = IdlePoll(1.0, clock=clock)
+    poll.touch()
+    ran: list[int] = []
+    loop = asyncio.get_running_loop()
+    for i in range(3):
+        loop.call_soon(ran.append, i)
+    await steps(1)
+    assert ran == [0, 1, 2]
+    assert poll.polling
+
+
+async def test_the_daemon_and_the_client_take_their_windows(sock_dir: Path) -> None:
+    sock = sock_dir / "d.sock"
+    assert load_config(None, {}).server.idle_poll == IDLE_POLL
+    async with running_daemon(sock_dir, server={"idle_poll": 0.001}) as daemon:
+        assert daemon.server.idle_poll.window == 0.001
+        assert "<IdlePoll window=1000us" in repr(daemon.server)
+        async with (
+            await Client.connect(sock) as default,
+            await Client.connect(sock, idle_poll=0) as sleeper,
+        ):
+            assert default.idle_poll.window == IDLE_POLL
+            assert "<IdlePoll window=200us" in repr(default)
+            await sleeper.ping()
+            assert sleeper.idle_poll.polls == 0
+            assert not sleeper.idle_poll.polling
