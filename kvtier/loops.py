@@ -9,6 +9,7 @@ moving large blocks). Imports nothing of kvtier.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -65,8 +66,11 @@ class IdlePoll:
     callback that schedules itself again until the window has passed keeps
     the loop awake, and the next request (or reply) is read as it arrives.
     The price is CPU: at most ``window`` seconds of one core after each
-    touch, spent only while there is nothing else to do (ScyllaDB's reactor
-    polls the same way before it sleeps).
+    touch, spent only while the loop has nothing else to do (ScyllaDB's
+    reactor polls the same way before it sleeps). Each poll first offers the
+    CPU to any other thread waiting for it (``sched_yield``), so polling
+    takes only a CPU nobody else wants: where the writers, the readers and
+    the daemon outnumber the cores, polling without it slowed them all.
 
     Invariants: at most one poll callback is scheduled at any time; none is
     once ``window`` has passed since the last touch, or ``busy()`` is false;
@@ -114,6 +118,7 @@ class IdlePoll:
         assert loop is not None
         if self._clock() < self._until and (self._busy is None or self._busy()):
             self.polls += 1
+            os.sched_yield()  # a thread that wants this CPU gets it first
             loop.call_soon(self._poll)
         else:
             self._loop = None
