@@ -84,6 +84,8 @@ class IdlePoll:
         busy: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if not window >= 0:
+            raise ValueError(f"an idle poll window is 0 or more seconds, not {window!r}")
         #: seconds of polling after a touch; 0: never poll
         self.window = window
         self._busy = busy

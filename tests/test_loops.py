@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from kvtier import Client
 from kvtier.config import load_config
+from kvtier.daemon import Daemon
 from kvtier.defaults import IDLE_POLL
+from kvtier.errors import BadArgumentError
 from kvtier.loops import IdlePoll
 from tests.helpers import running_daemon
 
@@ -94,6 +98,12 @@ async def test_a_window_of_zero_never_polls() -> None:
     assert poll.polls == 0
 
 
+@pytest.mark.parametrize("window", [-1e-6, float("nan")])
+def test_a_window_below_zero_is_refused(window: float) -> None:
+    with pytest.raises(ValueError, match="0 or more seconds"):
+        IdlePoll(window)
+
+
 async def test_other_callbacks_run_between_polls() -> None:
     clock = Clock()
     poll = IdlePoll(1.0, clock=clock)
@@ -122,3 +132,12 @@ async def test_the_daemon_and_the_client_take_their_windows(sock_dir: Path) -> N
             await sleeper.ping()
             assert sleeper.idle_poll.polls == 0
             assert not sleeper.idle_poll.polling
+
+
+async def test_a_client_refuses_a_window_below_zero_before_connecting(daemon: Daemon) -> None:
+    connections = len(daemon.server.connections)
+    with pytest.raises(BadArgumentError, match="idle_poll"):
+        await Client.connect(daemon.config.server.socket_path, idle_poll=-0.001)
+    with pytest.raises(BadArgumentError, match="idle_poll"):
+        await Client.connect_tcp("127.0.0.1", 1, token=b"t", idle_poll=float("nan"))
+    assert len(daemon.server.connections) == connections

@@ -182,6 +182,7 @@ class Client:
         it (docs/client.md); it stops as soon as no reply is awaited. 0: sleep
         at once.
         """
+        _check_idle_poll(idle_poll)
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
         try:
@@ -239,6 +240,7 @@ class Client:
         ``connect_timeout`` bounds the TCP (and TLS) handshake and the HELLO
         alike: authenticating is part of connecting. Blocks never travel
         through shared memory on this connection."""
+        _check_idle_poll(idle_poll)
         address = f"{host}:{port}"
         loop = asyncio.get_running_loop()
         try:
@@ -839,6 +841,12 @@ class Client:
         """Free the daemon's per-request lookup state of ``request_tag``."""
         frame = await self._call(Op.RELEASE, wire.encode_tag(request_tag), timeout=timeout)
         return bool(frame.meta and frame.meta[0])
+
+
+def _check_idle_poll(idle_poll: float) -> None:
+    """Refused before connecting: nothing is left open."""
+    if not idle_poll >= 0:
+        raise BadArgumentError(f"idle_poll is 0 or more seconds, not {idle_poll!r}")
 
 
 def _drop_reply(fut: asyncio.Future[Frame]) -> None:
