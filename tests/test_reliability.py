@@ -332,17 +332,19 @@ async def test_a_reserved_put_written_in_place_is_counted_once_committed(daemon:
         assert ram_bytes(daemon) == (2 * MIB, 0)  # the reservation, and the room
         await c.request(Op.UNSTAGE, wire.encode_stage(offset, in_place=True))
         assert await c.put(K, bytes([3]) * MIB) == PutStatus.STORED
-        # the block, once; the room kept for the next block is RAM held too
-        assert ram_bytes(daemon) == (MIB, MIB)
+        # the block, once; held too: the room the client keeps for its next
+        # block, and the one the daemon made for the COMMIT after that
+        assert ram_bytes(daemon) == (2 * MIB, MIB)
         assert daemon.shared is not None
         assert daemon.shared.stats().in_place_rooms == 1
+        assert "prepared=1" in repr(daemon.shared)
         await c.reserve([OTHER], [MIB])
         assert await c.abort([OTHER]) == [True]
-        assert ram_bytes(daemon) == (MIB, MIB)
+        assert ram_bytes(daemon) == (2 * MIB, MIB)
         assert daemon.server is not None
         (conn,) = daemon.server.connections
     await conn.done.wait()
-    assert ram_bytes(daemon) == (0, MIB)  # the spare room given back at close
+    assert ram_bytes(daemon) == (0, MIB)  # the spare room given back, the prepared one freed
 
 
 # ---------------------------------------------------------------- memory

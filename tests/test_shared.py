@@ -414,8 +414,10 @@ async def test_in_place_commits_are_checked_and_rooms_are_the_clients_own(daemon
             st = shared_stats(daemon)
             assert st["in_place_rooms"] == 0 and st["commits_refused"] == 3
             assert st["in_place_commits"] == 1
-            assert daemon.ram.stats().arena_allocated_bytes == before + MiB  # k alone
-            assert daemon.ram.reserved_bytes == 0
+            # k, and the room made for a's next COMMIT after the answer to its last
+            assert "prepared=1" in repr(daemon.shared)
+            assert daemon.ram.stats().arena_allocated_bytes == before + 2 * MiB
+            assert daemon.ram.reserved_bytes == MiB
             # Without a checksum the slot is stored as written (a socket PUT's trust).
             offset = await _stage_in_place(a)
             arena[offset : offset + MiB] = block(10)
@@ -476,6 +478,73 @@ async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: 
             finally:
                 arena.close()
                 staging.close()
+
+
+async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_answer(
+    daemon: Daemon,
+) -> None:
+    """A writer commits blocks of one length one after the other: the room
+    the next COMMIT hands out is made once the answer to this one has left
+    (after its block is stored), so no answer but the first waits for the
+    eviction that makes a room. A room prepared for a length the writer
+    stops using is freed; one prepared for a connection that goes is freed
+    at once (no writer ever had it)."""
+    shared = daemon.shared
+    assert shared is not None
+    sent = daemon.server.counters.sent_bytes
+    made: list[float] = []  # bytes sent when each room was made
+    stage_room = shared._stage_room
+
+    def recording(length: int, namespace: bytes) -> memoryview | None:
+        made.append(sent.value)
+        return stage_room(length, namespace)
+
+    shared._stage_room = recording
+    reply = wire.framing.HEADER_SIZE + 9  # a COMMIT's answer with a room
+    try:
+        async with await Client.connect(daemon.socket_path) as a:
+            offset = await _stage_in_place(a)
+            arena, staging, _ = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+            try:
+                rooms = [offset]
+                for i in range(3):
+                    arena[rooms[-1] : rooms[-1] + MiB] = block(20 + i)
+                    commit = wire.Commit(b"r%d" % i, rooms[-1], MiB, 0, True, True, unchecked=True)
+                    made.clear()
+                    before = sent.value
+                    frame = await a.request(Op.COMMIT, wire.encode_commit(commit))
+                    status, room = wire.decode_commit_reply(frame.meta)
+                    assert status is PutStatus.STORED and room is not None
+                    if i == 0:  # none prepared yet: made before the answer, then one after
+                        assert made == [before, before + reply]
+                    else:  # the prepared one handed out; the next made after the answer
+                        assert made == [before + reply]
+                    assert "prepared=1" in repr(shared)
+                    rooms.append(room)
+                assert len(set(rooms)) == 4
+                for i in range(3):
+                    assert bytes(await a.get(b"r%d" % i) or b"") == block(20 + i)
+
+                # Another length: the prepared room of 1 MiB goes back.
+                half = await _stage_in_place(a, MiB // 2)
+                arena[half : half + MiB // 2] = block(30, MiB // 2)
+                commit = wire.Commit(b"h", half, MiB // 2, 0, True, True, unchecked=True)
+                await a.request(Op.COMMIT, wire.encode_commit(commit))
+                assert "prepared=1" in repr(shared)
+                (ready,) = shared._prepared.values()
+                assert len(ready) == MiB // 2
+                assert bytes(await a.get(b"h") or b"") == block(30, MiB // 2)
+            finally:
+                arena.close()
+                staging.close()
+    finally:
+        shared._stage_room = stage_room
+    for conn in list(daemon.server.connections):
+        await conn.done.wait()  # the daemon has seen the writer go
+    assert "prepared=0" in repr(shared)
+    # Held now: only the rooms the writer had (quarantined until their deadline).
+    quarantined = sum(len(room.view or b"") for room in shared._quarantine)
+    assert daemon.ram.budget.held == quarantined
 
 
 async def test_writing_in_place_is_refused_where_it_is_off(staging_daemon: Daemon) -> None:

@@ -210,6 +210,10 @@ class SharedBlocks:
         #: connection holds
         self._places: dict[int, Room] = {}
         self._places_of: dict[ConnId, int] = {}
+        #: the room each connection's next in-place COMMIT hands out, made
+        #: once the answer to its last one had left (at most one a connection,
+        #: never handed out yet, so freed at once when the connection goes)
+        self._prepared: dict[ConnId, memoryview] = {}
         #: in-place rooms of closed connections: a writer process may still be
         #: in the middle of a copy into one, so each is freed at its deadline
         self._quarantine: list[Room] = []
@@ -231,7 +235,8 @@ class SharedBlocks:
         return (
             f"<SharedBlocks {self.leases!r} rooms={len(self._rooms)} "
             f"staging={self.staging.allocator.allocated_bytes}/{self.staging.size} "
-            f"in_place={len(self._places)} quarantined={len(self._quarantine)} "
+            f"in_place={len(self._places)} prepared={len(self._prepared)} "
+            f"quarantined={len(self._quarantine)} "
             f"regions={len(self._regions)}>"
         )
 
@@ -359,11 +364,27 @@ class SharedBlocks:
         view = self._stage_room(length, namespace)
         if view is None:
             raise NoCapacityError(f"no room in RAM's arena for a block of {length} bytes")
+        return self._hand_out(owner, view, namespace)
+
+    def _hand_out(self, owner: ConnId, view: memoryview, namespace: bytes) -> int:
+        """``view``, a RAM slot staged as a room, becomes ``owner``'s in-place room."""
         slot = self.slots.slot_of(view)
         assert slot is not None
         self._places[slot.offset] = Room(owner, slot, math.inf, view, namespace)
-        self._places_of[owner] = held + 1
+        self._places_of[owner] = self._places_of.get(owner, 0) + 1
         return slot.offset
+
+    def _prepare(self, owner: ConnId, length: int, namespace: bytes) -> None:
+        """Make the room ``owner``'s next in-place COMMIT of ``length`` bytes
+        hands out, after the answer to this one has left: that answer did not
+        wait for the eviction that makes it. None to be had: none prepared."""
+        view = self._stage_room(length, namespace)
+        if view is not None:
+            self._prepared[owner] = view
+
+    def _unprepare(self, owner: ConnId) -> memoryview | None:
+        """Take ``owner``'s prepared room out (the caller hands it out or frees it)."""
+        return self._prepared.pop(owner, None)
 
     def commit_in_place(
         self,
@@ -379,9 +400,12 @@ class SharedBlocks:
         the status to answer with and the store to call right after the
         answer (:class:`Copied`: the slot's room is made, so the store cannot
         fail), and, with ``renew``, the offset of a new room of the same
-        length (None: none to be had now), made before the block is stored
-        (where namespaces have shares, after it, and the block is stored
-        before the answer).
+        length (None: none to be had now). That room was made after the
+        answer to the connection's last COMMIT in place, which makes the
+        next one after its block is stored (:meth:`_prepare`); when there
+        is none of this length it is made now, before the block is stored.
+        Where namespaces have shares, the block is stored first and the room
+        made after it, both before the answer.
 
         A ``checksum`` is checked over the slot after the writer is done: a
         block that does not match (torn, or a lying checksum) stores nothing
@@ -437,9 +461,25 @@ class SharedBlocks:
             # (docs/tenancy.md), and the block is stored before the answer.
             store()
             return Copied([PutStatus.STORED], _nothing), next_room()
-        # Made before the block is stored, the room evicts as it would after:
-        # the block's slot counts against RAM already.
-        return Copied([PutStatus.STORED], store), next_room()
+        # The next room was made after the last answer (a writer commits
+        # blocks of one length, one after the other); else it is made now,
+        # before the block is stored, and evicts as it would after (the
+        # block's slot counts against RAM already).
+        ready = self._unprepare(owner)
+        if ready is not None and len(ready) == length and self.write_in_place:
+            renewed: int | None = self._hand_out(owner, ready, room.namespace)
+        else:
+            if ready is not None:
+                self._drop_staged(ready)
+            renewed = next_room()
+        if renewed is None:
+            return Copied([PutStatus.STORED], store), None
+
+        def store_and_prepare() -> None:
+            store()
+            self._prepare(owner, length, room.namespace)
+
+        return Copied([PutStatus.STORED], store_and_prepare), renewed
 
     def _verify(self, block: memoryview, checksum: int, key: bytes, what: str) -> None:
         """Refuse (and count) a block whose bytes do not match its checksum."""
@@ -713,6 +753,9 @@ class SharedBlocks:
 
     def connection_closed(self, owner: ConnId) -> None:
         self.leases.close(owner)
+        ready = self._unprepare(owner)
+        if ready is not None:  # never handed out: no writer can be in it
+            self._drop_staged(ready)
         for offset in [o for o, r in self._rooms.items() if r.owner == owner]:
             self._free_room(offset)
         if owner in self._places_of:
@@ -749,6 +792,8 @@ class SharedBlocks:
             self._free_room(offset)
         for offset in list(self._places):
             self._quarantine.append(self._unplace(offset))
+        for owner in list(self._prepared):
+            self._drop_staged(self._prepared.pop(owner))
         for room in self._quarantine:
             assert room.view is not None
             self._drop_staged(room.view)
