@@ -378,13 +378,11 @@ class SharedBlocks:
         """Make the room ``owner``'s next in-place COMMIT of ``length`` bytes
         hands out, after the answer to this one has left: that answer did not
         wait for the eviction that makes it. None to be had: none prepared."""
+        if owner in self._prepared:
+            return  # (one a connection)
         view = self._stage_room(length, namespace)
         if view is not None:
             self._prepared[owner] = view
-
-    def _unprepare(self, owner: ConnId) -> memoryview | None:
-        """Take ``owner``'s prepared room out (the caller hands it out or frees it)."""
-        return self._prepared.pop(owner, None)
 
     def commit_in_place(
         self,
@@ -465,7 +463,7 @@ class SharedBlocks:
         # blocks of one length, one after the other); else it is made now,
         # before the block is stored, and evicts as it would after (the
         # block's slot counts against RAM already).
-        ready = self._unprepare(owner)
+        ready = self._prepared.pop(owner, None)
         if ready is not None and len(ready) == length and self.write_in_place:
             renewed: int | None = self._hand_out(owner, ready, room.namespace)
         else:
@@ -753,7 +751,7 @@ class SharedBlocks:
 
     def connection_closed(self, owner: ConnId) -> None:
         self.leases.close(owner)
-        ready = self._unprepare(owner)
+        ready = self._prepared.pop(owner, None)
         if ready is not None:  # never handed out: no writer can be in it
             self._drop_staged(ready)
         for offset in [o for o, r in self._rooms.items() if r.owner == owner]:
