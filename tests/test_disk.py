@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,8 @@ from kvtier.daemon import Daemon
 from kvtier.errors import TierError
 from kvtier.model import Limits, Lookup, LookupReply
 from kvtier.tiers.disk import HEADER, DiskTier
+from kvtier.tiers.disk import io as disk_io
+from kvtier.tiers.disk import tier as disk_tier
 from kvtier.tiers.ram import RamTier
 from tests.helpers import running_daemon
 
@@ -240,6 +244,38 @@ async def test_write_back_demotes_on_eviction(sock_dir: Path) -> None:
             assert demoted == 5
             for i in range(8):  # everything is still readable, from one tier or the other
                 assert await c.get(bytes([i]) * 4) == bytes([i]) * 300_000
+
+
+async def test_a_block_demoted_while_its_disk_write_lands_is_still_found(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write-back: a block RAM evicts is on its way to the disk, never in
+    neither tier. While its file write is in flight a LOOKUP finds it and a
+    GET waits for the write to land, then reads it."""
+    started, release = threading.Event(), threading.Event()
+
+    def gated(*args: Any) -> Any:
+        started.set()
+        release.wait(30)
+        return disk_io.write_block(*args)
+
+    monkeypatch.setattr(disk_tier, "write_block", gated)
+    async with running_daemon(
+        sock_dir, ram={"capacity": "1MiB"}, disk={"write_policy": "write-back"}
+    ) as d:
+        assert d.disk is not None
+        async with await Client.connect(d.socket_path) as c:
+            for i in range(4):  # three fit: the fourth evicts the first
+                await c.put(bytes([i]) * 4, bytes([i]) * 300_000)
+            assert await asyncio.to_thread(started.wait, 30)
+            first = bytes([0]) * 4
+            assert not d.ram.contains(first) and d.disk.reads == 0
+            assert d.disk.contains(first)  # its write in flight
+            assert (await c.lookup([first])).states == [State.HIT]
+            read = asyncio.ensure_future(c.get(first))
+            await asyncio.to_thread(release.set)
+            assert await read == bytes([0]) * 300_000
+            assert d.disk.reads == 1
 
 
 async def test_write_policy_none_writes_only_durable_puts(sock_dir: Path) -> None:

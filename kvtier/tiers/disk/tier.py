@@ -188,7 +188,12 @@ class DiskTier(LocalTier):
     # -- index (synchronous)
 
     def contains(self, key: bytes) -> bool:
-        return key in self.budget
+        """Whether the disk holds ``key``, or its file write is in flight and
+        no delete came meanwhile (a block RAM demoted is never absent from
+        both: :meth:`read` waits for the write to land)."""
+        if key in self.budget:
+            return True
+        return key in self._file_writes and key not in self._deleted_while_writing
 
     def __len__(self) -> int:
         return len(self.budget)
@@ -208,7 +213,10 @@ class DiskTier(LocalTier):
     # -- reads
 
     async def read(self, key: bytes) -> Buffer | None:
-        """The block, or None if absent; a corrupt file is discarded and counted."""
+        """The block, or None if absent; a corrupt file is discarded and counted.
+        A write (or unlink) of ``key`` in flight lands first."""
+        while (pending := self._writing.get(key)) is not None:
+            await asyncio.shield(pending)
         if key not in self.budget:
             return None
         self.budget.pin(key)
