@@ -2,8 +2,8 @@
 lasts, none after it, and never in the way of the loop's other work; then
 its wiring into the daemon and the client.
 
-Loop steps are counted with ``asyncio.sleep(0)`` (each resumes this task one
-step later) against a clock the test moves by hand.
+Loop steps are counted by yielding to the loop once each (this task resumes
+one step later) against a clock the test moves by hand.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Clock:
 
 async def steps(n: int) -> None:
     for _ in range(n):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # allow-sleep: one loop step, no wait (steps are what is counted)
 
 
 async def test_it_polls_once_a_step_until_the_window_has_passed() -> None:
