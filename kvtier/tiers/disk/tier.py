@@ -215,8 +215,7 @@ class DiskTier(LocalTier):
     async def read(self, key: bytes) -> Buffer | None:
         """The block, or None if absent; a corrupt file is discarded and counted.
         A write (or unlink) of ``key`` in flight lands first."""
-        while (pending := self._writing.get(key)) is not None:
-            await asyncio.shield(pending)
+        await self._landed(key)
         if key not in self.budget:
             return None
         self.budget.pin(key)
@@ -247,14 +246,18 @@ class DiskTier(LocalTier):
         if key in self.budget:
             self.budget.remove(key)
 
+    async def _landed(self, key: bytes) -> None:
+        """Return once no write (or unlink) of ``key`` is in flight: each that
+        was, or began meanwhile, has landed (never cancelled from here)."""
+        while (pending := self._writing.get(key)) is not None:
+            await asyncio.shield(pending)
+
     # -- writes
 
     async def write(self, key: bytes, value: Buffer, *, durable: bool = False) -> None:
         """Store ``key`` (idempotent; concurrent writes of one key share one file write)."""
         loop = asyncio.get_running_loop()
-        # Another write (or an unlink) of this key is in flight: let it land first.
-        while (pending := self._writing.get(key)) is not None:
-            await asyncio.shield(pending)
+        await self._landed(key)
         if key in self.budget:
             self.budget.touch(key)
         else:
