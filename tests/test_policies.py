@@ -204,6 +204,13 @@ def test_touching_many_keys_at_once_is_touching_each_in_turn(name: str) -> None:
         assert isinstance(batched._policy, HistoryARCPolicy)
         assert apart._policy._sampled == batched._policy._sampled > 0
         assert apart._policy._lru.hits == batched._policy._lru.hits > 0
+        for one, other in (
+            (apart._policy._with, batched._policy._with),
+            (apart._policy._without, batched._policy._without),
+        ):
+            assert one.hits == other.hits > 0
+            assert repr(one.policy) == repr(other.policy)
+            assert list(one.policy.candidates()) == list(other.policy.candidates())
 
 
 def test_the_lru_order_of_a_history_arc_is_its_two_lists_merged_by_last_access() -> None:

@@ -355,11 +355,15 @@ class HistoryARCPolicy(ARCPolicy):
         """A sampled access, replayed in each shadow; now and then the duel
         is decided (``h``: the key's hash, when the caller has it)."""
         capacity = self.c // rate
-        with_, without, lru = self._with, self._without, self._lru
-        with_.access(key, capacity, cold, h)
-        without.access(key, capacity, cold)
-        lru.access(key, capacity, cold)
+        self._with.access(key, capacity, cold, h)
+        self._without.access(key, capacity, cold)
+        self._lru.access(key, capacity, cold)
+        self._count_sampled(capacity)
+
+    def _count_sampled(self, capacity: int) -> None:
+        """One more sampled access replayed; now and then the duel is decided."""
         self._sampled += 1
+        with_, without, lru = self._with, self._without, self._lru
         if self._sampled % (capacity // DECIDE) == 0:
             # Decided every 1/DECIDE shadow capacity of sampled accesses, not
             # at each (flapping between orders costs more than either loses).
@@ -396,11 +400,41 @@ class HistoryARCPolicy(ARCPolicy):
         keys = list(keys)
         rate = self._rate()
         if rate:
-            for key in keys:
-                h = _hash(key)
-                if not h % rate:
-                    self._replay(key, rate, h=h)
+            sampled = [(k, h) for k, h in zip(keys, map(_hash, keys), strict=True) if not h % rate]
+            if sampled:
+                self._replay_touches(sampled, rate)
         super().touch_many(keys)
+
+    def _replay_touches(self, sampled: list[tuple[bytes, int]], rate: int) -> None:
+        """:meth:`_replay` of each sampled touch in turn, with the common case
+        (a key each shadow holds: a hit that moves it) done here: a long
+        prefix looked up between two writes is touched whole at the next."""
+        capacity = self.c // rate
+        shadows = (self._with, self._without)
+        lru = self._lru
+        order = lru.order
+        for key, h in sampled:
+            for shadow in shadows:
+                policy = shadow.policy
+                t1, t2 = policy._t1, policy._t2
+                if key in t2:  # ARCPolicy.touch, inlined
+                    policy._tick = now = policy._tick + 1
+                    shadow.hits += 1
+                    t2.move_to_end(key)
+                    t2[key] = now
+                elif key in t1:
+                    policy._tick = now = policy._tick + 1
+                    shadow.hits += 1
+                    del t1[key]
+                    t2[key] = now
+                else:
+                    shadow.access(key, capacity, False, h)
+            if key in order:
+                lru.hits += 1
+                order.move_to_end(key)
+            else:
+                lru.access(key, capacity)
+            self._count_sampled(capacity)
 
     def candidates(self) -> Iterator[bytes]:
         if self.mode is not Mode.LRU:
