@@ -50,6 +50,29 @@ def mapped_pages(view: memoryview) -> list[bool]:
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+def test_address_of_names_the_bytes_of_any_contiguous_buffer() -> None:
+    """Writable or read-only, sliced, of any item size or shape: the address
+    and length are those of the buffer's own bytes."""
+    import ctypes
+
+    whole = bytearray(b"0123456789")
+    address, length = cma.address_of(whole)
+    assert length == 10 and ctypes.string_at(address, 10) == b"0123456789"
+    ctypes.memmove(address + 2, b"ab", 2)  # written through it: the buffer's bytes
+    assert whole == bytearray(b"01ab456789")
+    assert cma.address_of(memoryview(whole)[3:7]) == (address + 3, 4)
+    frozen = bytes(whole)
+    at, n = cma.address_of(frozen)
+    assert n == 10 and ctypes.string_at(at, n) == frozen
+    cells = bytearray(96)
+    grid = memoryview(cells).cast("q", (3, 4))  # 8-byte items, two dimensions
+    at, n = cma.address_of(grid)
+    assert (at, n) == (cma.address_of(cells)[0], 96)
+    assert cma.address_of(bytearray())[1] == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        cma.address_of(memoryview(whole)[::2])
+
+
 def test_fault_in_maps_every_page_of_a_span_another_mapping_wrote() -> None:
     fd = os.memfd_create("fault-in")
     try:
