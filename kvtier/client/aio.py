@@ -844,9 +844,11 @@ class Client:
 
 
 def _check_idle_poll(idle_poll: float) -> None:
-    """Refused before connecting: nothing is left open."""
-    if not idle_poll >= 0:
-        raise BadArgumentError(f"idle_poll is 0 or more seconds, not {idle_poll!r}")
+    """Refused before connecting (nothing is left open), by the poller's own rule."""
+    try:
+        IdlePoll(idle_poll)
+    except ValueError as exc:
+        raise BadArgumentError(f"idle_poll: {exc}") from None
 
 
 def _drop_reply(fut: asyncio.Future[Frame]) -> None:
