@@ -221,6 +221,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             stage=service.stage,
             stage_many=service.stage_many,
             stage_room=service.stage_room,
+            stage_rooms=service.stage_rooms,
             drop_staged=service.drop_staged,
             reserve_arriving=service.reserve_arriving,
             abort=service.abort,

@@ -239,6 +239,11 @@ class _Collector(Collector):
                 st.in_place_rooms,
             ),
             (
+                "kvtier_shared_region_rooms",
+                "RAM slots made ahead for connections' next PUT_REGION, held now",
+                st.region_rooms,
+            ),
+            (
                 "kvtier_shared_in_place_quarantined",
                 "In-place rooms of closed connections, freed after the staging timeout",
                 st.in_place_quarantined,

@@ -376,6 +376,7 @@ class SharedService(Protocol):
         keys: Sequence[bytes],
         spans: Sequence[tuple[int, int]],
         checksums: Sequence[int] | None = None,
+        namespace: bytes = b"",
     ) -> Copied: ...
 
     async def get_region(

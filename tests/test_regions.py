@@ -29,7 +29,7 @@ from kvtier.errors import (
     ProtocolError,
 )
 from kvtier.model import PutStatus, State
-from tests.helpers import received_bytes, shared_stats, watching_stores
+from tests.helpers import received_bytes, running_daemon, shared_stats, watching_stores
 
 MiB = 1024 * 1024
 
@@ -309,7 +309,10 @@ async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
                 await seen.stored.wait()
                 assert (await reader.lookup([b"late"])).states == [State.HIT]
     assert len(seen.sent) == 2
-    assert shared_stats(daemon)["regions"] == 0
+    st = shared_stats(daemon)
+    assert st["regions"] == 0
+    # no rooms were made for the next store of a writer that is gone
+    assert st["region_rooms"] == 0 and daemon.ram.reserved_bytes == 0
 
 
 async def test_blocks_read_pending_while_the_daemon_copies_them_in(
@@ -338,3 +341,118 @@ async def test_blocks_read_pending_while_the_daemon_copies_them_in(
             await c.put_region(region, [b"gone"], SPANS[:1])
         assert (await reader.lookup([b"gone"])).states == [State.MISS]
         assert sample("kvtier_reservations_total", {"event": "aborted"}) == 1
+
+
+QUARTER = 256 * 1024
+
+
+async def test_a_region_store_like_the_last_lands_in_rooms_made_after_it(
+    daemon: Daemon, memfd: int
+) -> None:
+    """Once a PUT_REGION is answered and stored, the daemon makes rooms for
+    the connection's next one like it (as many blocks, of their length), so
+    that one waits for no eviction; its blocks are stored as they were
+    written. Rooms a store cannot use are freed, and so are those of a
+    connection that goes."""
+    spans = [(3 * MiB + i * QUARTER, QUARTER) for i in range(4)]
+    for i, (offset, n) in enumerate(spans):
+        os.pwrite(memfd, pattern(10 + i, n), offset)
+    slots = daemon.ram.slots
+    assert slots is not None
+    room = slots.block_size(QUARTER)
+    async with await Client.connect(daemon.socket_path) as c:
+        region = await c.attach_region(memfd)
+        first = [b"first-%d" % i for i in range(4)]
+        assert await c.put_region(region, first, spans) == [PutStatus.STORED] * 4
+        st = shared_stats(daemon)
+        assert (st["region_rooms"], st["region_rooms_used"]) == (4, 0)
+        assert daemon.ram.reserved_bytes == 4 * room  # held for the next store
+        assert "region_rooms=4" in repr(daemon.shared)
+        assert daemon.metrics.registry.get_sample_value("kvtier_shared_region_rooms") == 4
+
+        second = [b"second-%d" % i for i in range(4)]
+        assert await c.put_region(region, second, spans) == [PutStatus.STORED] * 4
+        st = shared_stats(daemon)
+        assert (st["region_rooms"], st["region_rooms_used"]) == (4, 4)
+        for i, key in enumerate(first + second):
+            got = await c.get(key)
+            assert got is not None and bytes(got) == pattern(10 + i % 4, QUARTER)
+
+        # Blocks of another length: the rooms go, and rooms of that length come.
+        assert await c.put_region(region, [b"whole"], SPANS[:1]) == [PutStatus.STORED]
+        st = shared_stats(daemon)
+        assert (st["region_rooms"], st["region_rooms_used"]) == (1, 4)
+        assert daemon.ram.reserved_bytes == slots.block_size(MiB)
+        got = await c.get(b"whole")
+        assert got is not None and bytes(got) == pattern(1, MiB)
+        assert daemon.server is not None
+        (conn,) = daemon.server.connections
+    await conn.done.wait()
+    assert shared_stats(daemon)["region_rooms"] == 0
+    assert daemon.ram.reserved_bytes == 0
+
+
+async def test_no_rooms_are_made_for_a_connection_lost_during_its_store(
+    daemon: Daemon, memfd: int
+) -> None:
+    """A connection lost while the daemon copies into the rooms made for it:
+    its blocks are stored all the same, and no rooms are made for a next
+    store that cannot come: no RAM stays held for it."""
+    loop = asyncio.get_running_loop()
+    assert daemon.server is not None
+    spans = [(3 * MiB + i * QUARTER, QUARTER) for i in range(4)]
+    with watching_stores(daemon) as seen, gated_copies() as (gated, waiter):
+        gated.gate.set()
+        c = await Client.connect(daemon.socket_path)
+        region = await c.attach_region(memfd)
+        await c.put_region(region, [b"first-%d" % i for i in range(4)], spans)
+        assert shared_stats(daemon)["region_rooms"] == 4
+        gated.gate.clear()
+        gated.started.clear()
+        seen.stored.clear()
+        second = [b"second-%d" % i for i in range(4)]
+        put = asyncio.ensure_future(c.put_region(region, second, spans))
+        assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+        st = shared_stats(daemon)
+        assert (st["region_rooms"], st["region_rooms_used"]) == (0, 4)  # copied into now
+        (conn,) = daemon.server.connections
+        assert conn.transport is not None
+        conn.transport.abort()
+        await conn.done.wait()
+        gated.gate.set()
+        await seen.stored.wait()  # (and what follows the store in its step has run)
+        with pytest.raises(KvtierError):
+            await put
+        await c.close()
+    assert all(daemon.ram.contains(key) for key in second)
+    assert shared_stats(daemon)["region_rooms"] == 0
+    assert daemon.ram.reserved_bytes == 0
+
+
+async def test_no_rooms_ahead_past_an_eighth_of_ram_or_where_namespaces_have_shares(
+    sock_dir: Path, memfd: int
+) -> None:
+    """Rooms made ahead hold RAM no block is in: at most an eighth of it, and
+    none where a namespace's share counts its blocks (docs/tenancy.md)."""
+    spans = [(i * MiB, MiB) for i in range(3)]
+    async with (
+        running_daemon(sock_dir, ram={"capacity": "16MiB"}) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        region = await c.attach_region(memfd)
+        # 3 MiB of blocks: more than 2 MiB, an eighth of 16
+        keys = [b"three-%d" % i for i in range(3)]
+        assert await c.put_region(region, keys, spans) == [PutStatus.STORED] * 3
+        assert shared_stats(d)["region_rooms"] == 0
+        # 2 MiB: rooms for the next
+        two = [b"two-0", b"two-1"]
+        assert await c.put_region(region, two, spans[:2]) == [PutStatus.STORED] * 2
+        assert shared_stats(d)["region_rooms"] == 2
+    async with (
+        running_daemon(sock_dir, namespaces={"a": {}}) as d,
+        await Client.connect(d.socket_path, namespace="a") as c,
+    ):
+        region = await c.attach_region(memfd)
+        assert await c.put_region(region, [b"k"], spans[:1]) == [PutStatus.STORED]
+        assert shared_stats(d)["region_rooms"] == 0
+        assert d.ram.reserved_bytes == 0

@@ -848,16 +848,40 @@ class Service:
         self._evicted(evicted)
         return view
 
-    def stage_many(self, lengths: Sequence[int], keys: Sequence[bytes]) -> list[memoryview | None]:
+    def stage_many(
+        self,
+        lengths: Sequence[int],
+        keys: Sequence[bytes],
+        ready: Sequence[memoryview] = (),
+    ) -> list[memoryview | None]:
         """:meth:`stage` for a batch, with the room for all of it made first
-        in one eviction pass (:meth:`RamTier.make_room_for`)."""
+        in one eviction pass (:meth:`RamTier.make_room_for`). ``ready``:
+        rooms made ahead (:meth:`stage_rooms`), one for each of the first
+        blocks, of their lengths; the rest get rooms now."""
         ram, table = self.ram, self.pending.table
         for key in keys:
             res = table.get(key)
             if res is not None and res.size:  # its room is the slot's now
                 self.pending.claim(res)
+        n = len(ready)
+        lengths, keys = lengths[n:], keys[n:]
         self._evicted(ram.make_room_for(keys, lengths))
-        return [self.stage(length, key) for length, key in zip(lengths, keys, strict=True)]
+        staged: list[memoryview | None] = list(ready)
+        staged.extend(self.stage(length, key) for length, key in zip(lengths, keys, strict=True))
+        return staged
+
+    def stage_rooms(self, length: int, count: int, namespace: bytes) -> list[memoryview]:
+        """``count`` rooms of ``length`` bytes for blocks whose keys come later
+        (:meth:`stage_room`), made in one eviction pass; fewer when RAM has
+        no more."""
+        self._evicted(self.ram.make_room_for([namespace] * count, [length] * count))
+        rooms = []
+        for _ in range(count):
+            view = self.stage_room(length, namespace)
+            if view is None:
+                break
+            rooms.append(view)
+        return rooms
 
     def drop_staged(self, value: Buffer) -> None:
         self.ram.drop_staged(value)

@@ -400,7 +400,10 @@ class Ops:
         if frame.data:
             raise wire.CodecError("PUT_REGION carries no data: the blocks are in the region")
         io = wire.decode_region_io(frame.meta, self.max_batch, conn.scope)
-        copied = shared.put_region(conn.conn_id, io.region, io.keys, io.spans, io.checksums)
+        namespace = conn.scope.prefix if conn.scope is not None else b""
+        copied = shared.put_region(
+            conn.conn_id, io.region, io.keys, io.spans, io.checksums, namespace
+        )
         # answered once the bytes are copied; stored right after (Copied)
         return Later(copied, _copied_reply)
 

@@ -94,6 +94,9 @@ class Room:
 
 #: regions one connection may hold (attached or waiting for their descriptor)
 MAX_REGIONS = 8
+#: rooms made ahead for a connection's next PUT_REGION hold at most this
+#: share of RAM (1/8): a larger store makes its rooms when it arrives
+REGION_ROOMS_SHARE = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -152,6 +155,10 @@ class SharedStats:
     #: bytes the daemon copied out of clients' regions into RAM, and into them
     region_bytes_in: int
     region_bytes_out: int
+    #: RAM slots made ahead for connections' next PUT_REGION, held now, and
+    #: the blocks that have landed in one since the start
+    region_rooms: int
+    region_rooms_used: int
 
     def as_dict(self) -> dict[str, Any]:
         """The STATS reply's ``shared`` section."""
@@ -167,8 +174,11 @@ class SharedBlocks:
         put: Callable[[Sequence[bytes], Sequence[Buffer]], list[PutStatus]],
         unpin: Callable[[Sequence[bytes], Sequence[Buffer | None]], None],
         stage: Callable[[int, bytes], memoryview | None],
-        stage_many: Callable[[Sequence[int], Sequence[bytes]], list[memoryview | None]],
+        stage_many: Callable[
+            [Sequence[int], Sequence[bytes], Sequence[memoryview]], list[memoryview | None]
+        ],
         stage_room: Callable[[int, bytes], memoryview | None],
+        stage_rooms: Callable[[int, int, bytes], list[memoryview]],
         drop_staged: Callable[[Buffer], None],
         reserve_arriving: Callable[[Sequence[bytes], ConnId], None],
         abort: Callable[[Sequence[bytes], ConnId], object],
@@ -189,6 +199,7 @@ class SharedBlocks:
         self._stage_many = stage_many
         #: a RAM slot for a block whose key comes later, in a namespace's share
         self._stage_room = stage_room
+        self._stage_rooms = stage_rooms
         self._drop_staged = drop_staged
         #: a PUT_REGION's keys read PENDING while their copy runs (the
         #: service's reservations without room), and their end if it fails
@@ -214,6 +225,11 @@ class SharedBlocks:
         #: once the answer to its last one had left (at most one a connection,
         #: never handed out yet, so freed at once when the connection goes)
         self._prepared: dict[ConnId, memoryview] = {}
+        #: the rooms each connection's next PUT_REGION takes first, made once
+        #: the answer to its last one had left: as many as it stored, of their
+        #: one length (never handed out, so freed at once when it goes)
+        self._region_rooms: dict[ConnId, list[memoryview]] = {}
+        self.region_rooms_used = 0
         #: in-place rooms of closed connections: a writer process may still be
         #: in the middle of a copy into one, so each is freed at its deadline
         self._quarantine: list[Room] = []
@@ -236,6 +252,7 @@ class SharedBlocks:
             f"<SharedBlocks {self.leases!r} rooms={len(self._rooms)} "
             f"staging={self.staging.allocator.allocated_bytes}/{self.staging.size} "
             f"in_place={len(self._places)} prepared={len(self._prepared)} "
+            f"region_rooms={sum(map(len, self._region_rooms.values()))} "
             f"quarantined={len(self._quarantine)} "
             f"regions={len(self._regions)}>"
         )
@@ -607,6 +624,7 @@ class SharedBlocks:
         keys: Sequence[bytes],
         spans: Sequence[tuple[int, int]],
         checksums: Sequence[int] | None = None,
+        namespace: bytes = b"",
     ) -> Copied:
         """Copy the blocks at ``spans`` of the region, to be stored under
         ``keys``: each is read straight into its RAM slot, off the event
@@ -614,7 +632,13 @@ class SharedBlocks:
         store to call right after answering (see :class:`Copied`). With
         ``checksums``, a block whose bytes do not match its XXH3-64 after the
         copy (the writer changed it meanwhile, or lied) fails the request and
-        nothing is stored."""
+        nothing is stored.
+
+        The blocks land first in the rooms made for this connection after
+        its last PUT_REGION (:meth:`_make_region_rooms`), so the request
+        waits for no eviction when it is like the last one; then, once
+        stored, rooms are made for the next (``namespace``: the
+        connection's key prefix, whose share they are made in)."""
         check_keys(self._limits, keys)
         region = self._region_of(owner, region_id, spans)
         check_sizes(self._limits, [n for _, n in spans], "value")
@@ -623,7 +647,8 @@ class SharedBlocks:
         todo = [i for i, key in enumerate(keys) if self.ram.get(key) is None]
         if not todo:
             return Copied(statuses, _nothing)
-        staged = self._stage_many([spans[i][1] for i in todo], [keys[i] for i in todo])
+        lengths = [spans[i][1] for i in todo]
+        staged = self._stage_many(lengths, [keys[i] for i in todo], self._rooms_for(owner, lengths))
         views = [
             view if view is not None else memoryview(bytearray(spans[i][1]))
             for i, view in zip(todo, staged, strict=True)
@@ -686,8 +711,45 @@ class SharedBlocks:
         def store_answered() -> None:
             if store() != answered:  # (nothing ran between the answer and here)
                 log.error("region %d: blocks stored otherwise than answered", region_id)
+            if not region.closed:  # (its connection is still there)
+                self._make_region_rooms(owner, lengths, namespace)
 
         return Copied(statuses, store_answered)
+
+    def _rooms_for(self, owner: ConnId, lengths: Sequence[int]) -> list[memoryview]:
+        """The rooms made for ``owner``'s PUT_REGION of blocks of ``lengths``:
+        one for each of its first blocks while they are of the rooms' length;
+        rooms it does not take are freed."""
+        rooms = self._region_rooms.pop(owner, None)
+        if not rooms:
+            return []
+        length = len(rooms[0])
+        n = 0
+        for wanted in lengths[: len(rooms)]:
+            if wanted != length:
+                break
+            n += 1
+        for view in rooms[n:]:
+            self._drop_staged(view)
+        self.region_rooms_used += n
+        return rooms[:n]
+
+    def _make_region_rooms(self, owner: ConnId, lengths: Sequence[int], namespace: bytes) -> None:
+        """Rooms for ``owner``'s next PUT_REGION, made after the answer to
+        this one (which did not wait for their evictions): one for each block
+        of ``lengths``, when they are of one length, slots of the arena, and
+        take at most 1/REGION_ROOMS_SHARE of RAM. None where namespaces have
+        shares (a share counts blocks, not rooms: docs/tenancy.md)."""
+        if owner in self._region_rooms or not lengths or self.ram.budget.shares is not None:
+            return
+        length = lengths[0]
+        if length < self.ram.min_slot or any(n != length for n in lengths):
+            return
+        if len(lengths) * self.slots.block_size(length) > self.ram.capacity // REGION_ROOMS_SHARE:
+            return
+        rooms = self._stage_rooms(length, len(lengths), namespace)
+        if rooms:
+            self._region_rooms[owner] = rooms
 
     async def get_region(
         self,
@@ -754,6 +816,8 @@ class SharedBlocks:
         ready = self._prepared.pop(owner, None)
         if ready is not None:  # never handed out: no writer can be in it
             self._drop_staged(ready)
+        for view in self._region_rooms.pop(owner, ()):
+            self._drop_staged(view)
         for offset in [o for o, r in self._rooms.items() if r.owner == owner]:
             self._free_room(offset)
         if owner in self._places_of:
@@ -792,6 +856,10 @@ class SharedBlocks:
             self._quarantine.append(self._unplace(offset))
         for owner in list(self._prepared):
             self._drop_staged(self._prepared.pop(owner))
+        for rooms in self._region_rooms.values():
+            for view in rooms:
+                self._drop_staged(view)
+        self._region_rooms = {}
         for room in self._quarantine:
             assert room.view is not None
             self._drop_staged(room.view)
@@ -818,6 +886,8 @@ class SharedBlocks:
             regions_mapped=sum(r.base != 0 for r in self._regions.values()),
             region_bytes_in=self.region_bytes_in,
             region_bytes_out=self.region_bytes_out,
+            region_rooms=sum(map(len, self._region_rooms.values())),
+            region_rooms_used=self.region_rooms_used,
         )
 
 
