@@ -10,8 +10,10 @@ the same bytes from files in the page cache into the rows (the stand-in
 for vLLM's own fs tier, which needs a full OffloadingSpec and reads with
 O_DIRECT); and of a plain memcpy of the same bytes (the ceiling), timed
 right after each load and each store so that each ratio compares figures
-of the same moments. The daemon's RAM is filled once first: the figures
-are its steady state. Prints the figures and the ratios.
+of the same moments. Each block size has a daemon of its own, whose RAM is
+filled first with blocks of that size: the figures are the steady state of
+an engine's daemon (one model, one block size), not a daemon evicting
+blocks of another size. Prints the figures and the ratios.
 """
 
 from __future__ import annotations
@@ -154,44 +156,46 @@ def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
     }
 
 
-def warm(sock: Path) -> None:
-    """Fill the daemon's RAM once with blocks of its own, so the figures are
-    its steady state (every arena page touched by the daemon's own copies,
-    as the tier's stores make them, and blocks evicted to make room), not
-    the first touch of fresh memory. (Written in place, the blocks would
-    leave the pages unmapped in the daemon: its first copy into each then
-    maps it, docs/shared-memory.md.)"""
+def warm(sock: Path, size: int) -> None:
+    """Fill the daemon's RAM with blocks of ``size`` of its own, so the
+    figures are its steady state (every arena page touched by the daemon's
+    own copies, as the tier's stores make them, and blocks of the same size
+    evicted to make room), not the first touch of fresh memory. (Written in
+    place, the blocks would leave the pages unmapped in the daemon: its
+    first copy into each then maps it, docs/shared-memory.md.)"""
     from kvtier import BlockingClient
 
-    block = bytes(MiB)
+    block = bytes(size)
+    count = 640 * MiB // size  # 640 MiB through a 512 MiB RAM tier
     with BlockingClient(sock, write_in_place=False) as c:
-        for lo in range(0, 640, 32):  # 640 MiB through a 512 MiB RAM tier
+        for lo in range(0, count, 32):
             c.put_many([b"warm-%d" % i for i in range(lo, lo + 32)], [block] * 32)
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="kvt-bench-vllm-", dir="/tmp") as d:
-        tmp = Path(d)
-        proc, sock = start_daemon(tmp)
-        try:
-            warm(sock)
-            print(
-                f"{'block':>8}  {'kvtier tier':>12}  {'page-cache files':>16}  {'memcpy':>8}"
-                f"  {'kvtier/files':>12}  {'kvtier/memcpy':>13}  {'stores':>10}"
-                f"  {'stores/memcpy':>13}"
-            )
-            for block in (256 * KiB, 1 * MiB, 2 * MiB):
+    print(
+        f"{'block':>8}  {'kvtier tier':>12}  {'page-cache files':>16}  {'memcpy':>8}"
+        f"  {'kvtier/files':>12}  {'kvtier/memcpy':>13}  {'stores':>10}"
+        f"  {'stores/memcpy':>13}"
+    )
+    for block in (256 * KiB, 1 * MiB, 2 * MiB):
+        with tempfile.TemporaryDirectory(prefix="kvt-bench-vllm-", dir="/tmp") as d:
+            tmp = Path(d)
+            proc, sock = start_daemon(tmp)
+            try:
+                warm(sock, block)
                 r = bench(block, sock, tmp)
                 label = f"{block // KiB}KiB" if block < MiB else f"{block // MiB}MiB"
                 print(
                     f"{label:>8}  {r['kvtier']:>9.2f} GB/s  {r['page_cache_files']:>11.2f} GB/s"
                     f"  {r['memcpy']:>5.2f} GB/s  {r['kvtier'] / r['page_cache_files']:>12.2f}"
                     f"  {r['kvtier'] / r['memcpy_loads']:>13.2f}  {r['kvtier_store']:>5.2f} GB/s"
-                    f"  {r['kvtier_store'] / r['memcpy_stores']:>13.2f}"
+                    f"  {r['kvtier_store'] / r['memcpy_stores']:>13.2f}",
+                    flush=True,
                 )
-        finally:
-            proc.terminate()
-            proc.wait(30)
+            finally:
+                proc.terminate()
+                proc.wait(30)
     return 0
 
 
