@@ -432,12 +432,14 @@ async def test_no_rooms_are_made_for_a_connection_lost_during_its_store(
 async def test_no_rooms_ahead_past_an_eighth_of_ram_or_where_namespaces_have_shares(
     sock_dir: Path, memfd: int
 ) -> None:
-    """Rooms made ahead hold RAM no block is in: at most an eighth of it, and
-    none where a namespace's share counts its blocks (docs/tenancy.md)."""
+    """Rooms made ahead hold RAM no block is in: at most an eighth of it for
+    every connection together, and none where a namespace's share counts its
+    blocks (docs/tenancy.md)."""
     spans = [(i * MiB, MiB) for i in range(3)]
     async with (
         running_daemon(sock_dir, ram={"capacity": "16MiB"}) as d,
         await Client.connect(d.socket_path) as c,
+        await Client.connect(d.socket_path) as other,
     ):
         region = await c.attach_region(memfd)
         # 3 MiB of blocks: more than 2 MiB, an eighth of 16
@@ -448,6 +450,14 @@ async def test_no_rooms_ahead_past_an_eighth_of_ram_or_where_namespaces_have_sha
         two = [b"two-0", b"two-1"]
         assert await c.put_region(region, two, spans[:2]) == [PutStatus.STORED] * 2
         assert shared_stats(d)["region_rooms"] == 2
+        # another connection's 1 MiB would take them past 2 MiB together
+        theirs = await other.attach_region(memfd)
+        assert await other.put_region(theirs, [b"one-0"], spans[:1]) == [PutStatus.STORED]
+        assert shared_stats(d)["region_rooms"] == 2
+        # once the first connection's rooms are taken, the second gets its own
+        assert await c.put_region(region, [b"one-1"], spans[:1]) == [PutStatus.STORED]
+        assert await other.put_region(theirs, [b"one-2"], spans[:1]) == [PutStatus.STORED]
+        assert shared_stats(d)["region_rooms"] == 2  # a room each
     async with (
         running_daemon(sock_dir, namespaces={"a": {}}) as d,
         await Client.connect(d.socket_path, namespace="a") as c,

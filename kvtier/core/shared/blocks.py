@@ -94,8 +94,8 @@ class Room:
 
 #: regions one connection may hold (attached or waiting for their descriptor)
 MAX_REGIONS = 8
-#: rooms made ahead for a connection's next PUT_REGION hold at most this
-#: share of RAM (1/8): a larger store makes its rooms when it arrives
+#: rooms made ahead for connections' next PUT_REGIONs hold at most this
+#: share of RAM (1/8) together: past it, a store makes its rooms when it arrives
 REGION_ROOMS_SHARE = 8
 
 
@@ -738,14 +738,17 @@ class SharedBlocks:
         """Rooms for ``owner``'s next PUT_REGION, made after the answer to
         this one (which did not wait for their evictions): one for each block
         of ``lengths``, when they are of one length, slots of the arena, and
-        take at most 1/REGION_ROOMS_SHARE of RAM. None where namespaces have
-        shares (a share counts blocks, not rooms: docs/tenancy.md)."""
+        with every connection's rooms take at most 1/REGION_ROOMS_SHARE of
+        RAM. None where namespaces have shares (a share counts blocks, not
+        rooms: docs/tenancy.md)."""
         if owner in self._region_rooms or not lengths or self.ram.budget.shares is not None:
             return
         length = lengths[0]
         if length < self.ram.min_slot or any(n != length for n in lengths):
             return
-        if len(lengths) * self.slots.block_size(length) > self.ram.capacity // REGION_ROOMS_SHARE:
+        size = self.slots.block_size
+        held = sum(len(rooms) * size(len(rooms[0])) for rooms in self._region_rooms.values())
+        if held + len(lengths) * size(length) > self.ram.capacity // REGION_ROOMS_SHARE:
             return
         rooms = self._stage_rooms(length, len(lengths), namespace)
         if rooms:
