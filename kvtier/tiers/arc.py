@@ -413,6 +413,8 @@ class HistoryARCPolicy(ARCPolicy):
         shadows = (self._with, self._without)
         lru = self._lru
         order = lru.order
+        # _count_sampled's work is only at these counts: other keys just count
+        step, decay = capacity // DECIDE, capacity * DECAY
         for key, h in sampled:
             for shadow in shadows:
                 policy = shadow.policy
@@ -434,7 +436,11 @@ class HistoryARCPolicy(ARCPolicy):
                 order.move_to_end(key)
             else:
                 lru.access(key, capacity)
-            self._count_sampled(capacity)
+            n = self._sampled + 1
+            if n % step and n < decay:
+                self._sampled = n
+            else:
+                self._count_sampled(capacity)
 
     def candidates(self) -> Iterator[bytes]:
         if self.mode is not Mode.LRU:
