@@ -754,6 +754,11 @@ class SharedBlocks:
         if rooms:
             self._region_rooms[owner] = rooms
 
+    def _free_region_rooms(self, owner: ConnId) -> None:
+        """``owner``'s rooms made ahead, never handed out: freed at once."""
+        for view in self._region_rooms.pop(owner, ()):
+            self._drop_staged(view)
+
     async def get_region(
         self,
         owner: ConnId,
@@ -819,8 +824,7 @@ class SharedBlocks:
         ready = self._prepared.pop(owner, None)
         if ready is not None:  # never handed out: no writer can be in it
             self._drop_staged(ready)
-        for view in self._region_rooms.pop(owner, ()):
-            self._drop_staged(view)
+        self._free_region_rooms(owner)
         for offset in [o for o, r in self._rooms.items() if r.owner == owner]:
             self._free_room(offset)
         if owner in self._places_of:
@@ -859,10 +863,8 @@ class SharedBlocks:
             self._quarantine.append(self._unplace(offset))
         for owner in list(self._prepared):
             self._drop_staged(self._prepared.pop(owner))
-        for rooms in self._region_rooms.values():
-            for view in rooms:
-                self._drop_staged(view)
-        self._region_rooms = {}
+        for owner in list(self._region_rooms):
+            self._free_region_rooms(owner)
         for room in self._quarantine:
             assert room.view is not None
             self._drop_staged(room.view)
