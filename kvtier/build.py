@@ -327,6 +327,11 @@ def _watch(parts: Parts) -> None:
         m.watch_publisher(lambda: publisher.stats)
 
 
+def lookups_path(config: Config) -> str:
+    """The lookup process's socket beside the main one (docs/lookup-process.md)."""
+    return f"{config.server.socket_path}.lookups"
+
+
 def handoff_path(config: Config) -> str:
     """The socket beside the main one that hands the arena to same-host clients."""
     return f"{config.server.socket_path}.shm"

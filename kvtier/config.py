@@ -85,6 +85,12 @@ class ServerConfig(Section):
     #: microseconds where idle CPUs halt, as a VM's do). Costs up to this
     #: much of one core's time after each request; 0 turns it off
     idle_poll: float = Field(default=IDLE_POLL, ge=0, le=0.01)
+    #: also answer LOOKUP from a process of its own, on the socket beside this
+    #: one named ``<socket_path>.lookups``, from a replica of what the daemon
+    #: holds (docs/lookup-process.md): a lookup does not queue behind the
+    #: loop that stores blocks. Clients of the default namespace use it where
+    #: it listens; what it cannot answer exactly, they ask the daemon
+    lookup_process: bool = True
     #: seconds to finish in-flight requests on SIGTERM or SIGINT
     shutdown_grace: float = Field(default=10.0, ge=0)
     #: seconds background work (probes, loads, writes) gets to end once

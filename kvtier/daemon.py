@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,22 +27,38 @@ from aiohttp import web
 
 from kvtier import loops
 from kvtier._version import __version__
-from kvtier.build import PEER_TIER, Parts, access_of, build, handoff_path, quotas_of
+from kvtier.build import (
+    PEER_TIER,
+    Parts,
+    access_of,
+    build,
+    handoff_path,
+    lookups_path,
+    quotas_of,
+)
 from kvtier.config import Config, split_address
 from kvtier.core.propagation import RemoteSpec
 from kvtier.endpoint import start_metrics_server
 from kvtier.errors import ConfigError
-from kvtier.model import Spawn
+from kvtier.model import DEFAULT_NAMESPACE, ReportKind, Spawn
 from kvtier.reload import Live, apply
 from kvtier.server.handoff import Handoff
+from kvtier.server.lookups import FEED_RING_BYTES, FeedWriter, Settings
+from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import PeerPolicy, bind_unix_socket
 from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Tier
 from kvtier.tiers.peers import RendezvousPicker
+from kvtier.wire.replica import RING_HEADER, FeedRing, Report
 
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
+
+#: seconds the daemon waits for its lookup process to listen before it serves
+LOOKUP_PROCESS_START = 10.0
+#: seconds the lookup process gets to stop once its feed ends
+LOOKUP_PROCESS_STOP = 5.0
 
 __all__ = ["PEER_TIER", "READY_MESSAGE", "Daemon", "install_signal_handlers", "run", "serve"]
 
@@ -74,6 +93,8 @@ class Daemon:
         self.publisher = parts.publisher
         self.server, self.peer_server = parts.server, parts.peer_server
         self.handoff: Handoff | None = None
+        #: the lookup process (``server.lookup_process``), once started
+        self.lookup_process: asyncio.subprocess.Process | None = None
         #: every background task: waiting requests, probes, loads, writes
         self.background = TaskSet()
         #: the peer port bound (``peer.listen`` may ask for port 0)
@@ -158,7 +179,12 @@ class Daemon:
         for budget, quotas in zip(budgets, (ram_quotas, disk_quotas), strict=False):
             if budget.shares is not None:
                 budget.shares.quotas = quotas
-        self.server.ops.access = access_of(new)
+        access = access_of(new)
+        feed = self.server.feed
+        if feed is not None and _default_uids(access) != _default_uids(self.server.ops.access):
+            # The lookup process checks who may use the default namespace as it started.
+            feed.end("who may use the default namespace changed; a restart starts it again")
+        self.server.ops.access = access
         return True
 
     def stop(self) -> None:
@@ -228,15 +254,101 @@ class Daemon:
         publishing = None
         if self.publisher is not None:
             publishing = tasks.create_task(self.publisher.serve(), name="kvtier-kv-events")
+        lookups = None
+        if self.config.server.lookup_process:
+            started = await self._start_lookup_process()
+            if started is not None:
+                proc, feed = started
+                lookups = tasks.create_task(
+                    self._feed_lookup_process(proc, feed), name="kvtier-lookup-process"
+                )
+                await _decided(feed)
         try:
             await self.server.start(sock, spawn)
             await self._start_peer_listener(spawn)
             self._announce()
             await self._stop.wait()
         finally:
-            for task in (handoff_task, publishing):
+            for task in (handoff_task, publishing, lookups):
                 if task is not None:
                     task.cancel()
+
+    async def _start_lookup_process(self) -> tuple[asyncio.subprocess.Process, FeedWriter] | None:
+        """Start the lookup process (docs/lookup-process.md) and its feed;
+        None (logged) where it cannot start."""
+        sc, limits = self.config.server, self.service.limits
+        peers = PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ring_fd = os.memfd_create("kvtier-feed", os.MFD_CLOEXEC)
+        os.ftruncate(ring_fd, RING_HEADER + FEED_RING_BYTES)
+        ring = FeedRing(memoryview(mmap.mmap(ring_fd, 0)))
+        settings = Settings(
+            report_fd=theirs.fileno(),
+            ring_fd=ring_fd,
+            path=lookups_path(self.config),
+            mode=sc.socket_mode,
+            uids=None if peers.uids is None else sorted(peers.uids),
+            gids=sorted(peers.gids),
+            default_uids=_default_uids(self.server.ops.access),
+            max_key_bytes=limits.max_key_bytes,
+            max_batch=limits.max_batch,
+            max_block_bytes=limits.max_block_bytes,
+            max_frame_bytes=sc.max_frame_bytes,
+            server_name=self.server.server_name,
+            remotes=bool(self.service.remotes),
+        )
+        try:
+            proc = self.lookup_process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "kvtier.lookup_process",
+                settings.to_json(),
+                pass_fds=(theirs.fileno(), ring_fd),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            log.error("the lookup process did not start (%s); the daemon answers every lookup", exc)
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+            os.close(ring_fd)  # (the mapping stays)
+        feed = FeedWriter(ours, ring, self.service.holds, self._lookup_report)
+        self.service.feed(feed.write)
+        self.server.feed = feed
+        return proc, feed
+
+    async def _feed_lookup_process(
+        self, proc: asyncio.subprocess.Process, feed: FeedWriter
+    ) -> None:
+        """Feed the lookup process until it or the daemon stops; then see it end."""
+        try:
+            await feed.done.wait()
+        finally:
+            self.service.stop_feed()
+            feed.end()  # the process sees its feed end, and stops
+            try:
+                async with asyncio.timeout(LOOKUP_PROCESS_STOP):
+                    await proc.wait()
+            except TimeoutError:
+                log.warning("the lookup process did not stop; killing it")
+                proc.kill()
+                await proc.wait()
+            # Gone: its socket goes too (it removes it itself, unless killed),
+            # so that no client tries it.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lookups_path(self.config))
+
+    def _lookup_report(self, report: Report) -> None:
+        kind = report.kind
+        if kind is ReportKind.ANSWERED:
+            assert report.lookup is not None
+            self.service.looked_up(report.lookup, report.states, report.times)
+            self.server.counters.lookup_process.inc("answered", n=report.times)
+        elif kind is ReportKind.REFERRED:
+            self.server.counters.lookup_process.inc("referred")
+        else:
+            log.info("lookup process: listening on %s", lookups_path(self.config))
 
     def _bind_handoff(self) -> None:
         """The socket that hands the arena to same-host clients, beside the main one."""
@@ -340,6 +452,25 @@ class Daemon:
         with contextlib.suppress(FileNotFoundError):
             if os.stat(self.socket_path).st_ino == self._socket_ino:
                 os.unlink(self.socket_path)
+
+
+async def _decided(feed: FeedWriter) -> None:
+    """Until the lookup process listens (or will not), so that a client that
+    connects once the daemon is ready finds it; bounded."""
+    try:
+        async with asyncio.timeout(LOOKUP_PROCESS_START):
+            await feed.decided.wait()
+    except TimeoutError:
+        log.warning(
+            "the lookup process does not listen after %.0fs; serving meanwhile",
+            LOOKUP_PROCESS_START,
+        )
+
+
+def _default_uids(access: NamespaceAccess | None) -> list[int] | None:
+    """Who may use the default namespace (None: whoever may connect)."""
+    uids = access.uids.get(DEFAULT_NAMESPACE) if access is not None else None
+    return None if uids is None else sorted(uids)
 
 
 def install_signal_handlers(daemon: Daemon) -> None:

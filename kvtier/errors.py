@@ -32,6 +32,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 11
     BUSY = 12
     FORBIDDEN = 13
+    REFERRED = 14  # the lookup socket: ask the daemon (docs/lookup-process.md)
 
 
 class KvtierError(Exception):
@@ -163,6 +164,12 @@ class TierError(KvtierError):
     """A tier's backend failed."""
 
 
+class ReferredError(KvtierError):
+    """The lookup socket cannot answer this lookup exactly: ask the daemon."""
+
+    code = ErrorCode.REFERRED
+
+
 _BY_CODE: dict[ErrorCode, type[KvtierError]] = {
     ErrorCode.MALFORMED: ProtocolError,
     ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersionError,
@@ -177,6 +184,7 @@ _BY_CODE: dict[ErrorCode, type[KvtierError]] = {
     ErrorCode.INTERNAL: ServerError,
     ErrorCode.BUSY: BusyError,
     ErrorCode.FORBIDDEN: ForbiddenError,
+    ErrorCode.REFERRED: ReferredError,
 }
 
 

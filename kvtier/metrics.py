@@ -316,6 +316,12 @@ class _Collector(Collector):
         yield CounterMetricFamily(
             "kvtier_sent_bytes", "Bytes of frames sent to clients", value=c.sent_bytes.value
         )
+        yield _counter(
+            "kvtier_lookup_process_lookups",
+            "Lookups at the lookup process's socket, by outcome: answered there, or "
+            "referred (the client asked the daemon)",
+            c.lookup_process,
+        )
 
     def _peers(self, tier: PeerTier) -> Iterator[Metric]:
         c = tier.counters

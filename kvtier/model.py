@@ -136,6 +136,26 @@ class EventTier(enum.IntEnum):
     DISK = 2
 
 
+class FeedOp(enum.IntEnum):
+    """A record of the daemon's feed to its lookup process (docs/lookup-process.md)."""
+
+    HELD = 1  # a local tier holds the key
+    GONE = 2  # no local tier holds it any more
+    PENDING = 3  # a write of the key is in flight
+    SETTLED = 4  # it is not any more (stored or not)
+    SCANNING = 5  # the disk index is being rebuilt (no key)
+    SCANNED = 6  # it is complete (no key)
+    RESET = 7  # forget everything: a snapshot follows (no key)
+
+
+class ReportKind(enum.IntEnum):
+    """What the lookup process reports to the daemon."""
+
+    READY = 1  # it listens
+    ANSWERED = 2  # a lookup it answered: its states and the lookup follow
+    REFERRED = 3  # a lookup it referred to the daemon
+
+
 @dataclass(slots=True)  # not frozen: made per stored or evicted block, and 3x cheaper
 class BlockEvent:
     seq: int
@@ -320,10 +340,12 @@ class Copied:
     the same loop step: no request is read between the two, so none can
     find the blocks missing, and the writer has its answer (its memory is
     free to reuse: the daemon is done reading it) while the daemon still
-    files the blocks away."""
+    files the blocks away. ``keys``: those ``store`` stores (answered
+    STORED), which the lookup process hears of before the answer goes."""
 
     statuses: list[PutStatus]
     store: Callable[[], None]
+    keys: Sequence[bytes] = ()
 
 
 class SharedService(Protocol):

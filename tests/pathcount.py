@@ -189,7 +189,10 @@ async def _put(sock_dir: Path, durable: bool = False) -> None:
 
 def _overrides(sock_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "server": {"socket_path": sock_dir / "d.sock"},
+        # The daemon's own paths: without a lookup process, whose feed is a
+        # path of its own (one record per change of what is held, written by
+        # server/lookups.py and wire/replica.py; docs/lookup-process.md).
+        "server": {"socket_path": sock_dir / "d.sock", "lookup_process": False},
         "metrics": {"enabled": False},
         "ram": {"capacity": "64MiB"},
         "disk": {"path": sock_dir / "data", "capacity": "256MiB"},

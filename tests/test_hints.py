@@ -54,7 +54,9 @@ async def test_put_many_carries_one_hint_per_key_and_answers_in_order(sock_dir: 
 async def test_a_peek_leaves_the_eviction_order_alone(sock_dir: Path) -> None:
     async with (
         running_daemon(sock_dir, ram={"capacity": "1MiB", "policy": "lru"}, disk=RAM_ONLY) as d,
-        await Client.connect(d.socket_path, shared=False) as c,
+        # The daemon's own lookups: touches applied before the next write
+        # (the lookup process's reach it within milliseconds).
+        await Client.connect(d.socket_path, shared=False, lookup_process=False) as c,
     ):
         keys = [f"b{i}".encode() for i in range(5)]
         await c.put_many(keys, [block(i) for i in range(5)])

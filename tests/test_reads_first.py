@@ -27,7 +27,10 @@ async def test_a_lookup_that_arrives_with_a_store_is_answered_first(
 ) -> None:
     sock = sock_dir / "d.sock"
     value = os.urandom(4 * KiB)
-    async with await Client.connect(sock) as writer, await Client.connect(sock) as reader:
+    async with (
+        await Client.connect(sock) as writer,
+        await Client.connect(sock, lookup_process=False) as reader,  # the daemon's order
+    ):
         # Both sent in this step: the PUT first, on its own connection.
         put = asyncio.ensure_future(writer.put(b"k", value))
         lookup = asyncio.ensure_future(reader.lookup([b"k"]))

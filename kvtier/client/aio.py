@@ -39,7 +39,9 @@ from kvtier.errors import (
     ConnectionClosedError,
     DaemonUnavailableError,
     ForbiddenError,
+    KvtierError,
     ProtocolError,
+    ReferredError,
     RequestTimeoutError,
     ValueTooLargeError,
     error_from_code,
@@ -114,14 +116,22 @@ class Client:
         #: every key of it (docs/tenancy.md); empty: the default namespace
         self.namespace = ""
         self._prefix = b""
+        #: the daemon's lookup process (docs/lookup-process.md), where it listens
+        self._lookups: Client | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         shm = f" {self._shm!r}" if self._shm is not None else ""
+        lookups = " lookups" if self.lookups_process else ""
         return (
             f"<Client {self.path} {state} in_flight={len(self._protocol.pending)}"
-            f"{shm} {self.idle_poll!r}>"
+            f"{shm}{lookups} {self.idle_poll!r}>"
         )
+
+    @property
+    def lookups_process(self) -> bool:
+        """Whether lookups go to the daemon's lookup process first."""
+        return self._lookups is not None and not self._lookups.closed
 
     @property
     def shared(self) -> bool:
@@ -148,6 +158,7 @@ class Client:
         write_in_place: bool = True,
         namespace: str = "",
         idle_poll: float = IDLE_POLL,
+        lookup_process: bool = True,
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
 
@@ -181,6 +192,10 @@ class Client:
         reply after each request, instead of sleeping until the kernel wakes
         it (docs/client.md); it stops as soon as no reply is awaited. 0: sleep
         at once.
+        ``lookup_process``: where the daemon runs a lookup process (a socket
+        ``<path>.lookups``; docs/lookup-process.md), send lookups there
+        first; the daemon answers what it refers back. Only the default
+        namespace's clients use it.
         """
         _check_idle_poll(idle_poll)
         path = Path(path) if path is not None else default_socket_path()
@@ -217,6 +232,8 @@ class Client:
             offer = client.server.shared
             if offer is not None:
                 await client._map_shared(offer)
+            if lookup_process and not client._prefix:
+                client._lookups = await _lookup_process(path, timeout, name, idle_poll)
         except BaseException:
             await client.close()
             raise
@@ -301,6 +318,8 @@ class Client:
         return self._protocol.transport is None
 
     async def close(self) -> None:
+        if self._lookups is not None:
+            await self._lookups.close()
         transport = self._protocol.transport
         if transport is not None:
             if self._shm is not None and not transport.is_closing():
@@ -464,6 +483,18 @@ class Client:
             Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag, peek=peek),
             self._prefix,
         )
+        lookups = self._lookups
+        # Requests of this client still in flight to the daemon come first,
+        # as on one connection: the lookup then goes there too.
+        if lookups is not None and not self._protocol.pending:
+            try:
+                frame = await lookups._call(Op.LOOKUP, meta, timeout=timeout)
+                return wire.decode_lookup_reply(frame.meta)
+            except ReferredError:
+                pass  # only the daemon can answer this one
+            except ConnectionClosedError:
+                self._lookups = None  # the lookup process is gone: the daemon answers
+                await lookups.close()
         frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
         return wire.decode_lookup_reply(frame.meta)
 
@@ -841,6 +872,23 @@ class Client:
         """Free the daemon's per-request lookup state of ``request_tag``."""
         frame = await self._call(Op.RELEASE, wire.encode_tag(request_tag), timeout=timeout)
         return bool(frame.meta and frame.meta[0])
+
+
+async def _lookup_process(
+    path: Path, timeout: float | None, name: str, idle_poll: float
+) -> Client | None:
+    """A connection to the daemon's lookup process, where one listens."""
+    try:
+        return await Client.connect(
+            Path(f"{path}.lookups"),
+            timeout=timeout,
+            name=name,
+            shared=False,
+            idle_poll=idle_poll,
+            lookup_process=False,
+        )
+    except KvtierError:
+        return None  # none listens, or not for this client: the daemon answers
 
 
 def _check_idle_poll(idle_poll: float) -> None:

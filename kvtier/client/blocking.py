@@ -56,6 +56,7 @@ class BlockingClient:
         write_in_place: bool = True,
         namespace: str = "",
         idle_poll: float = IDLE_POLL,
+        lookup_process: bool = True,
     ) -> None:
         """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>` does."""
         self._start(
@@ -69,6 +70,7 @@ class BlockingClient:
                 write_in_place=write_in_place,
                 namespace=namespace,
                 idle_poll=idle_poll,
+                lookup_process=lookup_process,
             )
         )
 
@@ -97,6 +99,7 @@ class BlockingClient:
         write_in_place: bool = True,
         namespace: str = "",
         idle_poll: float = IDLE_POLL,
+        lookup_process: bool = True,
     ) -> BlockingClient:
         """The same as the constructor: connect and negotiate (HELLO)."""
         return cls(
@@ -109,6 +112,7 @@ class BlockingClient:
             write_in_place=write_in_place,
             namespace=namespace,
             idle_poll=idle_poll,
+            lookup_process=lookup_process,
         )
 
     @classmethod
@@ -203,6 +207,11 @@ class BlockingClient:
     def shared(self) -> bool:
         """Whether blocks travel through shared memory on this connection."""
         return self._client.shared
+
+    @property
+    def lookups_process(self) -> bool:
+        """Whether lookups go to the daemon's lookup process first."""
+        return self._client.lookups_process
 
     def request(
         self,

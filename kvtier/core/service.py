@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
@@ -49,18 +48,19 @@ from kvtier.core.lookup import (
     LookupPlan,
     SeenProbes,
     Where,
+    check_keys,
+    check_lookup,
+    check_seconds,
     plan_lookup,
     prefix_answer,
     waits_for,
 )
 from kvtier.core.probes import Probe, ProbeMap, Verdict
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
+from kvtier.core.replica import FeedTap, Records
 from kvtier.core.timers import Scheduler
 from kvtier.core.writes import End, Owner, Promotion, Reservation, ReservationTable
 from kvtier.errors import (
-    BadArgumentError,
-    BadKeyError,
-    BatchTooLargeError,
     KvtierError,
     NoCapacityError,
     TierError,
@@ -79,6 +79,7 @@ from kvtier.model import (
     ConnId,
     EventKind,
     EventTier,
+    FeedOp,
     Limits,
     Lookup,
     LookupMode,
@@ -103,50 +104,7 @@ log = logging.getLogger("kvtier.service")
 MAX_READ_ROUNDS = 8
 
 
-# ---------------------------------------------------------------- checks
-#
-# Every verb checks its arguments against the configured limits before it
-# touches any state, so a refused request changes nothing. The checks are
-# pure, O(batch) and allocate nothing.
-
-
-def check_keys(limits: Limits, keys: Sequence[bytes], uniform_len: int = 0) -> None:
-    """Batch size and key lengths; ``uniform_len`` (all keys that long) checks once."""
-    if len(keys) > limits.max_batch:
-        raise BatchTooLargeError(
-            f"batch of {len(keys)} keys exceeds the maximum of {limits.max_batch}"
-        )
-    limit = limits.max_key_bytes
-    if uniform_len and 0 < uniform_len <= limit:
-        return
-    if uniform_len and 0 < uniform_len <= limit + _prefix_len(keys[0]):
-        return  # a namespace's keys: their prefix is not theirs to count
-    for i, key in enumerate(keys):
-        if not 0 < len(key) - _prefix_len(key) <= limit:
-            raise BadKeyError(
-                f"key {i} is {len(key) - _prefix_len(key)} bytes; keys must be 1..{limit} bytes"
-            )
-
-
-def _prefix_len(key: bytes) -> int:
-    """The length of the namespace prefix (or escape) a stored key starts with."""
-    return 2 + key[1] if len(key) > 1 and key[0] == NAMESPACE_MARK else 0
-
-
-def check_seconds(name: str, value: float) -> None:
-    if not 0 <= value < math.inf:  # NaN compares false
-        raise BadArgumentError(f"{name} must be a finite number >= 0, got {value}")
-
-
-def check_lookup(limits: Limits, req: Lookup) -> None:
-    check_keys(limits, req.keys, req.key_len)
-    if not (0 <= req.wait < math.inf and 0 <= req.max_pending_wait < math.inf):
-        check_seconds("wait", req.wait)
-        check_seconds("max_pending_wait", req.max_pending_wait)
-    if req.max_pending_wait > 0 and not req.request_tag:
-        raise BadArgumentError("max_pending_wait needs a request tag to accrue against")
-    if req.mode == LookupMode.SLIDING_WINDOW and req.window <= 0:
-        raise BadArgumentError("sliding-window lookup needs a window of at least 1")
+# Every write checks its values as reads check their keys (core/lookup.py).
 
 
 def check_sizes(limits: Limits, sizes: Sequence[int], what: str = "size") -> None:
@@ -226,15 +184,16 @@ class Service:
         self.local_locator = Locator(ram.resident(), disk, self.pending.table, [])
         #: what this node holds, as events for routers (SUBSCRIBE)
         self.events = EventLog()
+        #: the lookup process's feed (:meth:`feed`), while it runs
+        self._feed: FeedTap | None = None
         writers = [spec.writer(self._invalidate) for spec in remotes]
         if disk is not None:
             policy = WritePolicy(self.disk_cfg.write_policy)
             pending = self.disk_cfg.max_pending_write_bytes
-            writers.insert(
-                0, Writer(disk.name, policy, pending, self._disk_write, disk.contains, True)
-            )
+            writers.insert(0, Writer(disk.name, policy, pending, disk.write, disk.contains, True))
             disk.on_evict = self._disk_evicted
             disk.on_found = self._disk_found
+            disk.on_writing = self._disk_writing
         self.propagation = Propagation(
             [w for w in writers if w.policy is not WritePolicy.NONE or w.local],
             self.counters,
@@ -389,6 +348,19 @@ class Service:
                 slot.cached.value += n
             if plan.joins or plan.probe or plan.promote:
                 self._start(plan, keys, slots, now, seen)
+        hits, defer, bound_at = self._after_look(req, states, on_disk, now)
+        unsettled = seen is not None and settles and (PENDING in states or RETRY in states)
+        waits = waits_for(states, settles, req.mode) if unsettled else []
+        return LookupReply(bytes(states), hits, defer), waits, bound_at
+
+    def _after_look(
+        self, req: Lookup, states: bytearray, on_disk: list[int], now: float
+    ) -> tuple[int, bool, float | None]:
+        """What every answered lookup does once its keys' states are known:
+        the reader's bound on PENDING (which may turn one MISS), the prefix
+        answer, the touches, the disk hits read ahead. Returns the prefix
+        answer and when the bound will pass, if armed."""
+        keys = req.keys
         bound_at: float | None = None
         if req.max_pending_wait > 0:
             bound = req.max_pending_wait
@@ -416,9 +388,7 @@ class Service:
                     break
                 if states[i] == HIT:  # not one the reader's bound expired
                     self._load_from_disk(keys[i])  # a key listed twice is read once
-        unsettled = seen is not None and settles and (PENDING in states or RETRY in states)
-        waits = waits_for(states, settles, req.mode) if unsettled else []
-        return LookupReply(bytes(states), hits, defer), waits, bound_at
+        return hits, defer, bound_at
 
     def _start(
         self,
@@ -448,20 +418,20 @@ class Service:
             res = table.get(keys[i]) or self._promote(slots[t], keys[i], now)
             settles[i] = res.done
 
-    def _answer(self, reply: LookupReply, keys: list[bytes]) -> LookupReply:
+    def _answer(self, reply: LookupReply, keys: list[bytes], times: int = 1) -> LookupReply:
         raw = reply.raw_states
         for state, cell in self._state_counters.items():
             n = raw.count(state)
             if n:
-                cell.value += n
+                cell.value += n * times
         if keys:  # a request's keys are one namespace's (a client's connection)
             k = keys[0]  # its namespace, as model.namespace_of reads it
             ns = k[2 : 2 + k[1]] if k[0] == NAMESPACE_MARK and len(k) > 1 else DEFAULT_NAMESPACE
             counts = self.namespace_counts.get(ns)
             if counts is None:
                 counts = self._count_namespace(ns)
-            counts.hits += raw.count(HIT)
-            counts.misses += raw.count(MISS)
+            counts.hits += raw.count(HIT) * times
+            counts.misses += raw.count(MISS) * times
         return reply
 
     def _count_namespace(self, ns: bytes) -> NamespaceCounts:
@@ -648,8 +618,7 @@ class Service:
                     statuses.append(ReserveStatus.REFUSED)
                     self.counters.reservations.inc("refused")
                     continue
-                for victim, _ in evicted:
-                    self._invalidate(victim)
+                self._evicted(evicted)  # announced, and written back where the policy says
             self.pending.reserve(key, owner, deadline, size, now)
             self.counters.reservations.inc("granted")
             statuses.append(ReserveStatus.GRANTED)
@@ -915,11 +884,8 @@ class Service:
     async def _write_durably(self, held: list[tuple[bytes, Buffer]], missing: list[bytes]) -> None:
         disk, ram = self.disk, self.ram
         try:
-            if disk is not None:
+            if disk is not None:  # (each write announces itself: _disk_writing)
                 await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
-                if self.events.subscriptions:
-                    for key, _ in held:
-                        self.events.emit(EventKind.STORED, key, EventTier.DISK)
         finally:
             for _, v in held:
                 ram.let_go(v)
@@ -973,9 +939,9 @@ class Service:
             events.emit_many(EventKind.EVICTED, gone)
         self.propagation.evicted(evicted)
 
-    async def _disk_write(self, key: bytes, value: Buffer) -> None:
-        assert self.disk is not None
-        await self.disk.write(key, value)
+    def _disk_writing(self, key: bytes) -> None:
+        """A file write of ``key`` began: the disk holds it from now on (a
+        read waits for the write to land), as a lookup finds it."""
         if self.events.subscriptions:
             self.events.emit(EventKind.STORED, key, EventTier.DISK)
 
@@ -1049,6 +1015,65 @@ class Service:
             ]
         out.append(BlockEvent(seq, EventKind.SNAPSHOT_END))
         return out
+
+    # ------------------------------------------------------------ LOOKUP PROCESS
+
+    def feed(self, write: Callable[[Records], None]) -> None:
+        """Start the lookup process's feed (docs/lookup-process.md): a reset
+        and a snapshot of what is held and pending now, then, from now on,
+        every change, through ``write``, as it happens (before any reply
+        that confirms it)."""
+        assert self._feed is None, "one lookup process per daemon"
+        records: Records = [(FeedOp.RESET, b"")]
+        records += [(FeedOp.HELD, e.key) for e in self.snapshot() if e.key]
+        records += [(FeedOp.PENDING, r.key) for r in self.pending.table.all()]
+        disk = self.disk
+        scan = disk.scan_done if disk is not None and disk.scanning else None
+        if scan is not None:
+            records.append((FeedOp.SCANNING, b""))
+        write(records)
+        tap = self._feed = FeedTap(write)
+        self.events.add_own(tap)
+
+        def pending(key: bytes, now: bool) -> None:
+            write([(FeedOp.PENDING if now else FeedOp.SETTLED, key)])
+
+        def scanned(_: object) -> None:
+            if self._feed is tap:
+                write([(FeedOp.SCANNED, b"")])
+
+        self.pending.table.watch(pending)
+        if scan is not None:
+            scan.add_done_callback(scanned)
+
+    def stop_feed(self) -> None:
+        """The lookup process is gone: write no more."""
+        if self._feed is not None:
+            self.events.unsubscribe(self._feed)
+            self.pending.table.unwatch()
+            self._feed = None
+
+    def holds(self, key: bytes) -> bool:
+        """Whether a local tier (RAM, the disk) holds ``key`` now."""
+        disk = self.disk
+        return self.ram.contains(key) or (disk is not None and disk.contains(key))
+
+    def looked_up(self, req: Lookup, states: bytes, count: int = 1) -> None:
+        """A lookup the lookup process answered (``count`` times alike): what
+        the daemon's own lookup does after its answer (touches, once; the
+        disk hits read ahead, the reader's bound, the counts, each time), as
+        things stand now."""
+        if req.peek:
+            self.counters.lookup_peeks.value += count
+        ram, disk = self.ram.resident(), self.disk
+        keys = req.keys
+        on_disk: list[int] = []
+        if disk is not None:
+            on_disk = [i for i, k in enumerate(keys) if states[i] == HIT and k not in ram]
+            on_disk = [i for i in on_disk if disk.contains(keys[i])]
+        answered = bytearray(states)
+        hits, defer, _ = self._after_look(req, answered, on_disk, self._now())
+        self._answer(LookupReply(states, hits, defer), keys, count)
 
     # ------------------------------------------------------------ STATS
 

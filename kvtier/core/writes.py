@@ -66,9 +66,22 @@ class ReservationTable:
         self.get: Callable[[bytes], Reservation | None] = self._by_key.get
         #: keys reserved by each client connection (promotions are not indexed)
         self._by_owner: dict[ConnId, set[bytes]] = {}
+        #: while watched (:meth:`watch`): told of each key's change of pending
+        #: state (the key, and whether it is pending now)
+        self._watcher: Callable[[bytes, bool], None] | None = None
 
     def __repr__(self) -> str:
-        return f"<ReservationTable pending={len(self._by_key)} owners={len(self._by_owner)}>"
+        watched = " watched" if self._watcher is not None else ""
+        return (
+            f"<ReservationTable pending={len(self._by_key)} owners={len(self._by_owner)}{watched}>"
+        )
+
+    def watch(self, watcher: Callable[[bytes, bool], None]) -> None:
+        """Tell ``watcher`` of every key's change of pending state from now on."""
+        self._watcher = watcher
+
+    def unwatch(self) -> None:
+        self._watcher = None
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -90,6 +103,8 @@ class ReservationTable:
         self._by_key[key] = res
         if isinstance(owner, ConnId):
             self._by_owner.setdefault(owner, set()).add(key)
+        if self._watcher is not None:
+            self._watcher(key, True)
         return res
 
     def end(self, res: Reservation, how: End) -> bool:
@@ -103,6 +118,8 @@ class ReservationTable:
                 keys.discard(res.key)
                 if not keys:
                     del self._by_owner[res.owner]
+        if self._watcher is not None:
+            self._watcher(res.key, False)
         if not res.done.done():
             res.done.set_result(how)
         return True

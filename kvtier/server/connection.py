@@ -24,7 +24,7 @@ import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
@@ -72,6 +72,9 @@ class Reply:
     data: list[Buffer] = field(default_factory=list)
     on_sent: Callable[[], None] | None = None
     then: Callable[[], None] | None = None
+    #: the keys ``then`` stores: the lookup process hears of them before the
+    #: reply goes, and of any not stored after ``then``
+    holds: Sequence[bytes] = ()
 
 
 @dataclass(slots=True)
@@ -432,6 +435,9 @@ class Connection(asyncio.BufferedProtocol):
             self._maybe_finish()
 
     def _reply(self, opcode: int, request_id: int, reply: Reply) -> None:
+        feed = self.server.feed if reply.holds else None
+        if feed is not None:
+            feed.announce(reply.holds)
         try:
             self._write(
                 wire.frame_parts(opcode, request_id, reply.meta, reply.data, flags=FLAG_REPLY)
@@ -444,6 +450,8 @@ class Connection(asyncio.BufferedProtocol):
                     reply.then()
                 except Exception:  # answered already: only the log can tell
                     log.exception("after the reply to %s #%d", OP_NAMES.get(opcode), request_id)
+            if feed is not None:
+                feed.settle(reply.holds)
 
     async def push(self, opcode: int, request_id: int, meta: Buffer) -> None:
         """One more reply to a streaming request (flag MORE), once the

@@ -364,16 +364,17 @@ class Ops:
                 conn.conn_id, c.key, c.offset, c.length, checksum, c.keep_room
             )
             meta, store = wire.encode_commit_reply(copied.statuses[0], room), copied.store
+            holds = copied.keys
         else:
             status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
-            meta, store = wire.encode_put_reply([status]), None
+            meta, store, holds = wire.encode_put_reply([status]), None, ()
         if frame.header.flags & wire.FLAG_DURABLE:
             if store is not None:
                 store()  # now: the disk write is of what RAM holds in this step
             durable = self.service.make_durable([c.key], [None])
             return Later(durable, lambda _: Reply(meta))
         # answered first, stored right after (an in-place block: Copied)
-        return Reply(meta, then=store)
+        return Reply(meta, then=store, holds=holds)
 
     def unstage(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)
@@ -493,7 +494,7 @@ def _put_reply(statuses: list[PutStatus]) -> Reply:
 
 
 def _copied_reply(copied: Copied) -> Reply:
-    return Reply(wire.encode_put_reply(copied.statuses), then=copied.store)
+    return Reply(wire.encode_put_reply(copied.statuses), then=copied.store, holds=copied.keys)
 
 
 def _lookup_reply(reply: LookupReply) -> Reply:

@@ -24,6 +24,7 @@ from kvtier.loops import IdlePoll
 from kvtier.model import CacheService, EventSource, SharedService, Spawn
 from kvtier.server.connection import Connection
 from kvtier.server.gate import PeerGate, Refusal
+from kvtier.server.lookups import FeedWriter
 from kvtier.server.ops import NamespaceAccess, Ops
 from kvtier.server.sockets import PeerPolicy
 
@@ -41,6 +42,8 @@ class ServerCounters:
         self.connections_refused = Counts("reason")
         self.received_bytes = Counts().bind()
         self.sent_bytes = Counts().bind()
+        #: lookups the lookup process answered and referred to the daemon
+        self.lookup_process = Counts("outcome")
 
     def __repr__(self) -> str:
         return (
@@ -94,6 +97,9 @@ class Server:
         self.counters = ServerCounters()
         #: keeps the loop polling a while after each request arrives
         self.idle_poll = idle_poll if idle_poll is not None else IdlePoll(0)
+        #: the lookup process's feed (replies that confirm a store filed after
+        #: them announce it); None without a lookup process
+        self.feed: FeedWriter | None = None
         self.handshake_timeout = handshake_timeout
         self.max_unauthenticated = max_unauthenticated
         #: connections not admitted yet, oldest first, and their deadline timers
@@ -149,6 +155,7 @@ class Server:
             "connections": len(self.connections),
             "requests_waiting": sum(c.inflight for c in self.connections),
             "version": self.server_name,
+            "lookup_process": self.feed.stats() if self.feed is not None else {"state": "off"},
         }
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:

@@ -57,7 +57,8 @@ from typing import Any, TypeVar
 import xxhash
 
 from kvtier import cma
-from kvtier.core.service import check_keys, check_sizes
+from kvtier.core.lookup import check_keys
+from kvtier.core.service import check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
 from kvtier.model import (
@@ -469,7 +470,7 @@ class SharedBlocks:
                 return None
 
         if not renew:
-            return Copied([PutStatus.STORED], store), None
+            return Copied([PutStatus.STORED], store, [key]), None
         if self.ram.budget.shares is not None:
             # A namespace's share counts its blocks, not its rooms: the next
             # room is made once this block is in, so that the two fit its max
@@ -488,13 +489,13 @@ class SharedBlocks:
                 self._drop_staged(ready)
             renewed = next_room()
         if renewed is None:
-            return Copied([PutStatus.STORED], store), None
+            return Copied([PutStatus.STORED], store, [key]), None
 
         def store_and_prepare() -> None:
             store()
             self._prepare(owner, length, room.namespace)
 
-        return Copied([PutStatus.STORED], store_and_prepare), renewed
+        return Copied([PutStatus.STORED], store_and_prepare, [key]), renewed
 
     def _verify(self, block: memoryview, checksum: int, key: bytes, what: str) -> None:
         """Refuse (and count) a block whose bytes do not match its checksum."""
@@ -714,7 +715,8 @@ class SharedBlocks:
             if not region.closed:  # (its connection is still there)
                 self._make_region_rooms(owner, lengths, namespace)
 
-        return Copied(statuses, store_answered)
+        stored = [k for k, s in zip(arriving, answered, strict=True) if s is PutStatus.STORED]
+        return Copied(statuses, store_answered, stored)
 
     def _rooms_for(self, owner: ConnId, lengths: Sequence[int]) -> list[memoryview]:
         """The rooms made for ``owner``'s PUT_REGION of blocks of ``lengths``:

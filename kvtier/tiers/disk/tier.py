@@ -82,6 +82,10 @@ class DiskTier(LocalTier):
         self.on_evict: Callable[[list[bytes]], None] | None = None
         #: told the keys each bucket of the index rebuild finds
         self.on_found: Callable[[list[bytes]], None] | None = None
+        #: told a key whose file write begins: from then on the tier holds it
+        #: (a read waits for the write to land); a write that fails is told
+        #: to ``on_evict``
+        self.on_writing: Callable[[bytes], None] | None = None
         self.fsync = fsync
         #: the disk's I/O threads: every blocking file operation runs here
         self.executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
@@ -274,6 +278,8 @@ class DiskTier(LocalTier):
             self._writing[key] = done
             self._file_writes.add(key)
             self.budget.hold(size)
+            if self.on_writing is not None:
+                self.on_writing(key)
             path = self.path_of(key)
             try:
                 await loop.run_in_executor(
@@ -281,6 +287,8 @@ class DiskTier(LocalTier):
                 )
             except OSError as exc:
                 self.write_errors += 1
+                if self.on_evict is not None:
+                    self.on_evict([key])  # not held after all
                 if exc.errno == errno.ENOSPC:
                     self.enospc += 1
                     raise TierError(f"disk full writing {path}: {exc.strerror}") from exc

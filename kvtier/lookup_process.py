@@ -1,0 +1,97 @@
+"""The lookup process: ``python -m kvtier.lookup_process SETTINGS``, started by the daemon.
+
+It answers LOOKUP on a socket of its own from a replica of what the daemon
+holds (docs/lookup-process.md), so that a lookup does not queue behind the
+daemon's loop while blocks stream in. This module wires the replica
+(:mod:`kvtier.core.replica`) to the process's sockets
+(:mod:`kvtier.server.lookups`); the daemon starts it with the socket pair's
+other end and the feed ring's memory file as descriptors, and its
+:class:`~kvtier.server.lookups.Settings` as JSON, and it runs until
+the feed ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from kvtier import loops, wire
+from kvtier.core.lookup import check_lookup
+from kvtier.core.replica import Replica
+from kvtier.errors import ForbiddenError, UnsupportedVersionError
+from kvtier.model import DEFAULT_NAMESPACE, DEFAULT_NAMESPACE_NAME, Limits, Lookup, LookupReply
+from kvtier.server.lookups import LookupListener, Settings
+from kvtier.server.ops import NamespaceAccess
+from kvtier.server.sockets import PeerPolicy
+from kvtier.wire.replica import FeedRing
+
+
+def build(settings: Settings) -> tuple[LookupListener, Replica]:
+    limits = Limits(settings.max_key_bytes, settings.max_batch, settings.max_block_bytes)
+    replica = Replica(remotes=settings.remotes)
+
+    def answer(req: Lookup) -> LookupReply | None:
+        check_lookup(limits, req)
+        return replica.answer(req)
+
+    def hello(req: wire.Hello) -> wire.HelloReply:
+        version = wire.negotiate_version(req)
+        if version is None:
+            raise UnsupportedVersionError(
+                f"client speaks versions {req.min_version}..{req.max_version}; "
+                f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
+            )
+        if req.namespace not in ("", DEFAULT_NAMESPACE_NAME):
+            raise ForbiddenError("a named namespace looks up through the daemon's socket")
+        return wire.HelloReply(
+            version=version,
+            max_key_bytes=settings.max_key_bytes,
+            max_batch=settings.max_batch,
+            max_frame_bytes=settings.max_frame_bytes,
+            max_block_bytes=settings.max_block_bytes,
+            server_name=settings.server_name,
+        )
+
+    uids = None if settings.uids is None else frozenset(settings.uids)
+    with open(settings.ring_fd, "r+b", buffering=0) as ring_file:
+        mem = mmap.mmap(ring_file.fileno(), 0)
+    listener = LookupListener(
+        socket.socket(fileno=settings.report_fd),
+        FeedRing(memoryview(mem)),
+        apply=replica.apply,
+        answer=answer,
+        hello=hello,
+        peers=PeerPolicy(uids, frozenset(settings.gids)),
+        access=NamespaceAccess(
+            uids={}
+            if settings.default_uids is None
+            else {DEFAULT_NAMESPACE: frozenset(settings.default_uids)}
+        ),
+        max_frame=settings.max_frame_bytes,
+        max_batch=settings.max_batch,
+    )
+    return listener, replica
+
+
+async def serve(settings: Settings) -> None:
+    listener, _ = build(settings)
+    await listener.serve(Path(settings.path), settings.mode)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s lookups %(message)s")
+    # Its life follows the feed: the daemon ends it when it stops (or dies),
+    # so a signal to the whole group stops the daemon, which stops this.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    settings = Settings.from_json(argv[0])
+    loops.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

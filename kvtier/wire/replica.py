@@ -1,0 +1,167 @@
+"""The lookup process's two streams: the daemon's feed and the process's reports. Pure.
+
+The daemon writes the *feed* (docs/lookup-process.md) into a ring in
+memory both processes map (:class:`FeedRing`): records of what changed in
+what it holds, each a one-byte :class:`~kvtier.model.FeedOp`, a two-byte
+key length and the key. The process writes *reports* on a socket pair:
+each a four-byte length, then a one-byte :class:`~kvtier.model.ReportKind`,
+then for an answered lookup how many times it was asked alike, the states
+it answered (a four-byte count and one byte each) and the LOOKUP's meta as
+the client sent it.
+
+Invariants: the ring's reader reads only records the writer published
+whole, and the writer never overwrites what the reader has not read; a
+report is whole in one decode or not taken (a partial one waits in the
+buffer for its rest); a decoded record never aliases the memory it came
+from.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from kvtier.model import Buffer, FeedOp, Lookup, ReportKind
+from kvtier.wire.codecs import KeyScope, decode_lookup
+from kvtier.wire.framing import CodecError
+
+_FEED_HEAD = struct.Struct("<BH")
+_U32 = struct.Struct("<I")
+_REPORT_HEAD = struct.Struct("<IB")
+_ANSWERED = struct.Struct("<II")  # times asked, states
+
+
+class Report(NamedTuple):
+    """One report of the lookup process."""
+
+    kind: ReportKind
+    #: ANSWERED: the lookup, its states, and how many times it was asked
+    lookup: Lookup | None = None
+    states: bytes = b""
+    times: int = 0
+
+
+_FEED_OPS = {int(op): op for op in FeedOp}
+_REPORT_KINDS = {int(kind): kind for kind in ReportKind}
+
+
+#: the ring's header: bytes written (the daemon's), bytes read (the process's)
+_RING_HEAD = struct.Struct("<I4xI4x")
+RING_HEADER = 64
+#: a record's op byte that says: nothing more before the ring wraps
+_PAD = 0
+_MASK = 0xFFFFFFFF
+
+
+class FeedRing:
+    """The feed: a ring of records in memory both processes map.
+
+    The daemon :meth:`write` s records and then publishes how many bytes it
+    has written; the process :meth:`read` s up to that and then publishes
+    how many it has read. Each side writes only its own counter (a 4-byte
+    aligned store), and a record is published only once it is whole, so
+    neither waits for the other. A record that would not fit before the
+    ring's end starts at its beginning (a PAD byte, or too few bytes for a
+    head, marks the gap). A write that would overtake the reader takes
+    nothing and says so: the process has fallen behind.
+    """
+
+    def __init__(self, mem: memoryview) -> None:
+        self._mem = mem
+        self.size = len(mem) - RING_HEADER
+        if self.size <= _FEED_HEAD.size or self.size & (self.size - 1):
+            raise ValueError("a feed ring's data is a power of two bytes")
+        self._data = mem[RING_HEADER:]
+
+    def __repr__(self) -> str:
+        written, read = _RING_HEAD.unpack_from(self._mem, 0)
+        return f"<FeedRing size={self.size} written={written} read={read}>"
+
+    def write(self, records: list[tuple[FeedOp, bytes]]) -> bool:
+        """Append ``records`` (all or none); False when they do not fit."""
+        written, read = _RING_HEAD.unpack_from(self._mem, 0)
+        size, data, pack = self.size, self._data, _FEED_HEAD.pack_into
+        free = size - ((written - read) & _MASK)
+        pos = written
+        for op, key in records:
+            at = pos % size
+            need = _FEED_HEAD.size + len(key)
+            if need > size:
+                raise ValueError(f"a feed record of {need} bytes is larger than the ring")
+            gap = size - at if at + need > size else 0  # the rest of the ring, skipped
+            if ((pos - written) & _MASK) + gap + need > free:
+                return False
+            if gap:
+                data[at] = _PAD
+                pos += gap
+                at = 0
+            pack(data, at, op, len(key))
+            data[at + _FEED_HEAD.size : at + need] = key
+            pos += need
+        struct.pack_into("<I", self._mem, 0, pos & _MASK)  # published
+        return True
+
+    def read(self) -> list[tuple[FeedOp, bytes]]:
+        """The records published since the last read, in order."""
+        written, pos = _RING_HEAD.unpack_from(self._mem, 0)
+        size, data, unpack = self.size, self._data, _FEED_HEAD.unpack_from
+        out: list[tuple[FeedOp, bytes]] = []
+        while pos != written:
+            at = pos % size
+            if at + _FEED_HEAD.size > size or data[at] == _PAD:
+                pos = (pos + size - at) & _MASK
+                continue
+            op, n = unpack(data, at)
+            kind = _FEED_OPS.get(op)
+            if kind is None or at + _FEED_HEAD.size + n > size:
+                raise CodecError(f"bad feed record at {pos}")
+            out.append((kind, bytes(data[at + _FEED_HEAD.size : at + _FEED_HEAD.size + n])))
+            pos = (pos + _FEED_HEAD.size + n) & _MASK
+        struct.pack_into("<I", self._mem, 8, pos)  # read up to here
+        return out
+
+
+def encode_report(
+    kind: ReportKind, lookup: Buffer = b"", states: bytes = b"", count: int = 1
+) -> bytes:
+    """A report; for ANSWERED, ``lookup`` is the LOOKUP's meta as it came,
+    asked ``count`` times with the same answer."""
+    if kind is not ReportKind.ANSWERED:
+        return _REPORT_HEAD.pack(1, kind)
+    head = _REPORT_HEAD.pack(1 + _ANSWERED.size + len(states) + len(lookup), kind)
+    return b"".join((head, _ANSWERED.pack(count, len(states)), states, lookup))
+
+
+def decode_reports(buf: bytearray, scope: KeyScope | None = None) -> list[Report]:
+    """The whole reports at the start of ``buf``, removed from it; an
+    answered lookup's keys decoded in ``scope`` (as the process did)."""
+    out: list[Report] = []
+    pos, end = 0, len(buf)
+    while pos + _U32.size <= end:
+        (n,) = _U32.unpack_from(buf, pos)
+        if n < 1:
+            raise CodecError("empty report")
+        if pos + _U32.size + n > end:
+            break
+        body = bytes(buf[pos + _U32.size : pos + _U32.size + n])
+        kind = _REPORT_KINDS.get(body[0])
+        if kind is None:
+            raise CodecError(f"unknown report kind {body[0]}")
+        out.append(_decode_answered(body, scope) if kind is ReportKind.ANSWERED else Report(kind))
+        pos += _U32.size + n
+    del buf[:pos]
+    return out
+
+
+def _decode_answered(body: bytes, scope: KeyScope | None) -> Report:
+    at = 1 + _ANSWERED.size
+    if len(body) < at:
+        raise CodecError("truncated report")
+    count, n = _ANSWERED.unpack_from(body, 1)
+    if at + n > len(body):
+        raise CodecError("truncated report states")
+    states = body[at : at + n]
+    req = decode_lookup(memoryview(body)[at + n :], None, scope)
+    if len(req.keys) != n:
+        raise CodecError(f"report of {len(req.keys)} keys with {n} states")
+    return Report(ReportKind.ANSWERED, req, states, count)

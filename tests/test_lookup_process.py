@@ -1,0 +1,312 @@
+"""The lookup process: its replica alone, its streams, and a real one beside a daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import random
+import signal
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.client.aio import Client
+from kvtier.core.events import EventLog
+from kvtier.core.replica import FeedTap, Replica
+from kvtier.daemon import Daemon
+from kvtier.errors import ForbiddenError, UnknownOpcodeError
+from kvtier.model import (
+    HIT,
+    MISS,
+    PENDING,
+    EventKind,
+    EventTier,
+    FeedOp,
+    Lookup,
+    LookupMode,
+    ReportKind,
+)
+from kvtier.server.lookups import FeedWriter
+from kvtier.tiers.base import Tier
+from kvtier.tiers.memory import MemoryRemoteTier
+from kvtier.wire import CodecError, encode_lookup
+from kvtier.wire.framing import Op
+from kvtier.wire.replica import RING_HEADER, FeedRing, Report, decode_reports, encode_report
+from tests.helpers import running_daemon, wait_until
+
+RAM_ONLY = {"enabled": False}
+ON = {"lookup_process": True}
+
+
+def replica_of(held: list[bytes], pending: list[bytes] = (), **kw: bool) -> Replica:  # type: ignore[assignment]
+    replica = Replica(remotes=kw.get("remotes", False))
+    replica.apply([(FeedOp.HELD, k) for k in held] + [(FeedOp.PENDING, k) for k in pending])
+    if kw.get("scanning"):
+        replica.apply([(FeedOp.SCANNING, b"")])
+    return replica
+
+
+# -- the replica alone
+
+
+def test_the_replica_answers_held_pending_and_missing_keys_as_the_daemon_orders_them() -> None:
+    replica = replica_of([b"a", b"b", b"d", b"p"], [b"c", b"p"])
+    reply = replica.answer(Lookup([b"a", b"b", b"c", b"d", b"e"], LookupMode.PREFIX))
+    assert reply is not None
+    assert list(reply.raw_states) == [HIT, HIT, PENDING, HIT, MISS]
+    assert (reply.prefix_hits, reply.defer) == (2, True)  # c may lengthen it
+    # Held wins over pending (a block being written again reads HIT).
+    reply = replica.answer(Lookup([b"p", b"e"], LookupMode.KEYS))
+    assert reply is not None and list(reply.raw_states) == [HIT, MISS]
+    assert (reply.prefix_hits, reply.defer) == (1, False)
+    window = replica.answer(Lookup([b"e", b"a", b"b"], LookupMode.SLIDING_WINDOW, window=2))
+    assert window is not None and window.prefix_hits == 3
+    replica.apply([(FeedOp.GONE, b"a"), (FeedOp.SETTLED, b"c")])
+    reply = replica.answer(Lookup([b"a", b"c"], LookupMode.PREFIX))
+    assert reply is not None and list(reply.raw_states) == [MISS, MISS]
+    assert "held=3 pending=1" in repr(replica)
+    replica.apply([(FeedOp.RESET, b""), (FeedOp.HELD, b"z")])
+    assert (len(replica.held), len(replica.pending)) == (1, 0)
+
+
+def test_the_replica_refers_what_only_the_daemon_can_answer() -> None:
+    keys = [b"a", b"x"]
+    # A key nothing holds here may be on a remote tier, or on a disk not indexed yet.
+    assert replica_of([b"a"], remotes=True).answer(Lookup(keys, LookupMode.PREFIX)) is None
+    assert replica_of([b"a"], scanning=True).answer(Lookup(keys, LookupMode.PREFIX)) is None
+    held = replica_of([b"a", b"x"], remotes=True, scanning=True).answer(Lookup(keys))
+    assert held is not None and held.prefix_hits == 2  # every key held: no doubt
+    # A wait on a PENDING key, and the reader's bound on one, are the daemon's.
+    pending = replica_of([b"a"], [b"x"])
+    assert pending.answer(Lookup(keys, LookupMode.PREFIX, wait=1.0)) is None
+    bounded = Lookup(keys, LookupMode.PREFIX, max_pending_wait=1.0, request_tag=b"r")
+    assert pending.answer(bounded) is None
+    nothing_pending = replica_of([b"a"])
+    assert nothing_pending.answer(Lookup(keys, LookupMode.PREFIX, wait=1.0)) is not None
+    scanned = replica_of([b"a"], scanning=True)
+    scanned.apply([(FeedOp.SCANNED, b"")])
+    assert scanned.answer(Lookup(keys, LookupMode.PREFIX)) is not None
+
+
+def test_block_events_become_feed_records_as_they_are_emitted() -> None:
+    written: list[tuple[FeedOp, bytes]] = []
+    log = EventLog()
+    log.add_own(FeedTap(written.extend))
+    assert log.stats().subscribers == 0  # the daemon's own
+    log.emit(EventKind.STORED, b"a", EventTier.RAM)
+    log.emit_many(EventKind.EVICTED, [b"b", b"c"])
+    log.emit(EventKind.DELETED, b"d")
+    assert written == [
+        (FeedOp.HELD, b"a"),
+        (FeedOp.GONE, b"b"),
+        (FeedOp.GONE, b"c"),
+        (FeedOp.GONE, b"d"),
+    ]
+
+
+def test_the_feed_ring_hands_over_every_record_in_order_and_refuses_to_overtake() -> None:
+    mem = memoryview(mmap.mmap(-1, RING_HEADER + 256))
+    writer, reader = FeedRing(mem), FeedRing(mem)
+    # Start near the counters' wrap, so that it is crossed too.
+    struct.pack_into("<I4xI", mem, 0, 2**32 - 100, 2**32 - 100)
+    rng = random.Random(3)
+    sent: list[tuple[FeedOp, bytes]] = []
+    got: list[tuple[FeedOp, bytes]] = []
+    refused = 0
+    for _ in range(5000):
+        records = [
+            (rng.choice(list(FeedOp)), os.urandom(rng.randrange(0, 60)))
+            for _ in range(rng.randrange(1, 4))
+        ]
+        if writer.write(records):
+            sent += records
+        else:
+            refused += 1  # all or nothing: the reader is a ring behind
+        if rng.random() < 0.4:
+            got += reader.read()
+    got += reader.read()
+    assert got == sent and refused > 0
+    assert "written=" in repr(writer)
+    with pytest.raises(ValueError, match="larger than the ring"):
+        writer.write([(FeedOp.HELD, b"k" * 300)])
+    with pytest.raises(ValueError, match="power of two"):
+        FeedRing(memoryview(bytearray(RING_HEADER + 100)))
+
+
+def test_the_report_stream_decodes_whole_reports_only() -> None:
+    req = Lookup([b"a", b"b"], LookupMode.PREFIX, request_tag=b"t")
+    meta = encode_lookup(req)
+    stream = encode_report(ReportKind.READY) + encode_report(ReportKind.ANSWERED, meta, b"\x01\x00")
+    buf = bytearray(stream[:-1])
+    assert decode_reports(buf) == [Report(ReportKind.READY)]
+    buf += stream[-1:]
+    assert decode_reports(buf) == [Report(ReportKind.ANSWERED, req, b"\x01\x00", 1)]
+    again = encode_report(ReportKind.ANSWERED, meta, b"\x01\x00", 5)
+    assert decode_reports(bytearray(again))[0].times == 5
+    with pytest.raises(CodecError, match="2 keys with 1 states"):
+        decode_reports(bytearray(encode_report(ReportKind.ANSWERED, meta, b"\x01")))
+    with pytest.raises(CodecError, match="unknown report kind"):
+        decode_reports(bytearray(b"\x01\x00\x00\x00\x63"))
+
+
+# -- a real lookup process beside a daemon
+
+
+@asynccontextmanager
+async def with_lookup_process(
+    sock_dir: Path, remote_tiers: list[Tier] | None = None, **sections: Any
+) -> AsyncIterator[Daemon]:
+    server = {**ON, **sections.pop("server", {})}
+    async with running_daemon(sock_dir, remote_tiers, server=server, **sections) as d:
+        assert d.server.feed is not None
+        async with asyncio.timeout(60):
+            await d.server.feed.listening.wait()
+        yield d
+    assert d.lookup_process is not None and d.lookup_process.returncode is not None
+    assert not Path(f"{d.socket_path}.lookups").exists()  # it cleaned up as it stopped
+
+
+def feed_of(d: Daemon) -> FeedWriter:
+    assert d.server.feed is not None
+    return d.server.feed
+
+
+async def answered(d: Daemon, n: int, referred: int = 0) -> None:
+    """Until the daemon has heard of ``n`` lookups answered at the process
+    (and ``referred`` referred): it reports within a few milliseconds."""
+    feed = feed_of(d)
+    await wait_until(lambda: (feed.answered, feed.referred) >= (n, referred), limit=1_000_000)
+
+
+async def test_the_process_answers_as_the_daemon_would_right_after_each_change(
+    sock_dir: Path,
+) -> None:
+    rng = random.Random(7)
+    keys = [f"k{i:03d}".encode() for i in range(40)]
+    async with (
+        with_lookup_process(sock_dir, ram={"capacity": "1MiB"}, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path) as c,
+        await Client.connect(d.socket_path, lookup_process=False) as direct,
+    ):
+        assert c.lookups_process and not direct.lookups_process
+        asked = 0
+        for step in range(120):
+            pick = rng.sample(keys, rng.randint(1, 6))
+            action = rng.random()
+            if action < 0.45:  # small blocks over the socket, large ones in place
+                size = rng.choice([4096, 100_000])
+                await c.put_many(pick, [os.urandom(size)] * len(pick))
+            elif action < 0.6:
+                await c.delete_many(pick)
+            elif action < 0.75:
+                await c.reserve(pick, [4096] * len(pick))  # PENDING until put or aborted
+            elif action < 0.85:
+                await c.abort(pick)
+            probe = rng.sample(keys, 12)
+            for mode in (LookupMode.PREFIX, LookupMode.KEYS):
+                # At once, after the acknowledgement: each of the process's
+                # answers must be the daemon's (peeks leave the order alone).
+                there = await c.lookup(probe, mode=mode, peek=True)
+                here = await direct.lookup(probe, mode=mode, peek=True)
+                assert there == here, f"step {step}: {there} != {here}"
+                asked += 1
+        await answered(d, asked)  # (the process reports within a few ms)
+        stats = (await c.stats())["server"]["lookup_process"]
+        assert stats["state"] == "listening"
+        assert (stats["answered"], stats["referred"]) == (asked, 0)  # RAM only: all answered
+        assert d.service.counters.lookup_peeks.value == 2 * asked  # both sides counted
+
+
+async def test_lookups_answered_at_the_process_keep_blocks_warm(sock_dir: Path) -> None:
+    block = 200_000  # five fit in 1 MiB
+    async with (
+        with_lookup_process(
+            sock_dir, ram={"capacity": "1MiB", "policy": "lru"}, disk=RAM_ONLY
+        ) as d,
+        await Client.connect(d.socket_path, shared=False) as c,
+    ):
+        first = [b"a", b"b", b"c", b"d", b"e"]
+        await c.put_many(first, [os.urandom(block)] * 5)
+        reply = await c.lookup([b"a"], mode=LookupMode.PREFIX)  # at the process
+        assert reply.prefix_hits == 1
+        await answered(d, 1)  # its touch reached the daemon's eviction order
+        await c.put_many([b"f", b"g"], [os.urandom(block)] * 2)
+        states = await c.lookup(first, mode=LookupMode.KEYS, peek=True)
+        assert list(states.raw_states) == [HIT, MISS, MISS, HIT, HIT]
+        await answered(d, 2)
+        value = d.metrics.registry.get_sample_value
+        assert value("kvtier_lookup_process_lookups_total", {"outcome": "answered"}) == 2
+        assert value("kvtier_lookup_keys_total", {"state": "hit"}) == 1 + 3
+        assert value("kvtier_lookup_keys_total", {"state": "miss"}) == 2
+
+
+async def test_a_lookup_the_process_cannot_answer_is_answered_by_the_daemon(
+    sock_dir: Path,
+) -> None:
+    tier = MemoryRemoteTier("mem")
+    tier.blocks[b"far"] = b"from elsewhere"
+    async with (
+        with_lookup_process(sock_dir, remote_tiers=[tier], disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path, shared=False) as c,
+    ):
+        await c.put(b"near", b"here")
+        held = await c.lookup([b"near"], mode=LookupMode.PREFIX)
+        assert held.prefix_hits == 1  # every key held: the process answers
+        reply = await c.lookup([b"near", b"far"], mode=LookupMode.PREFIX, wait=5.0)
+        assert reply.prefix_hits == 2  # the daemon probed the remote tier
+        await answered(d, 1, referred=1)
+        assert feed_of(d).stats()["referred"] == 1
+        assert d.server.counters.lookup_process.total() == 2
+
+
+async def test_when_the_process_dies_lookups_go_to_the_daemon(sock_dir: Path) -> None:
+    async with (
+        with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path, shared=False) as c,
+    ):
+        await c.put(b"k", b"v")
+        assert (await c.lookup([b"k"])).prefix_hits == 1
+        proc = d.lookup_process
+        assert proc is not None
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        feed = feed_of(d)
+        await wait_until(lambda: feed.ended, limit=1_000_000)  # its end closed
+        assert (await c.lookup([b"k"])).prefix_hits == 1  # asked the daemon
+        assert not c.lookups_process
+        await c.put(b"j", b"w")
+        assert (await c.lookup([b"j", b"k"], mode=LookupMode.PREFIX)).prefix_hits == 2
+        assert (await c.stats())["server"]["lookup_process"]["state"] == "ended"
+        async with await Client.connect(d.socket_path, shared=False) as later:
+            assert not later.lookups_process  # nothing listens there any more
+            assert (await later.lookup([b"j"])).prefix_hits == 1
+
+
+async def test_the_lookup_socket_answers_lookups_only(sock_dir: Path) -> None:
+    async with (
+        with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path, namespace="tenant", shared=False) as tenant,
+    ):
+        path = Path(f"{d.socket_path}.lookups")
+        assert not tenant.lookups_process  # a named namespace asks the daemon
+        await tenant.put(b"k", b"v")
+        assert (await tenant.lookup([b"k"])).prefix_hits == 1
+        raw = await Client.connect(path, shared=False, lookup_process=False)
+        with pytest.raises(UnknownOpcodeError, match="answers LOOKUP only"):
+            await raw.get(b"k")
+        assert (await raw.lookup([b"k"])).prefix_hits == 0  # the default namespace's k
+        with pytest.raises(ForbiddenError):
+            await Client.connect(path, namespace="tenant", lookup_process=False)
+        # A broken frame closes its own connection, and no other.
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        writer.write(b"\x00" * 64)
+        await writer.drain()
+        assert await reader.read() != b""  # an error frame, then EOF
+        writer.close()
+        assert (await raw.request(Op.PING, b"x")).meta == b"x"
+        await raw.close()
