@@ -9,10 +9,13 @@ once through staging (one block per PUT), once written in place (one block
 per PUT, the client's default for a large block; each writer a fresh
 process, so it faults the arena's pages in as it goes) and once in batches
 of 4 that the daemon copies out of the writer's memory (cross-memory
-attach, docs/shared-memory.md). Five rounds, each measuring idle again
-right before its writers (this machine's quiet moments move): prints the
-medians over the rounds of p50, p99, max, the p99's ratio to its round's
-idle p99, and the writers' GB/s.
+attach, docs/shared-memory.md). Each lookup path in turn: through the
+lookup process (the default; docs/lookup-process.md) and through the
+daemon's own socket (a client with ``lookup_process=False``). Five rounds,
+each measuring idle again right before its writers (this machine's quiet
+moments move): prints the medians over the rounds of p50, p99, max, the
+p99's ratio to its round's idle p99 (same path), the writers' GB/s, and
+the lookups answered per second.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ CHAIN = 512
 IDLE_LOOKUPS = 1000
 ROUNDS = 5
 MODES = ("socket", "staged", "in-place", "cross-memory")
+#: lookup paths: the client option that picks each
+PATHS = {"lookup process": True, "daemon socket": False}
 
 _WRITER = """
 import asyncio, os, sys, time
@@ -83,7 +88,7 @@ async def lookups_until(client: Client, chain: list[bytes], done: asyncio.Event)
 
 async def under_writers(
     sock: str, client: Client, chain: list[bytes], mode: str
-) -> tuple[list[float], str]:
+) -> tuple[list[float], str, float]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -96,38 +101,44 @@ async def under_writers(
     assert proc.stdout is not None
     assert (await proc.stdout.readline()).strip() == b"go"
     done = asyncio.Event()
+    started = time.perf_counter()
     measuring = asyncio.ensure_future(lookups_until(client, chain, done))
     rate = (await proc.stdout.readline()).decode().strip()
     done.set()
     samples = await measuring
+    per_second = len(samples) / (time.perf_counter() - started)
     await proc.wait()
-    return samples, rate
+    return samples, rate, per_second
 
 
-#: one round: the idle samples, then each mode's samples and its writers' GB/s
-Round = tuple[list[float], dict[str, tuple[list[float], float]]]
+#: one round of one path: the idle samples, then each mode's samples, its
+#: writers' GB/s and the lookups answered per second
+Round = tuple[list[float], dict[str, tuple[list[float], float, float]]]
 
 
-async def measure(sock: str) -> list[Round]:
-    async with await Client.connect(sock) as client:
+async def measure(sock: str) -> dict[str, list[Round]]:
+    async with await Client.connect(sock) as filling:
         filler = os.urandom(MiB)
         for n in range(0, RAM // MiB, 16):  # full: every later store evicts
             keys = [f"fill-{n + i}".encode() for i in range(16)]
-            await client.put_many(keys, [filler] * 16)
+            await filling.put_many(keys, [filler] * 16)
         chain = [f"chain-{i:04d}".encode() for i in range(CHAIN)]
-        await client.put_many(chain, [b"c" * 4096] * CHAIN)
-        rounds: list[Round] = []
-        for _ in range(ROUNDS):
-            idle: list[float] = []
-            for _ in range(IDLE_LOOKUPS):
-                started = time.perf_counter()
-                await client.lookup(chain, mode=LookupMode.PREFIX)
-                idle.append((time.perf_counter() - started) * 1e6)
-            busy: dict[str, tuple[list[float], float]] = {}
-            for mode in MODES:
-                samples, rate = await under_writers(sock, client, chain, mode)
-                busy[mode] = (samples, float(rate))
-            rounds.append((idle, busy))
+        await filling.put_many(chain, [b"c" * 4096] * CHAIN)
+    rounds: dict[str, list[Round]] = {path: [] for path in PATHS}
+    for _ in range(ROUNDS):
+        for path, lookup_process in PATHS.items():
+            async with await Client.connect(sock, lookup_process=lookup_process) as client:
+                assert client.lookups_process == lookup_process, path
+                idle: list[float] = []
+                for _ in range(IDLE_LOOKUPS):
+                    started = time.perf_counter()
+                    await client.lookup(chain, mode=LookupMode.PREFIX)
+                    idle.append((time.perf_counter() - started) * 1e6)
+                busy: dict[str, tuple[list[float], float, float]] = {}
+                for mode in MODES:
+                    samples, rate, per_second = await under_writers(sock, client, chain, mode)
+                    busy[mode] = (samples, float(rate), per_second)
+                rounds[path].append((idle, busy))
     return rounds
 
 
@@ -139,22 +150,28 @@ def main() -> int:
         finally:
             daemon.stop()
     med = statistics.median
-    print(f"prefix LOOKUP of {CHAIN} blocks, medians of {len(rounds)} rounds")
-    print(f"{'':28} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'p99/idle':>9} {'writers GB/s':>13}")
-    idle = [percentiles(samples) for samples, _ in rounds]
-    print(
-        f"{'idle':28} {med(p[0] for p in idle):8.0f} {med(p[1] for p in idle):8.0f}"
-        f" {med(p[2] for p in idle):8.0f} {'1.00x':>9} {'':>13}"
-    )
-    for mode in MODES:
-        figures = [percentiles(busy[mode][0]) for _, busy in rounds]
-        ratios = [f[1] / i[1] for f, i in zip(figures, idle, strict=True)]
-        rate = med(busy[mode][1] for _, busy in rounds)
+    for path, path_rounds in rounds.items():
+        print(f"prefix LOOKUP of {CHAIN} blocks through the {path}, medians of {ROUNDS} rounds")
         print(
-            f"{'8 writers, ' + mode:28} {med(f[0] for f in figures):8.0f}"
-            f" {med(f[1] for f in figures):8.0f} {med(f[2] for f in figures):8.0f}"
-            f" {med(ratios):8.2f}x {rate:13.2f}"
+            f"{'':28} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'p99/idle':>9}"
+            f" {'writers GB/s':>13} {'lookups/s':>10}"
         )
+        idle = [percentiles(samples) for samples, _ in path_rounds]
+        print(
+            f"{'idle':28} {med(p[0] for p in idle):8.0f} {med(p[1] for p in idle):8.0f}"
+            f" {med(p[2] for p in idle):8.0f} {'1.00x':>9}"
+        )
+        for mode in MODES:
+            figures = [percentiles(busy[mode][0]) for _, busy in path_rounds]
+            ratios = [f[1] / i[1] for f, i in zip(figures, idle, strict=True)]
+            rate = med(busy[mode][1] for _, busy in path_rounds)
+            per_second = med(busy[mode][2] for _, busy in path_rounds)
+            print(
+                f"{'8 writers, ' + mode:28} {med(f[0] for f in figures):8.0f}"
+                f" {med(f[1] for f in figures):8.0f} {med(f[2] for f in figures):8.0f}"
+                f" {med(ratios):8.2f}x {rate:13.2f} {per_second:10.0f}"
+            )
+        print()
     return 0
 
 

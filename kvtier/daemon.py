@@ -296,6 +296,7 @@ class Daemon:
             max_frame_bytes=sc.max_frame_bytes,
             server_name=self.server.server_name,
             remotes=bool(self.service.remotes),
+            idle_poll=sc.idle_poll,
         )
         try:
             proc = self.lookup_process = await asyncio.create_subprocess_exec(

@@ -23,6 +23,7 @@ from kvtier import loops, wire
 from kvtier.core.lookup import check_lookup
 from kvtier.core.replica import Replica
 from kvtier.errors import ForbiddenError, UnsupportedVersionError
+from kvtier.loops import IdlePoll
 from kvtier.model import DEFAULT_NAMESPACE, DEFAULT_NAMESPACE_NAME, Limits, Lookup, LookupReply
 from kvtier.server.lookups import LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess
@@ -73,6 +74,7 @@ def build(settings: Settings) -> tuple[LookupListener, Replica]:
         ),
         max_frame=settings.max_frame_bytes,
         max_batch=settings.max_batch,
+        idle_poll=IdlePoll(settings.idle_poll),
     )
     return listener, replica
 

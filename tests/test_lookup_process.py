@@ -7,6 +7,7 @@ import mmap
 import os
 import random
 import signal
+import socket
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,7 +32,9 @@ from kvtier.model import (
     LookupMode,
     ReportKind,
 )
-from kvtier.server.lookups import FeedWriter
+from kvtier.server.lookups import FeedWriter, LookupListener
+from kvtier.server.ops import NamespaceAccess
+from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.base import Tier
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import CodecError, encode_lookup
@@ -113,7 +116,7 @@ def test_the_feed_ring_hands_over_every_record_in_order_and_refuses_to_overtake(
     mem = memoryview(mmap.mmap(-1, RING_HEADER + 256))
     writer, reader = FeedRing(mem), FeedRing(mem)
     # Start near the counters' wrap, so that it is crossed too.
-    struct.pack_into("<I4xI", mem, 0, 2**32 - 100, 2**32 - 100)
+    struct.pack_into("=I4xI", mem, 0, 2**32 - 100, 2**32 - 100)
     rng = random.Random(3)
     sent: list[tuple[FeedOp, bytes]] = []
     got: list[tuple[FeedOp, bytes]] = []
@@ -310,3 +313,42 @@ async def test_the_lookup_socket_answers_lookups_only(sock_dir: Path) -> None:
         writer.close()
         assert (await raw.request(Op.PING, b"x")).meta == b"x"
         await raw.close()
+
+
+async def test_a_full_ring_keeps_the_rest_and_the_process_refers_until_it_is_in() -> None:
+    """Both ends in one loop, over a ring of 256 bytes: what does not fit
+    waits in the daemon, and meanwhile no answer can miss it."""
+    mem = memoryview(mmap.mmap(-1, RING_HEADER + 256))
+    ours, theirs = socket.socketpair()
+    replica = Replica(remotes=False)
+    reports: list[Report] = []
+    writer = FeedWriter(ours, FeedRing(mem), lambda _k: True, reports.append)
+    listener = LookupListener(
+        theirs,
+        FeedRing(mem),
+        apply=replica.apply,
+        answer=replica.answer,
+        hello=lambda _h: pytest.fail("no HELLO here"),
+        peers=PeerPolicy(None),
+        access=NamespaceAccess(),
+        max_frame=1 << 20,
+        max_batch=1024,
+    )
+    keys = [f"key-{i:03d}".encode() for i in range(40)]  # 40 x 10 bytes: more than a ring
+    writer.write([(FeedOp.HELD, k) for k in keys])
+    assert writer.backlogged > 0 and "behind" in repr(FeedRing(mem))
+    meta = encode_lookup(Lookup(keys, LookupMode.PREFIX))
+    assert listener.lookup(meta) is None  # referred: the ring lacks some changes
+    assert listener.behind and len(replica.held) < len(keys)
+
+    # The daemon writes the rest as the process reads (every lookup, every poll).
+    def caught_up() -> bool:
+        listener.catch_up()
+        return not listener.behind
+
+    await wait_until(caught_up, limit=1_000_000)
+    assert writer.backlogged == 0 and writer.written == len(keys)
+    reply = listener.lookup(meta)
+    assert reply is not None and reply.prefix_hits == len(keys)
+    writer.end()
+    theirs.close()

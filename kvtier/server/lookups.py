@@ -37,13 +37,15 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import cast
 
 from kvtier import wire
 from kvtier.errors import ErrorCode, KvtierError
+from kvtier.loops import IdlePoll
 from kvtier.model import Buffer, FeedOp, Lookup, LookupReply, ReportKind
 from kvtier.server.ops import DEFAULT_SCOPE, NamespaceAccess
 from kvtier.server.sockets import PeerPolicy, bind_unix_socket, peer_of
@@ -59,6 +61,10 @@ _RECV = 1 << 18
 FEED_POLL = 0.05
 #: the feed ring's bytes (a power of two): about 100,000 changes between two reads
 FEED_RING_BYTES = 4 << 20
+#: changes the daemon keeps while the ring is full, at most: past it, the feed ends
+FEED_BACKLOG = 1 << 18
+#: seconds between two tries to write what the ring had no room for
+FEED_RETRY = 0.01
 #: seconds the process gathers reports before it sends them: the daemon
 #: applies a lookup's touches and counts that much later, wakes once for
 #: many lookups, and touches the keys of a lookup asked again meanwhile once
@@ -90,6 +96,8 @@ class Settings:
     server_name: str
     #: the daemon has remote tiers
     remotes: bool
+    #: seconds the process's loop polls after each request (``server.idle_poll``)
+    idle_poll: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -122,6 +130,10 @@ class FeedWriter:
         self._reports = bytearray()
         #: records written, in all
         self.written = 0
+        #: records the ring had no room for, in order, and how many
+        self._backlog: deque[Records] = deque()
+        self.backlogged = 0
+        self._retry: asyncio.TimerHandle | None = None
         #: the feed has ended (the ring full, or the process went)
         self.ended = False
         #: set once the feed has ended
@@ -153,18 +165,40 @@ class FeedWriter:
             "answered": self.answered,
             "referred": self.referred,
             "feed_records": self.written,
+            "feed_backlog": self.backlogged,
         }
 
     def write(self, records: Records) -> None:
-        """Publish ``records`` to the process now."""
-        if self.ended or not records:
+        """Publish ``records`` to the process now, or (the ring full) as soon
+        as it has room, the process referring every lookup meanwhile."""
+        if self.ended:
             return
-        if not self._ring.write(records):
-            # The process has not read a ring's worth of changes: it cannot
-            # answer exactly any more.
-            self.end("the lookup process fell behind its feed")
-            return
-        self.written += len(records)
+        for chunk in _chunks(records, self._ring.size // 4):
+            if not self._backlog and self._ring.write(chunk):
+                self.written += len(chunk)
+                continue
+            if not self._backlog:
+                # Before any reply that confirms what the ring lacks.
+                self._ring.set_behind(True)
+                self._retry = asyncio.get_running_loop().call_later(FEED_RETRY, self._catch_up)
+            self._backlog.append(chunk)
+            self.backlogged += len(chunk)
+            if self.backlogged > FEED_BACKLOG:
+                self.end("the lookup process fell too far behind its feed")
+                return
+
+    def _catch_up(self) -> None:
+        """Write what the ring had no room for, as it has room now."""
+        self._retry = None
+        backlog = self._backlog
+        while backlog and self._ring.write(backlog[0]):
+            chunk = backlog.popleft()
+            self.backlogged -= len(chunk)
+            self.written += len(chunk)
+        if backlog:
+            self._retry = asyncio.get_running_loop().call_later(FEED_RETRY, self._catch_up)
+        else:
+            self._ring.set_behind(False)
 
     def announce(self, keys: Sequence[bytes]) -> None:
         """A reply is about to say ``keys`` are stored, and the store runs
@@ -210,11 +244,27 @@ class FeedWriter:
         self.ended = True
         if why:
             log.warning("lookup process: %s; lookups go to the daemon", why)
+        if self._retry is not None:
+            self._retry.cancel()
+        self._backlog.clear()
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(self._sock.fileno())
         self._sock.close()  # the process sees its end close, and stops
         self.done.set()
         self.decided.set()
+
+
+def _chunks(records: Records, most: int) -> Iterator[Records]:
+    """``records`` in parts of about ``most`` bytes of the ring at most (a
+    snapshot is written in parts, each of which fits once the reader reads)."""
+    start, size = 0, 0
+    for i, (_, key) in enumerate(records):
+        size += 3 + len(key)
+        if size > most and i > start:
+            yield records[start:i]
+            start, size = i, 3 + len(key)
+    if start < len(records):
+        yield records[start:]
 
 
 class LookupListener:
@@ -232,10 +282,13 @@ class LookupListener:
         access: NamespaceAccess,
         max_frame: int,
         max_batch: int,
+        idle_poll: IdlePoll | None = None,
     ) -> None:
         sock.setblocking(False)
         self._sock = sock
         self._ring = ring
+        #: keeps the loop polling a while after each request arrives
+        self.idle_poll = idle_poll if idle_poll is not None else IdlePoll(0)
         self._apply = apply
         self._answer = answer
         self.hello = hello
@@ -251,6 +304,8 @@ class LookupListener:
         self._report_timer: asyncio.TimerHandle | None = None
         #: the next read of the feed between lookups
         self._poll_timer: asyncio.TimerHandle | None = None
+        #: the daemon holds changes the ring had no room for: refer every lookup
+        self.behind = False
         #: set when the feed ends: the daemon closed its end, or is gone
         self.ended = asyncio.Event()
         self.answered = 0
@@ -303,6 +358,7 @@ class LookupListener:
     def catch_up(self) -> None:
         """Apply every record the daemon has published."""
         if not self.ended.is_set():
+            self.behind = self._ring.behind()  # (first: it covers what is read next)
             self._apply(self._ring.read())
 
     def lookup(self, meta: Buffer) -> LookupReply | None:
@@ -311,7 +367,7 @@ class LookupListener:
         self.catch_up()
         if self.ended.is_set():
             return None
-        reply = self._answer(req)
+        reply = None if self.behind else self._answer(req)
         if reply is None:
             self.referred += 1
             self.report(ReportKind.REFERRED)
@@ -387,6 +443,7 @@ class LookupConnection(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.listener.idle_poll.touch()  # the next lookup is likely close behind
         try:
             frames = self.reader.buffer_updated(nbytes)
         except wire.CodecError as exc:

@@ -45,8 +45,11 @@ _FEED_OPS = {int(op): op for op in FeedOp}
 _REPORT_KINDS = {int(kind): kind for kind in ReportKind}
 
 
-#: the ring's header: bytes written (the daemon's), bytes read (the process's)
-_RING_HEAD = struct.Struct("<I4xI4x")
+#: the ring's header, as 32-bit words (each read and written in one aligned
+#: access, never byte by byte as struct's standard sizes are): bytes written
+#: (the daemon's), bytes read (the process's), and whether the writer holds
+#: records the ring had no room for
+_WRITTEN, _READ, _BEHIND = 0, 2, 4
 RING_HEADER = 64
 #: a record's op byte that says: nothing more before the ring wraps
 _PAD = 0
@@ -63,7 +66,9 @@ class FeedRing:
     neither waits for the other. A record that would not fit before the
     ring's end starts at its beginning (a PAD byte, or too few bytes for a
     head, marks the gap). A write that would overtake the reader takes
-    nothing and says so: the process has fallen behind.
+    nothing and says so; the writer then keeps its records and raises the
+    *behind* flag until they are all in, so that the reader knows that what
+    it read is not all there is.
     """
 
     def __init__(self, mem: memoryview) -> None:
@@ -72,14 +77,25 @@ class FeedRing:
         if self.size <= _FEED_HEAD.size or self.size & (self.size - 1):
             raise ValueError("a feed ring's data is a power of two bytes")
         self._data = mem[RING_HEADER:]
+        self._head = mem[:RING_HEADER].cast("I")
 
     def __repr__(self) -> str:
-        written, read = _RING_HEAD.unpack_from(self._mem, 0)
-        return f"<FeedRing size={self.size} written={written} read={read}>"
+        written, read = self._head[_WRITTEN], self._head[_READ]
+        behind = " behind" if self.behind() else ""
+        return f"<FeedRing size={self.size} written={written} read={read}{behind}>"
+
+    def behind(self) -> bool:
+        """Whether the writer holds records the ring had no room for (read
+        it before :meth:`read`: what it says holds for what that reads)."""
+        return bool(self._head[_BEHIND])
+
+    def set_behind(self, behind: bool) -> None:
+        """Set before the first record kept out, cleared after the last is written."""
+        self._head[_BEHIND] = int(behind)
 
     def write(self, records: list[tuple[FeedOp, bytes]]) -> bool:
         """Append ``records`` (all or none); False when they do not fit."""
-        written, read = _RING_HEAD.unpack_from(self._mem, 0)
+        written, read = self._head[_WRITTEN], self._head[_READ]
         size, data, pack = self.size, self._data, _FEED_HEAD.pack_into
         free = size - ((written - read) & _MASK)
         pos = written
@@ -98,12 +114,12 @@ class FeedRing:
             pack(data, at, op, len(key))
             data[at + _FEED_HEAD.size : at + need] = key
             pos += need
-        struct.pack_into("<I", self._mem, 0, pos & _MASK)  # published
+        self._head[_WRITTEN] = pos & _MASK  # published
         return True
 
     def read(self) -> list[tuple[FeedOp, bytes]]:
         """The records published since the last read, in order."""
-        written, pos = _RING_HEAD.unpack_from(self._mem, 0)
+        written, pos = self._head[_WRITTEN], self._head[_READ]
         size, data, unpack = self.size, self._data, _FEED_HEAD.unpack_from
         out: list[tuple[FeedOp, bytes]] = []
         while pos != written:
@@ -117,7 +133,7 @@ class FeedRing:
                 raise CodecError(f"bad feed record at {pos}")
             out.append((kind, bytes(data[at + _FEED_HEAD.size : at + _FEED_HEAD.size + n])))
             pos = (pos + _FEED_HEAD.size + n) & _MASK
-        struct.pack_into("<I", self._mem, 8, pos)  # read up to here
+        self._head[_READ] = pos  # read up to here
         return out
 
 
