@@ -331,6 +331,8 @@ class Client:
 
     def drop(self) -> None:
         """Drop the connection now, without waiting; calls in flight fail."""
+        if self._lookups is not None:
+            self._lookups.drop()
         transport = self._protocol.transport
         if transport is not None:
             transport.abort()
