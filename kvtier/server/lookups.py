@@ -173,6 +173,9 @@ class FeedWriter:
         as it has room, the process referring every lookup meanwhile."""
         if self.ended:
             return
+        if not self._backlog and len(records) < 64 and self._ring.write(records):
+            self.written += len(records)  # (the common case: a change or a few)
+            return
         for chunk in _chunks(records, self._ring.size // 4):
             if not self._backlog and self._ring.write(chunk):
                 self.written += len(chunk)
