@@ -254,12 +254,12 @@ class Daemon:
         publishing = None
         if self.publisher is not None:
             publishing = tasks.create_task(self.publisher.serve(), name="kvtier-kv-events")
-        lookups = None
+        feed = None
         if self.config.server.lookup_process:
             started = await self._start_lookup_process()
             if started is not None:
                 proc, feed = started
-                lookups = tasks.create_task(
+                tasks.create_task(
                     self._feed_lookup_process(proc, feed), name="kvtier-lookup-process"
                 )
                 await _decided(feed)
@@ -269,9 +269,11 @@ class Daemon:
             self._announce()
             await self._stop.wait()
         finally:
-            for task in (handoff_task, publishing, lookups):
+            for task in (handoff_task, publishing):
                 if task is not None:
                     task.cancel()
+            if feed is not None:
+                feed.end()  # its task sees the lookup process stop, then ends
 
     async def _start_lookup_process(self) -> tuple[asyncio.subprocess.Process, FeedWriter] | None:
         """Start the lookup process (docs/lookup-process.md) and its feed;

@@ -22,11 +22,11 @@ from pathlib import Path
 from kvtier import loops, wire
 from kvtier.core.lookup import check_lookup
 from kvtier.core.replica import Replica
-from kvtier.errors import ForbiddenError, UnsupportedVersionError
+from kvtier.errors import ForbiddenError
 from kvtier.loops import IdlePoll
 from kvtier.model import DEFAULT_NAMESPACE, DEFAULT_NAMESPACE_NAME, Limits, Lookup, LookupReply
 from kvtier.server.lookups import LookupListener, Settings
-from kvtier.server.ops import NamespaceAccess
+from kvtier.server.ops import NamespaceAccess, agreed_version
 from kvtier.server.sockets import PeerPolicy
 from kvtier.wire.replica import FeedRing
 
@@ -40,12 +40,7 @@ def build(settings: Settings) -> tuple[LookupListener, Replica]:
         return replica.answer(req)
 
     def hello(req: wire.Hello) -> wire.HelloReply:
-        version = wire.negotiate_version(req)
-        if version is None:
-            raise UnsupportedVersionError(
-                f"client speaks versions {req.min_version}..{req.max_version}; "
-                f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
-            )
+        version = agreed_version(req)
         if req.namespace not in ("", DEFAULT_NAMESPACE_NAME):
             raise ForbiddenError("a named namespace looks up through the daemon's socket")
         return wire.HelloReply(
@@ -91,7 +86,11 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = Settings.from_json(argv[0])
-    loops.run(serve(settings))
+    try:
+        loops.run(serve(settings))
+    except OSError as exc:  # its socket: the daemon logs that it went
+        logging.getLogger("kvtier.lookups").error("cannot listen on %s: %s", settings.path, exc)
+        return 1
     return 0
 
 

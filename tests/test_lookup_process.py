@@ -352,3 +352,27 @@ async def test_a_full_ring_keeps_the_rest_and_the_process_refers_until_it_is_in(
     assert reply is not None and reply.prefix_hits == len(keys)
     writer.end()
     theirs.close()
+
+
+async def test_a_lookup_process_that_cannot_listen_leaves_the_daemon_answering(
+    sock_dir: Path,
+) -> None:
+    # A socket path of 100 bytes: the daemon binds it and its ".shm" twin,
+    # but its ".lookups" twin is past the 107 a Unix socket's path may have:
+    # the lookup process fails to bind, and says so by going.
+    room = 100 - len(str(sock_dir)) - len("/d.sock") - 1
+    deep = sock_dir / ("d" * room)
+    deep.mkdir(mode=0o700)
+    async with running_daemon(deep, server={"lookup_process": True}, disk=RAM_ONLY) as d:
+        feed = feed_of(d)
+        async with asyncio.timeout(60):
+            await feed.decided.wait()  # (the daemon waited for it before serving)
+        assert feed.ended and not feed.listening.is_set()
+        async with await Client.connect(d.socket_path) as c:
+            assert not c.lookups_process
+            await c.put(b"k", b"v")
+            assert (await c.lookup([b"k"])).prefix_hits == 1
+            assert (await c.stats())["server"]["lookup_process"]["state"] == "ended"
+    assert d.lookup_process is not None
+    async with asyncio.timeout(30):
+        assert await d.lookup_process.wait() == 1

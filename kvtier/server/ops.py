@@ -85,6 +85,18 @@ class NamespaceAccess:
         return DEFAULT_SCOPE
 
 
+def agreed_version(hello: wire.Hello) -> int:
+    """The protocol version a HELLO and this server both speak (the highest),
+    or UnsupportedVersionError."""
+    version = wire.negotiate_version(hello)
+    if version is None:
+        raise UnsupportedVersionError(
+            f"client speaks versions {hello.min_version}..{hello.max_version}; "
+            f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
+        )
+    return version
+
+
 DEFAULT_SCOPE = KeyScope()
 #: a scope that admits no key: a connection whose uid must name its namespace
 NO_KEYS = KeyScope(closed=True)
@@ -148,12 +160,7 @@ class Ops:
 
     def hello(self, conn: Connection, frame: Frame) -> Reply:
         hello = wire.decode_hello(frame.meta)
-        version = wire.negotiate_version(hello)
-        if version is None:
-            raise UnsupportedVersionError(
-                f"client speaks versions {hello.min_version}..{hello.max_version}; "
-                f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
-            )
+        version = agreed_version(hello)
         if self.access is not None:
             try:
                 ns = namespace_id(hello.namespace or "default")
