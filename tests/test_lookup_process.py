@@ -376,3 +376,29 @@ async def test_a_lookup_process_that_cannot_listen_leaves_the_daemon_answering(
     assert d.lookup_process is not None
     async with asyncio.timeout(30):
         assert await d.lookup_process.wait() == 1
+
+
+async def test_a_store_answered_before_it_is_filed_is_in_the_feed_before_its_answer(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An in-place store is answered first and filed right after: the
+    lookup process hears of it before the answer goes, not after."""
+    async with with_lookup_process(sock_dir, disk=RAM_ONLY) as d:
+        feed = feed_of(d)
+        seen: list[object] = []
+        write, put = feed.write, d.service.put
+
+        def logged_write(records: list[tuple[FeedOp, bytes]]) -> None:
+            seen.extend(records)
+            write(records)
+
+        def logged_put(*args: Any, **kw: Any) -> Any:
+            seen.append("filed")
+            return put(*args, **kw)
+
+        monkeypatch.setattr(feed, "write", logged_write)
+        monkeypatch.setattr(d.service, "put", logged_put)
+        async with await Client.connect(d.socket_path) as c:
+            assert c.shared
+            await c.put(b"big", os.urandom(1 << 20))  # written in place, then COMMIT
+        assert seen.index((FeedOp.HELD, b"big")) < seen.index("filed")
