@@ -45,7 +45,7 @@ from kvtier.reload import Live, apply
 from kvtier.server.handoff import Handoff
 from kvtier.server.lookups import FEED_RING_BYTES, FeedWriter, Settings
 from kvtier.server.ops import NamespaceAccess
-from kvtier.server.sockets import PeerPolicy, bind_unix_socket
+from kvtier.server.sockets import bind_unix_socket
 from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Tier
 from kvtier.tiers.peers import RendezvousPicker
@@ -279,7 +279,7 @@ class Daemon:
         """Start the lookup process (docs/lookup-process.md) and its feed;
         None (logged) where it cannot start."""
         sc, limits = self.config.server, self.service.limits
-        peers = PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids)
+        peers = self.server.peers  # (the main socket's, as the handoff's)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ring_fd = os.memfd_create("kvtier-feed", os.MFD_CLOEXEC)
         os.ftruncate(ring_fd, RING_HEADER + FEED_RING_BYTES)
@@ -366,7 +366,7 @@ class Daemon:
             arena_bytes=self.arena.size,
             staging_fd=os.dup(self.staging.fd),
             staging_bytes=self.staging.size,
-            peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
+            peers=self.server.peers,
             mode=sc.socket_mode,
             attach=self.shared.attach_region if self.shared is not None else None,
         )

@@ -326,7 +326,7 @@ class LookupListener:
         loop = asyncio.get_running_loop()
         # The daemon never writes to the socket pair: it reads at its end only.
         loop.add_reader(self._sock.fileno(), self._daemon_gone)
-        poll = loop.call_later(FEED_POLL, self._poll)
+        self._poll_timer = loop.call_later(FEED_POLL, self._poll)
         server = await loop.create_unix_server(
             lambda: LookupConnection(self), sock=bind_unix_socket(path, mode)
         )
@@ -334,7 +334,6 @@ class LookupListener:
             self.report(ReportKind.READY)
             await self.ended.wait()
         finally:
-            poll.cancel()
             if self._poll_timer is not None:
                 self._poll_timer.cancel()
             server.close()

@@ -72,7 +72,6 @@ class FeedRing:
     """
 
     def __init__(self, mem: memoryview) -> None:
-        self._mem = mem
         self.size = len(mem) - RING_HEADER
         if self.size <= _FEED_HEAD.size or self.size & (self.size - 1):
             raise ValueError("a feed ring's data is a power of two bytes")
