@@ -10,8 +10,11 @@ per PUT, the client's default for a large block; each writer a fresh
 process, so it faults the arena's pages in as it goes) and once in batches
 of 4 that the daemon copies out of the writer's memory (cross-memory
 attach, docs/shared-memory.md). Each lookup path in turn: through the
-lookup process (the default; docs/lookup-process.md) and through the
-daemon's own socket (a client with ``lookup_process=False``). Five rounds,
+lookup process (the default; docs/lookup-process.md), the same with this
+process's thread asking for a scheduler slice of 0.1 ms as the lookup
+process does (``kvtier.schedule``: woken by the reply, it runs before a
+busy writer instead of after its slice), and through the daemon's own
+socket (a client with ``lookup_process=False``). Five rounds,
 each measuring idle again right before its writers (this machine's quiet
 moments move): prints the medians over the rounds of p50, p99, max, the
 p99's ratio to its round's idle p99 (same path), the writers' GB/s, and
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from kvtier.client.aio import Client
 from kvtier.model import LookupMode
+from kvtier.schedule import MIN_SLICE, request_slice
 from tests.enginedaemon import start
 
 MiB = 1024 * 1024
@@ -40,8 +44,13 @@ CHAIN = 512
 IDLE_LOOKUPS = 1000
 ROUNDS = 5
 MODES = ("socket", "staged", "in-place", "cross-memory")
-#: lookup paths: the client option that picks each
-PATHS = {"lookup process": True, "daemon socket": False}
+#: lookup paths: the client option that picks each, and the scheduler slice
+#: the measuring thread asks for (0: the kernel's default; kvtier.schedule)
+PATHS = {
+    "lookup process": (True, 0.0),
+    "lookup process, caller's slice 0.1 ms": (True, MIN_SLICE),
+    "daemon socket": (False, 0.0),
+}
 
 _WRITER = """
 import asyncio, os, sys, time
@@ -126,7 +135,9 @@ async def measure(sock: str) -> dict[str, list[Round]]:
         await filling.put_many(chain, [b"c" * 4096] * CHAIN)
     rounds: dict[str, list[Round]] = {path: [] for path in PATHS}
     for _ in range(ROUNDS):
-        for path, lookup_process in PATHS.items():
+        for path, (lookup_process, caller_slice) in PATHS.items():
+            if caller_slice and not request_slice(caller_slice):
+                continue  # (a kernel without slices of a thread's own)
             async with await Client.connect(sock, lookup_process=lookup_process) as client:
                 assert client.lookups_process == lookup_process, path
                 idle: list[float] = []
@@ -139,6 +150,7 @@ async def measure(sock: str) -> dict[str, list[Round]]:
                     samples, rate, per_second = await under_writers(sock, client, chain, mode)
                     busy[mode] = (samples, float(rate), per_second)
                 rounds[path].append((idle, busy))
+            request_slice(0)
     return rounds
 
 
@@ -151,6 +163,8 @@ def main() -> int:
             daemon.stop()
     med = statistics.median
     for path, path_rounds in rounds.items():
+        if not path_rounds:
+            continue
         print(f"prefix LOOKUP of {CHAIN} blocks through the {path}, medians of {ROUNDS} rounds")
         print(
             f"{'':28} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'p99/idle':>9}"

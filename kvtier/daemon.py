@@ -299,6 +299,7 @@ class Daemon:
             server_name=self.server.server_name,
             remotes=bool(self.service.remotes),
             idle_poll=sc.idle_poll,
+            slice=sc.lookup_slice,
         )
         try:
             proc = self.lookup_process = await asyncio.create_subprocess_exec(

@@ -25,6 +25,7 @@ from kvtier.core.replica import Replica
 from kvtier.errors import ForbiddenError
 from kvtier.loops import IdlePoll
 from kvtier.model import DEFAULT_NAMESPACE, DEFAULT_NAMESPACE_NAME, Limits, Lookup, LookupReply
+from kvtier.schedule import request_slice
 from kvtier.server.lookups import LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess, agreed_version
 from kvtier.server.sockets import PeerPolicy
@@ -81,15 +82,21 @@ async def serve(settings: Settings) -> None:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s lookups %(message)s")
+    log = logging.getLogger("kvtier.lookups")
     # Its life follows the feed: the daemon ends it when it stops (or dies),
     # so a signal to the whole group stops the daemon, which stops this.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = Settings.from_json(argv[0])
+    if settings.slice and not request_slice(settings.slice):
+        log.warning(
+            "this kernel takes no scheduler slice of the process's own (Linux 6.12 and "
+            "later do): lookups wait for busy writers' slices"
+        )
     try:
         loops.run(serve(settings))
     except OSError as exc:  # its socket: the daemon logs that it went
-        logging.getLogger("kvtier.lookups").error("cannot listen on %s: %s", settings.path, exc)
+        log.error("cannot listen on %s: %s", settings.path, exc)
         return 1
     return 0
 

@@ -69,6 +69,8 @@ def test_kvtier_config_env_names_the_file(monkeypatch: pytest.MonkeyPatch, tmp_p
         ("[server]\nmax_key_bytes = 0\n", "server.max_key_bytes"),
         ("[metrics]\nport = 70000\n", "metrics.port"),
         ('[server]\nmax_block_bytes = "128MiB"\n', "must fit in one frame"),
+        ("[server]\nlookup_slice = 0.00005\n", "lookup_slice is 0 or 0.0001 to 0.1 seconds"),
+        ("[server]\nlookup_slice = 1\n", "server.lookup_slice"),
         ("[bogus]\nx = 1\n", "bogus"),
         ("[ram\n", "not valid TOML"),
     ],

@@ -98,6 +98,8 @@ class Settings:
     remotes: bool
     #: seconds the process's loop polls after each request (``server.idle_poll``)
     idle_poll: float = 0.0
+    #: seconds of the scheduler slice the process asks for (``server.lookup_slice``)
+    slice: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
