@@ -59,6 +59,10 @@ READY_MESSAGE = "kvtier ready"
 LOOKUP_PROCESS_START = 10.0
 #: seconds the lookup process gets to stop once its feed ends
 LOOKUP_PROCESS_STOP = 5.0
+#: seconds before a lookup process that went unasked is started again,
+#: doubling after each one that goes before it listens, up to the most
+LOOKUP_RESTART_FIRST = 1.0
+LOOKUP_RESTART_MOST = 60.0
 
 __all__ = ["PEER_TIER", "READY_MESSAGE", "Daemon", "install_signal_handlers", "run", "serve"]
 
@@ -95,6 +99,8 @@ class Daemon:
         self.handoff: Handoff | None = None
         #: the lookup process (``server.lookup_process``), once started
         self.lookup_process: asyncio.subprocess.Process | None = None
+        #: the daemon itself ended the lookup process: start it again at once
+        self._lookups_again = False
         #: every background task: waiting requests, probes, loads, writes
         self.background = TaskSet()
         #: the peer port bound (``peer.listen`` may ask for port 0)
@@ -182,8 +188,10 @@ class Daemon:
         access = access_of(new)
         feed = self.server.feed
         if feed is not None and _default_uids(access) != _default_uids(self.server.ops.access):
-            # The lookup process checks who may use the default namespace as it started.
-            feed.end("who may use the default namespace changed; a restart starts it again")
+            # The lookup process checks who may use the default namespace as
+            # it started: a new one is started at once, told the new users.
+            self._lookups_again = True
+            feed.end("who may use the default namespace changed; starting it again")
         self.server.ops.access = access
         return True
 
@@ -260,7 +268,7 @@ class Daemon:
             if started is not None:
                 proc, feed = started
                 tasks.create_task(
-                    self._feed_lookup_process(proc, feed), name="kvtier-lookup-process"
+                    self._supervise_lookup_process(proc, feed), name="kvtier-lookup-process"
                 )
                 await _decided(feed)
         try:
@@ -272,8 +280,8 @@ class Daemon:
             for task in (handoff_task, publishing):
                 if task is not None:
                     task.cancel()
-            if feed is not None:
-                feed.end()  # its task sees the lookup process stop, then ends
+            if self.server.feed is not None:
+                self.server.feed.end()  # its task sees the lookup process stop, then ends
 
     async def _start_lookup_process(self) -> tuple[asyncio.subprocess.Process, FeedWriter] | None:
         """Start the lookup process (docs/lookup-process.md) and its feed;
@@ -321,6 +329,46 @@ class Daemon:
         self.service.feed(feed.write)
         self.server.feed = feed
         return proc, feed
+
+    async def _supervise_lookup_process(
+        self, proc: asyncio.subprocess.Process, feed: FeedWriter
+    ) -> None:
+        """Feed the lookup process until the daemon stops, starting it again
+        whenever it goes before: at once when the daemon ended it (a reload),
+        else after a delay that doubles while it keeps going before it
+        listens. Meanwhile the daemon answers every lookup."""
+        delay = LOOKUP_RESTART_FIRST
+        while True:
+            await self._feed_lookup_process(proc, feed)
+            if self._stop.is_set():
+                return
+            if feed.listening.is_set():
+                delay = LOOKUP_RESTART_FIRST  # it served: this is a new failure
+            if not self._lookups_again:
+                log.warning(
+                    "the lookup process went (exit status %s); starting it again in %.3gs",
+                    proc.returncode,
+                    delay,
+                )
+                if await self._stopping_within(delay):
+                    return
+                delay = min(delay * 2, LOOKUP_RESTART_MOST)
+            self._lookups_again = False
+            started = await self._start_lookup_process()
+            while started is None:  # (logged) it could not even be run
+                if await self._stopping_within(delay):
+                    return
+                delay = min(delay * 2, LOOKUP_RESTART_MOST)
+                started = await self._start_lookup_process()
+            proc, feed = started
+            self.server.counters.lookup_restarts.inc()
+
+    async def _stopping_within(self, seconds: float) -> bool:
+        """Wait ``seconds`` unless the daemon stops first; whether it does."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
+        return self._stop.is_set()
 
     async def _feed_lookup_process(
         self, proc: asyncio.subprocess.Process, feed: FeedWriter

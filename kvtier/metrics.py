@@ -322,6 +322,11 @@ class _Collector(Collector):
             "referred (the client asked the daemon)",
             c.lookup_process,
         )
+        yield CounterMetricFamily(
+            "kvtier_lookup_process_restarts",
+            "Times the lookup process was started again after it went",
+            value=c.lookup_restarts.value,
+        )
 
     def _peers(self, tier: PeerTier) -> Iterator[Metric]:
         c = tier.counters

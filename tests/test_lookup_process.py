@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import random
@@ -16,7 +17,10 @@ from typing import Any
 
 import pytest
 
+from kvtier import daemon as daemon_module
+from kvtier.client import aio
 from kvtier.client.aio import Client
+from kvtier.config import Config, load_config
 from kvtier.core.events import EventLog
 from kvtier.core.replica import FeedTap, Replica
 from kvtier.daemon import Daemon
@@ -32,7 +36,7 @@ from kvtier.model import (
     LookupMode,
     ReportKind,
 )
-from kvtier.server.lookups import FeedWriter, LookupListener
+from kvtier.server.lookups import FeedWriter, LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.base import Tier
@@ -267,27 +271,96 @@ async def test_a_lookup_the_process_cannot_answer_is_answered_by_the_daemon(
         assert d.server.counters.lookup_process.total() == 2
 
 
-async def test_when_the_process_dies_lookups_go_to_the_daemon(sock_dir: Path) -> None:
+async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 0.01)
+    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
     async with (
         with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
         await Client.connect(d.socket_path, shared=False) as c,
     ):
         await c.put(b"k", b"v")
         assert (await c.lookup([b"k"])).prefix_hits == 1
-        proc = d.lookup_process
+        first, proc = feed_of(d), d.lookup_process
         assert proc is not None
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
-        feed = feed_of(d)
-        await wait_until(lambda: feed.ended, limit=1_000_000)  # its end closed
+        await wait_until(lambda: first.ended, limit=1_000_000)  # its end closed
         assert (await c.lookup([b"k"])).prefix_hits == 1  # asked the daemon
-        assert not c.lookups_process
-        await c.put(b"j", b"w")
+        await c.put(b"j", b"w")  # while none runs: in the next one's snapshot
+        await wait_until(
+            lambda: feed_of(d) is not first and feed_of(d).listening.is_set(), limit=1_000_000
+        )
+        again = feed_of(d)
+        assert d.lookup_process is not None and d.lookup_process.pid != proc.pid
+        stats = (await c.stats())["server"]["lookup_process"]
+        assert (stats["state"], stats["restarts"]) == ("listening", 1)
+        # The client that lost it dials it again, and it answers from the
+        # snapshot it started with.
         assert (await c.lookup([b"j", b"k"], mode=LookupMode.PREFIX)).prefix_hits == 2
-        assert (await c.stats())["server"]["lookup_process"]["state"] == "ended"
+        assert c.lookups_process
+        await answered(d, 1)
+        assert (again.answered, again.referred) == (1, 0)
         async with await Client.connect(d.socket_path, shared=False) as later:
-            assert not later.lookups_process  # nothing listens there any more
-            assert (await later.lookup([b"j"])).prefix_hits == 1
+            assert later.lookups_process
+    assert d.server.counters.lookup_restarts.value == 1
+
+
+async def test_a_process_that_keeps_going_is_started_again_ever_later(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 0.01)
+    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_MOST", 0.04)
+    deep = _unbindable(sock_dir)  # each one exits at once: it cannot listen
+    with caplog.at_level(logging.WARNING, logger="kvtier.daemon"):
+        async with running_daemon(deep, server={"lookup_process": True}, disk=RAM_ONLY) as d:
+            await wait_until(lambda: d.server.counters.lookup_restarts.value >= 4, limit=10**7)
+            async with await Client.connect(d.socket_path) as c:
+                await c.put(b"k", b"v")
+                assert (await c.lookup([b"k"])).prefix_hits == 1  # the daemon answers
+    said = [r.getMessage() for r in caplog.records if "lookup process went" in r.getMessage()]
+    delays = [float(m.rpartition(" in ")[2].rstrip("s")) for m in said]
+    assert delays[:4] == [0.01, 0.02, 0.04, 0.04]  # doubling, up to the most
+
+
+async def test_a_reload_that_changes_who_may_use_the_default_namespace_restarts_it_at_once(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sources: list[Config] = []
+    me = os.getuid()
+    async with with_lookup_process(
+        sock_dir,
+        disk=RAM_ONLY,
+        reread=lambda: sources[-1],
+        namespaces={"default": {"uids": [me, me + 1]}},
+    ) as d:
+        first = feed_of(d)
+        base: dict[str, Any] = d.config.model_dump(mode="json")
+        sources.append(
+            load_config(
+                None,
+                {
+                    **{k: v for k, v in base.items() if isinstance(v, dict)},
+                    "namespaces": {"default": {"uids": [me]}},
+                },
+            )
+        )
+        with caplog.at_level(logging.WARNING, logger="kvtier.daemon"):
+            d.reload()
+            await wait_until(
+                lambda: feed_of(d) is not first and feed_of(d).listening.is_set(),
+                limit=1_000_000,
+            )
+        assert not any("lookup process went" in r.getMessage() for r in caplog.records)
+        assert d.server.counters.lookup_restarts.value == 1
+        assert d.lookup_process is not None  # it was told the new users
+        argv = Path(f"/proc/{d.lookup_process.pid}/cmdline").read_bytes().split(b"\0")
+        assert Settings.from_json(argv[-2].decode()).default_uids == [me]
+        async with await Client.connect(d.socket_path) as c:
+            assert c.lookups_process
+            await c.put(b"k", b"v")
+            assert (await c.lookup([b"k"])).prefix_hits == 1
 
 
 async def test_the_lookup_socket_answers_lookups_only(sock_dir: Path) -> None:
@@ -354,15 +427,22 @@ async def test_a_full_ring_keeps_the_rest_and_the_process_refers_until_it_is_in(
     theirs.close()
 
 
-async def test_a_lookup_process_that_cannot_listen_leaves_the_daemon_answering(
-    sock_dir: Path,
-) -> None:
-    # A socket path of 100 bytes: the daemon binds it and its ".shm" twin,
-    # but its ".lookups" twin is past the 107 a Unix socket's path may have:
-    # the lookup process fails to bind, and says so by going.
+def _unbindable(sock_dir: Path) -> Path:
+    """A directory for a daemon's socket of 100 bytes: the daemon binds it
+    and its ".shm" twin, but its ".lookups" twin is past the 107 bytes a Unix
+    socket's path may have: the lookup process fails to bind, and says so by
+    going."""
     room = 100 - len(str(sock_dir)) - len("/d.sock") - 1
     deep = sock_dir / ("d" * room)
     deep.mkdir(mode=0o700)
+    return deep
+
+
+async def test_a_lookup_process_that_cannot_listen_leaves_the_daemon_answering(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 3600.0)  # (not in this test)
+    deep = _unbindable(sock_dir)
     async with running_daemon(deep, server={"lookup_process": True}, disk=RAM_ONLY) as d:
         feed = feed_of(d)
         async with asyncio.timeout(60):

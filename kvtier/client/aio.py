@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from pathlib import Path
 from types import EllipsisType
@@ -71,6 +72,10 @@ log = logging.getLogger("kvtier.client")
 #: seconds, None for no limit, or ``...`` for the client's default
 Timeout = float | None | EllipsisType
 
+#: seconds between two attempts to reach the daemon's lookup process while
+#: no connection to it is open (the daemon starts it again once it went)
+LOOKUPS_REDIAL = 1.0
+
 
 class Client:
     """Async client. Create with :meth:`connect`; use as an async context manager."""
@@ -118,6 +123,11 @@ class Client:
         self._prefix = b""
         #: the daemon's lookup process (docs/lookup-process.md), where it listens
         self._lookups: Client | None = None
+        #: lookups go there when they can (the ``lookup_process`` option); while
+        #: no connection to it is open, a lookup dials it again once the
+        #: monotonic clock reaches ``_lookups_retry`` (the daemon restarts it)
+        self._lookups_wanted = False
+        self._lookups_retry = 0.0
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -233,7 +243,8 @@ class Client:
             if offer is not None:
                 await client._map_shared(offer)
             if lookup_process and not client._prefix:
-                client._lookups = await _lookup_process(path, timeout, name, idle_poll)
+                client._lookups_wanted = True
+                await client._dial_lookups()
         except BaseException:
             await client.close()
             raise
@@ -295,6 +306,27 @@ class Client:
             await client.close()
             raise
         return client
+
+    async def _dial_lookups(self) -> Client | None:
+        """Connect to the daemon's lookup process, where one listens for this
+        client; None (the daemon answers, until the next attempt) elsewhere."""
+        self._lookups_retry = time.monotonic() + LOOKUPS_REDIAL  # (one attempt at a time)
+        try:
+            lookups = await Client.connect(
+                Path(f"{self.path}.lookups"),
+                timeout=self.timeout,
+                name=self.name,
+                shared=False,
+                idle_poll=self.idle_poll.window,
+                lookup_process=False,
+            )
+        except KvtierError:
+            return None  # none listens, or not for this client
+        if self.closed:  # closed meanwhile
+            await lookups.close()
+            return None
+        self._lookups = lookups
+        return lookups
 
     async def _map_shared(self, offer: wire.SharedOffer) -> None:
         try:
@@ -485,18 +517,24 @@ class Client:
             Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag, peek=peek),
             self._prefix,
         )
-        lookups = self._lookups
         # Requests of this client still in flight to the daemon come first,
         # as on one connection: the lookup then goes there too.
-        if lookups is not None and not self._protocol.pending:
-            try:
-                frame = await lookups._call(Op.LOOKUP, meta, timeout=timeout)
-                return wire.decode_lookup_reply(frame.meta)
-            except ReferredError:
-                pass  # only the daemon can answer this one
-            except ConnectionClosedError:
-                self._lookups = None  # the lookup process is gone: the daemon answers
-                await lookups.close()
+        if not self._protocol.pending:
+            lookups = self._lookups
+            if lookups is None and self._lookups_wanted and time.monotonic() >= self._lookups_retry:
+                lookups = await self._dial_lookups()
+            if lookups is not None:
+                try:
+                    frame = await lookups._call(Op.LOOKUP, meta, timeout=timeout)
+                    return wire.decode_lookup_reply(frame.meta)
+                except ReferredError:
+                    pass  # only the daemon can answer this one
+                except ConnectionClosedError:
+                    # The lookup process is gone: the daemon answers, and
+                    # starts it again; it is dialled again in a while.
+                    self._lookups = None
+                    self._lookups_retry = time.monotonic() + LOOKUPS_REDIAL
+                    await lookups.close()
         frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
         return wire.decode_lookup_reply(frame.meta)
 
@@ -874,23 +912,6 @@ class Client:
         """Free the daemon's per-request lookup state of ``request_tag``."""
         frame = await self._call(Op.RELEASE, wire.encode_tag(request_tag), timeout=timeout)
         return bool(frame.meta and frame.meta[0])
-
-
-async def _lookup_process(
-    path: Path, timeout: float | None, name: str, idle_poll: float
-) -> Client | None:
-    """A connection to the daemon's lookup process, where one listens."""
-    try:
-        return await Client.connect(
-            Path(f"{path}.lookups"),
-            timeout=timeout,
-            name=name,
-            shared=False,
-            idle_poll=idle_poll,
-            lookup_process=False,
-        )
-    except KvtierError:
-        return None  # none listens, or not for this client: the daemon answers
 
 
 def _check_idle_poll(idle_poll: float) -> None:

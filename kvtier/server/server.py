@@ -44,6 +44,8 @@ class ServerCounters:
         self.sent_bytes = Counts().bind()
         #: lookups the lookup process answered and referred to the daemon
         self.lookup_process = Counts("outcome")
+        #: times the lookup process was started again after it went
+        self.lookup_restarts = Counts().bind()
 
     def __repr__(self) -> str:
         return (
@@ -155,8 +157,13 @@ class Server:
             "connections": len(self.connections),
             "requests_waiting": sum(c.inflight for c in self.connections),
             "version": self.server_name,
-            "lookup_process": self.feed.stats() if self.feed is not None else {"state": "off"},
+            "lookup_process": self._lookup_process_stats(),
         }
+
+    def _lookup_process_stats(self) -> dict[str, Any]:
+        if self.feed is None:
+            return {"state": "off"}
+        return {**self.feed.stats(), "restarts": int(self.counters.lookup_restarts.value)}
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
         cells = self._observed.get((op, outcome))
