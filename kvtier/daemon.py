@@ -362,6 +362,8 @@ class Daemon:
                 started = await self._start_lookup_process()
             proc, feed = started
             self.server.counters.lookup_restarts.inc()
+            if self._stop.is_set():  # (it stopped while this one started)
+                feed.end()
 
     async def _stopping_within(self, seconds: float) -> bool:
         """Wait ``seconds`` unless the daemon stops first; whether it does."""

@@ -482,3 +482,33 @@ async def test_a_store_answered_before_it_is_filed_is_in_the_feed_before_its_ans
             assert c.shared
             await c.put(b"big", os.urandom(1 << 20))  # written in place, then COMMIT
         assert seen.index((FeedOp.HELD, b"big")) < seen.index("filed")
+
+
+async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aio, "LOOKUPS_DIAL_TIMEOUT", 0.05)
+    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)
+    accepted: list[socket.socket] = []
+    async with running_daemon(sock_dir, server={"lookup_process": False}, disk=RAM_ONLY) as d:
+        # Something listens where the lookup process would, and never answers.
+        mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        mute.bind(f"{d.socket_path}.lookups")
+        mute.listen()
+        mute.setblocking(False)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(mute.fileno(), lambda: accepted.append(mute.accept()[0]))
+        try:
+            # (Each dial would wait for the client's own timeout without its own.)
+            async with asyncio.timeout(30), await Client.connect(d.socket_path, timeout=60) as c:
+                assert not c.lookups_process  # its HELLO went unanswered
+                await c.put(b"k", b"v")
+                for _ in range(3):  # each may dial again, and gives up in time
+                    assert (await c.lookup([b"k"])).prefix_hits == 1
+                assert not c.lookups_process
+        finally:
+            loop.remove_reader(mute.fileno())
+            mute.close()
+            for conn in accepted:
+                conn.close()
+    assert len(accepted) >= 1

@@ -75,6 +75,8 @@ Timeout = float | None | EllipsisType
 #: seconds between two attempts to reach the daemon's lookup process while
 #: no connection to it is open (the daemon starts it again once it went)
 LOOKUPS_REDIAL = 1.0
+#: seconds a dial of the lookup process may take (a lookup waits on it)
+LOOKUPS_DIAL_TIMEOUT = 1.0
 
 
 class Client:
@@ -312,16 +314,17 @@ class Client:
         client; None (the daemon answers, until the next attempt) elsewhere."""
         self._lookups_retry = time.monotonic() + LOOKUPS_REDIAL  # (one attempt at a time)
         try:
-            lookups = await Client.connect(
-                Path(f"{self.path}.lookups"),
-                timeout=self.timeout,
-                name=self.name,
-                shared=False,
-                idle_poll=self.idle_poll.window,
-                lookup_process=False,
-            )
-        except KvtierError:
-            return None  # none listens, or not for this client
+            async with asyncio.timeout(LOOKUPS_DIAL_TIMEOUT):
+                lookups = await Client.connect(
+                    Path(f"{self.path}.lookups"),
+                    timeout=self.timeout,
+                    name=self.name,
+                    shared=False,
+                    idle_poll=self.idle_poll.window,
+                    lookup_process=False,
+                )
+        except (KvtierError, TimeoutError):
+            return None  # none listens, or not for this client, or not in time
         if self.closed:  # closed meanwhile
             await lookups.close()
             return None
