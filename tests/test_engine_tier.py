@@ -4,6 +4,8 @@ loads straight into the engine's rows, stores from them, failures as MISS."""
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,3 +177,37 @@ def test_the_daemon_link_bounds_every_call_and_names_blocks_apart(proc: DaemonPr
     )
     assert engine_namespace("org/Model 7B", "bf16", 16).startswith("org/Model-7B@")
     assert engine_namespace("m", "bf16") != engine_namespace("m", "fp8")
+
+
+# -- stores the daemon reads from the engine's shared file itself (a region)
+
+
+def test_store_jobs_from_a_shared_file_arrive_byte_for_byte(
+    proc: DaemonProcess, tmp_path: Path
+) -> None:
+    n, jobs = 12, 4
+    path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{tmp_path.name}"
+    with open(path, "w+b") as fh:
+        fh.truncate(2 * n * BLOCK)
+        mem = mmap.mmap(fh.fileno(), 0)
+    tier = EngineTier(proc.socket_path, namespace="model-s")
+    try:
+        rows = [memoryview(mem)[i * BLOCK : (i + 1) * BLOCK] for i in range(2 * n)]
+        for i in range(n):
+            rows[i][:] = block(i)
+        keys = [b"s%d" % i for i in range(n)]
+        per = n // jobs
+        for j in range(jobs):  # several in flight at once
+            tier.store(j, keys[j * per : (j + 1) * per], rows[j * per : (j + 1) * per])
+        tier.drain()
+        assert sorted((d.job_id, d.ok) for d in tier.finished()) == [(j, True) for j in range(jobs)]
+        tier.load(9, keys, rows[n:])
+        tier.drain()
+        assert [d.ok for d in tier.finished()] == [True]
+        assert all(bytes(rows[n + i]) == block(i) for i in range(n))
+        assert tier._region.attached == 1  # the daemon read them from the file
+    finally:
+        tier.close()
+        del rows
+        mem.close()
+        path.unlink()

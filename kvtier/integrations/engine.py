@@ -167,31 +167,52 @@ class DaemonLink:
 class Regions:
     """Memory files an engine hands to the daemon as regions (it then copies
     blocks to and from them itself): once per connection, and again on the
-    connection a redial makes. Lives on the link's loop."""
+    connection a redial makes; jobs that need them while they are being
+    handed over wait for that hand-over instead of making another. Lives on
+    the link's loop."""
 
     def __init__(self) -> None:
         #: the connection the files were handed to, and their region ids there
         #: (None: the daemon takes no region on that connection)
         self._on: tuple[Client, list[int] | None] | None = None
+        #: the connection the files are being handed to now, and what others
+        #: that need them meanwhile wait for (one hand-over per connection)
+        self._handing: tuple[Client, asyncio.Future[list[int] | None]] | None = None
         self.attached = 0
 
     def __repr__(self) -> str:
         ids = self._on[1] if self._on is not None else None
-        return f"<Regions ids={ids} attached={self.attached}>"
+        handing = " handing" if self._handing is not None else ""
+        return f"<Regions ids={ids} attached={self.attached}{handing}>"
 
     async def ids(self, client: Client, fds: Sequence[int], timeout: float) -> list[int] | None:
         """The files' region ids on ``client``'s connection; None when the
         daemon takes none there (no shared memory: another host, or off)."""
         if self._on is not None and self._on[0] is client:
             return self._on[1]
+        if self._handing is not None and self._handing[0] is client:
+            return await asyncio.shield(self._handing[1])
+        handed: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
+        self._handing = (client, handed)
         ids: list[int] | None
         try:
-            ids = [await client.attach_region(fd, timeout=timeout) for fd in fds]
-            self.attached += len(ids)
-        except ForbiddenError as exc:
-            log.info("the daemon copies no blocks itself (%s): they go over the socket", exc)
-            ids = None
+            try:
+                ids = [await client.attach_region(fd, timeout=timeout) for fd in fds]
+                self.attached += len(ids)
+            except ForbiddenError as exc:
+                log.info("the daemon copies no blocks itself (%s): they go over the socket", exc)
+                ids = None
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                handed.cancel()
+            else:
+                handed.set_exception(exc)
+                handed.exception()  # (read: no one may be waiting)
+            raise
+        finally:
+            self._handing = None
         self._on = (client, ids)
+        handed.set_result(ids)
         return ids
 
 
