@@ -36,6 +36,7 @@ from kvtier.model import (
     LookupMode,
     ReportKind,
 )
+from kvtier.server import lookups as lookups_module
 from kvtier.server.lookups import FeedWriter, LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import PeerPolicy
@@ -512,3 +513,50 @@ async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(
             for conn in accepted:
                 conn.close()
     assert len(accepted) >= 1
+
+
+async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lookups_module, "FEED_BACKLOG", 100)
+    me = os.getuid()
+    sources: list[Config] = []
+    keys = [b"k%05d" % i for i in range(3000)]
+    async with (
+        with_lookup_process(
+            sock_dir,
+            disk=RAM_ONLY,
+            reread=lambda: sources[-1],
+            namespaces={"default": {"uids": [me, me + 1]}},
+        ) as d,
+        await Client.connect(d.socket_path, shared=False) as c,
+    ):
+        for lo in range(0, len(keys), 500):  # (the first ring, of 4 MiB, takes them as they come)
+            await c.put_many(keys[lo : lo + 500], [b"v"] * 500)
+        first = feed_of(d)
+        assert not first.ended
+        # The next one's ring holds about 100 changes: its snapshot of 3000
+        # keys waits for room, past the backlog's bound for later changes.
+        monkeypatch.setattr(daemon_module, "FEED_RING_BYTES", 4096)
+        base: dict[str, Any] = d.config.model_dump(mode="json")
+        sources.append(
+            load_config(
+                None,
+                {
+                    **{k: v for k, v in base.items() if isinstance(v, dict)},
+                    "namespaces": {"default": {"uids": [me]}},
+                },
+            )
+        )
+        d.reload()
+        await wait_until(
+            lambda: feed_of(d) is not first and feed_of(d).listening.is_set(), limit=10**7
+        )
+        again = feed_of(d)
+        await wait_until(lambda: again.backlogged == 0 or again.ended, limit=10**7)
+        assert not again.ended and again.written >= len(keys)
+        async with await Client.connect(d.socket_path, shared=False) as later:
+            assert later.lookups_process
+            assert (await later.lookup(keys, mode=LookupMode.PREFIX)).prefix_hits == len(keys)
+        await answered(d, 1)  # at the process, from its snapshot
+        assert again.referred == 0

@@ -135,6 +135,10 @@ class FeedWriter:
         #: records the ring had no room for, in order, and how many
         self._backlog: deque[Records] = deque()
         self.backlogged = 0
+        #: records the backlog may hold before the feed ends: FEED_BACKLOG,
+        #: plus the first write (the snapshot of all a daemon holds, which
+        #: can be far larger than the ring: a disk index of millions of blocks)
+        self._most: int | None = None
         self._retry: asyncio.TimerHandle | None = None
         #: the feed has ended (the ring full, or the process went)
         self.ended = False
@@ -175,6 +179,8 @@ class FeedWriter:
         as it has room, the process referring every lookup meanwhile."""
         if self.ended:
             return
+        if self._most is None:
+            self._most = FEED_BACKLOG + len(records)
         if not self._backlog and len(records) < 64 and self._ring.write(records):
             self.written += len(records)  # (the common case: a change or a few)
             return
@@ -188,7 +194,7 @@ class FeedWriter:
                 self._retry = asyncio.get_running_loop().call_later(FEED_RETRY, self._catch_up)
             self._backlog.append(chunk)
             self.backlogged += len(chunk)
-            if self.backlogged > FEED_BACKLOG:
+            if self.backlogged > self._most:
                 self.end("the lookup process fell too far behind its feed")
                 return
 
