@@ -121,9 +121,13 @@ class ServerConfig(Section):
     configured_namespaces_only: bool = False
 
     @model_validator(mode="after")
-    def _block_fits_frame(self) -> ServerConfig:
+    def _a_slice_the_kernel_grants(self) -> ServerConfig:
         if 0 < self.lookup_slice < MIN_SLICE:
             raise ValueError(f"lookup_slice is 0 or {MIN_SLICE} to {MAX_SLICE} seconds")
+        return self
+
+    @model_validator(mode="after")
+    def _block_fits_frame(self) -> ServerConfig:
         if self.max_block_bytes + self.max_key_bytes + 64 > self.max_frame_bytes:
             raise ValueError(
                 f"max_block_bytes ({self.max_block_bytes}) must fit in one frame "
