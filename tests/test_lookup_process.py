@@ -488,7 +488,7 @@ async def test_a_store_answered_before_it_is_filed_is_in_the_feed_before_its_ans
 async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(
     sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(aio, "LOOKUPS_DIAL_TIMEOUT", 0.05)
+    monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
     monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)
     accepted: list[socket.socket] = []
     async with running_daemon(sock_dir, server={"lookup_process": False}, disk=RAM_ONLY) as d:
@@ -560,3 +560,33 @@ async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
             assert (await later.lookup(keys, mode=LookupMode.PREFIX)).prefix_hits == len(keys)
         await answered(d, 1)  # at the process, from its snapshot
         assert again.referred == 0
+
+
+async def test_a_stuck_process_holds_no_lookup_up(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
+    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
+    async with (
+        with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path, shared=False, timeout=60) as c,
+    ):
+        await c.put(b"k", b"v")
+        assert (await c.lookup([b"k"])).prefix_hits == 1
+        await answered(d, 1)
+        proc = d.lookup_process
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            # Stuck, not gone: the daemon does not start another. Each lookup
+            # gives it LOOKUPS_TIMEOUT (then a dial does) and asks the daemon.
+            async with asyncio.timeout(30):
+                for _ in range(3):
+                    assert (await c.lookup([b"k"])).prefix_hits == 1
+                    assert not c.lookups_process
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert (await c.lookup([b"k"])).prefix_hits == 1  # dialled again: it answers
+        assert c.lookups_process
+        await answered(d, 2)
+        assert d.server.counters.lookup_restarts.value == 0

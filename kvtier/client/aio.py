@@ -72,11 +72,15 @@ log = logging.getLogger("kvtier.client")
 #: seconds, None for no limit, or ``...`` for the client's default
 Timeout = float | None | EllipsisType
 
-#: seconds between two attempts to reach the daemon's lookup process while
-#: no connection to it is open (the daemon starts it again once it went)
+#: seconds before a lookup dials the daemon's lookup process again while no
+#: connection to it is open (the daemon starts it again once it went),
+#: doubling after each dial that fails, up to the most
 LOOKUPS_REDIAL = 1.0
-#: seconds a dial of the lookup process may take (a lookup waits on it)
-LOOKUPS_DIAL_TIMEOUT = 1.0
+LOOKUPS_REDIAL_MOST = 30.0
+#: seconds the lookup process has to answer a dial or a lookup: it answers
+#: from memory and never waits, so one slower is taken for stuck (the daemon
+#: answers, and the connection to it is dropped)
+LOOKUPS_TIMEOUT = 0.1
 
 
 class Client:
@@ -130,6 +134,8 @@ class Client:
         #: monotonic clock reaches ``_lookups_retry`` (the daemon restarts it)
         self._lookups_wanted = False
         self._lookups_retry = 0.0
+        #: seconds to the dial after a failed one (LOOKUPS_REDIAL, doubling)
+        self._lookups_redial = LOOKUPS_REDIAL
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -312,9 +318,11 @@ class Client:
     async def _dial_lookups(self) -> Client | None:
         """Connect to the daemon's lookup process, where one listens for this
         client; None (the daemon answers, until the next attempt) elsewhere."""
-        self._lookups_retry = time.monotonic() + LOOKUPS_REDIAL  # (one attempt at a time)
+        now = time.monotonic()
+        self._lookups_retry = now + self._lookups_redial  # (one attempt at a time)
+        self._lookups_redial = min(self._lookups_redial * 2, LOOKUPS_REDIAL_MOST)
         try:
-            async with asyncio.timeout(LOOKUPS_DIAL_TIMEOUT):
+            async with asyncio.timeout(LOOKUPS_TIMEOUT):
                 lookups = await Client.connect(
                     Path(f"{self.path}.lookups"),
                     timeout=self.timeout,
@@ -329,7 +337,16 @@ class Client:
             await lookups.close()
             return None
         self._lookups = lookups
+        self._lookups_redial = LOOKUPS_REDIAL
         return lookups
+
+    async def _drop_lookups(self, lookups: Client) -> None:
+        """The lookup process went, or is stuck: the daemon answers, and it is
+        dialled again in a while (the daemon starts a new one when it goes)."""
+        self._lookups = None
+        self._lookups_retry = time.monotonic() + self._lookups_redial
+        lookups.drop()
+        await lookups.close()
 
     async def _map_shared(self, offer: wire.SharedOffer) -> None:
         try:
@@ -527,17 +544,18 @@ class Client:
             if lookups is None and self._lookups_wanted and time.monotonic() >= self._lookups_retry:
                 lookups = await self._dial_lookups()
             if lookups is not None:
+                bound = self._timeout(timeout)
                 try:
-                    frame = await lookups._call(Op.LOOKUP, meta, timeout=timeout)
+                    frame = await lookups._call(
+                        Op.LOOKUP,
+                        meta,
+                        timeout=LOOKUPS_TIMEOUT if bound is None else min(bound, LOOKUPS_TIMEOUT),
+                    )
                     return wire.decode_lookup_reply(frame.meta)
                 except ReferredError:
                     pass  # only the daemon can answer this one
-                except ConnectionClosedError:
-                    # The lookup process is gone: the daemon answers, and
-                    # starts it again; it is dialled again in a while.
-                    self._lookups = None
-                    self._lookups_retry = time.monotonic() + LOOKUPS_REDIAL
-                    await lookups.close()
+                except (ConnectionClosedError, RequestTimeoutError):
+                    await self._drop_lookups(lookups)
         frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
         return wire.decode_lookup_reply(frame.meta)
 
