@@ -208,6 +208,6 @@ def test_store_jobs_from_a_shared_file_arrive_byte_for_byte(
         assert tier._region.attached == 1  # the daemon read them from the file
     finally:
         tier.close()
+        path.unlink()  # (first: a failed assertion's frame may still hold a row)
         del rows
         mem.close()
-        path.unlink()
