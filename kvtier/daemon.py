@@ -344,22 +344,22 @@ class Daemon:
                 return
             if feed.listening.is_set():
                 delay = LOOKUP_RESTART_FIRST  # it served: this is a new failure
-            if not self._lookups_again:
+            wait = 0.0 if self._lookups_again else delay
+            self._lookups_again = False
+            if wait:
                 log.warning(
                     "the lookup process went (exit status %s); starting it again in %.3gs",
                     proc.returncode,
-                    delay,
+                    wait,
                 )
-                if await self._stopping_within(delay):
-                    return
-                delay = min(delay * 2, LOOKUP_RESTART_MOST)
-            self._lookups_again = False
-            started = await self._start_lookup_process()
-            while started is None:  # (logged) it could not even be run
-                if await self._stopping_within(delay):
-                    return
-                delay = min(delay * 2, LOOKUP_RESTART_MOST)
+            started = None
+            while started is None:  # (None, logged: it could not even be run)
+                if wait:
+                    if await self._stopping_within(wait):
+                        return
+                    delay = min(delay * 2, LOOKUP_RESTART_MOST)
                 started = await self._start_lookup_process()
+                wait = delay
             proc, feed = started
             self.server.counters.lookup_restarts.inc()
             if self._stop.is_set():  # (it stopped while this one started)

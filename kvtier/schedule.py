@@ -27,6 +27,7 @@ nothing of kvtier.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -57,7 +58,9 @@ class _SchedAttr(ctypes.Structure):
     ]
 
 
+@functools.cache
 def _syscalls() -> tuple[ctypes.CDLL, int, int] | None:
+    """libc and the two calls' numbers, once; None off Linux or elsewhere."""
     numbers = _SYSCALLS.get(platform.machine())
     if sys.platform != "linux" or numbers is None:
         return None
