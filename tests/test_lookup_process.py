@@ -191,6 +191,19 @@ async def answered(d: Daemon, n: int, referred: int = 0) -> None:
     await wait_until(lambda: (feed.answered, feed.referred) >= (n, referred), limit=1_000_000)
 
 
+async def restarted(d: Daemon, first: FeedWriter) -> FeedWriter:
+    """Until a lookup process started after ``first``'s listens; its feed."""
+    await wait_until(lambda: feed_of(d) is not first and feed_of(d).listening.is_set(), limit=10**7)
+    return feed_of(d)
+
+
+def default_users(d: Daemon, uids: list[int]) -> Config:
+    """``d``'s configuration with only ``uids`` allowed the default namespace."""
+    base: dict[str, Any] = d.config.model_dump(mode="json")
+    sections = {k: v for k, v in base.items() if isinstance(v, dict)}
+    return load_config(None, {**sections, "namespaces": {"default": {"uids": uids}}})
+
+
 async def test_the_process_answers_as_the_daemon_would_right_after_each_change(
     sock_dir: Path,
 ) -> None:
@@ -290,10 +303,7 @@ async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(
         await wait_until(lambda: first.ended, limit=1_000_000)  # its end closed
         assert (await c.lookup([b"k"])).prefix_hits == 1  # asked the daemon
         await c.put(b"j", b"w")  # while none runs: in the next one's snapshot
-        await wait_until(
-            lambda: feed_of(d) is not first and feed_of(d).listening.is_set(), limit=1_000_000
-        )
-        again = feed_of(d)
+        again = await restarted(d, first)
         assert d.lookup_process is not None and d.lookup_process.pid != proc.pid
         stats = (await c.stats())["server"]["lookup_process"]
         assert (stats["state"], stats["restarts"]) == ("listening", 1)
@@ -337,22 +347,10 @@ async def test_a_reload_that_changes_who_may_use_the_default_namespace_restarts_
         namespaces={"default": {"uids": [me, me + 1]}},
     ) as d:
         first = feed_of(d)
-        base: dict[str, Any] = d.config.model_dump(mode="json")
-        sources.append(
-            load_config(
-                None,
-                {
-                    **{k: v for k, v in base.items() if isinstance(v, dict)},
-                    "namespaces": {"default": {"uids": [me]}},
-                },
-            )
-        )
+        sources.append(default_users(d, [me]))
         with caplog.at_level(logging.WARNING, logger="kvtier.daemon"):
             d.reload()
-            await wait_until(
-                lambda: feed_of(d) is not first and feed_of(d).listening.is_set(),
-                limit=1_000_000,
-            )
+            await restarted(d, first)
         assert not any("lookup process went" in r.getMessage() for r in caplog.records)
         assert d.server.counters.lookup_restarts.value == 1
         assert d.lookup_process is not None  # it was told the new users
@@ -538,21 +536,9 @@ async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
         # The next one's ring holds about 100 changes: its snapshot of 3000
         # keys waits for room, past the backlog's bound for later changes.
         monkeypatch.setattr(daemon_module, "FEED_RING_BYTES", 4096)
-        base: dict[str, Any] = d.config.model_dump(mode="json")
-        sources.append(
-            load_config(
-                None,
-                {
-                    **{k: v for k, v in base.items() if isinstance(v, dict)},
-                    "namespaces": {"default": {"uids": [me]}},
-                },
-            )
-        )
+        sources.append(default_users(d, [me]))
         d.reload()
-        await wait_until(
-            lambda: feed_of(d) is not first and feed_of(d).listening.is_set(), limit=10**7
-        )
-        again = feed_of(d)
+        again = await restarted(d, first)
         await wait_until(lambda: again.backlogged == 0 or again.ended, limit=10**7)
         assert not again.ended and again.written >= len(keys)
         async with await Client.connect(d.socket_path, shared=False) as later:
