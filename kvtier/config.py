@@ -81,10 +81,11 @@ class ServerConfig(Section):
     #: requests one connection may have running before reading from it pauses
     max_inflight_per_connection: int = Field(default=1024, ge=1)
     #: seconds the event loop keeps polling for the next request after one
-    #: arrives, instead of sleeping: a request that comes meanwhile is read
-    #: at once, without the wake-up of a sleeping thread (tens of
-    #: microseconds where idle CPUs halt, as a VM's do). Costs up to this
-    #: much of one core's time after each request; 0 turns it off
+    #: arrives and after each answer, instead of sleeping: a request that
+    #: comes meanwhile is read at once, without the wake-up of a sleeping
+    #: thread (tens of microseconds where idle CPUs halt, as a VM's do).
+    #: Costs up to this much of one core's time after each request; 0
+    #: turns it off
     idle_poll: float = Field(default=IDLE_POLL, ge=0, le=0.01)
     #: also answer LOOKUP from a process of its own, on the socket beside this
     #: one named ``<socket_path>.lookups``, from a replica of what the daemon

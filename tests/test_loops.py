@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import Client
+from kvtier import Client, State
 from kvtier.config import load_config
 from kvtier.daemon import Daemon
 from kvtier.defaults import IDLE_POLL
 from kvtier.errors import BadArgumentError
 from kvtier.loops import IdlePoll
-from tests.helpers import running_daemon
+from kvtier.tiers.memory import MemoryRemoteTier
+from tests.helpers import running_daemon, wait_until
 
 
 class Clock:
@@ -132,6 +133,34 @@ async def test_the_daemon_and_the_client_take_their_windows(sock_dir: Path) -> N
             await sleeper.ping()
             assert sleeper.idle_poll.polls == 0
             assert not sleeper.idle_poll.polling
+
+
+async def test_the_daemon_polls_from_its_answer_not_from_the_request(sock_dir: Path) -> None:
+    """A request answered late (a lookup waiting on a remote tier) starts a
+    new window when its answer goes: the caller's next request follows the
+    answer, however long the answer took."""
+    key = b"k" * 32
+    tier = MemoryRemoteTier("mem")
+    tier.blocks[key] = b"v" * 4096
+    gate = tier.lookup_gate = asyncio.Event()
+    async with running_daemon(sock_dir, remote_tiers=[tier]) as daemon:
+        clock = Clock()
+        daemon.server.idle_poll = poll = IdlePoll(1.0, clock=clock)
+        async with await Client.connect(sock_dir / "d.sock", idle_poll=0) as client:
+            lookup = asyncio.create_task(client.lookup([key], wait=30.0))
+            await tier.lookup_started.wait()
+            assert poll.polling  # from the request's arrival, until 1.0
+            clock.now = 5.0
+            await wait_until(lambda: not poll.polling)
+            polls = poll.polls
+            gate.set()
+            (state,) = (await lookup).states
+            assert state is State.HIT
+            assert poll.polling  # from the answer, until 6.0
+            await steps(2)
+            assert poll.polls > polls
+            clock.now = 6.0
+            await wait_until(lambda: not poll.polling)
 
 
 async def test_a_client_refuses_a_window_below_zero_before_connecting(daemon: Daemon) -> None:

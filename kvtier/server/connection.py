@@ -452,6 +452,9 @@ class Connection(asyncio.BufferedProtocol):
                     log.exception("after the reply to %s #%d", OP_NAMES.get(opcode), request_id)
             if feed is not None:
                 feed.settle(reply.holds)
+            # The caller's next request follows its answer: poll from the end
+            # of the work the answer took, not from the request's arrival.
+            self.server.idle_poll.touch()
 
     async def push(self, opcode: int, request_id: int, meta: Buffer) -> None:
         """One more reply to a streaming request (flag MORE), once the
