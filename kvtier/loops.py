@@ -71,6 +71,9 @@ class IdlePoll:
     CPU to any other thread waiting for it (``sched_yield``), so polling
     takes only a CPU nobody else wants: where the writers, the readers and
     the daemon outnumber the cores, polling without it slowed them all.
+    Without ``yields``, polls keep the CPU: for a wait known to be short (a
+    reply from memory), where giving the CPU away means waiting a whole
+    scheduler slice to get it back once the reply is there.
 
     Invariants: at most one poll callback is scheduled at any time; none is
     once ``window`` has passed since the last touch, or ``busy()`` is false;
@@ -83,6 +86,8 @@ class IdlePoll:
         window: float,
         busy: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        *,
+        yields: bool = True,
     ) -> None:
         if not window >= 0:
             raise ValueError(f"an idle poll window is 0 or more seconds, not {window!r}")
@@ -90,6 +95,8 @@ class IdlePoll:
         self.window = window
         self._busy = busy
         self._clock = clock
+        #: each poll first offers the CPU to other threads (``sched_yield``)
+        self.yields = yields
         #: the clock's time at which polling stops
         self._until = 0.0
         #: the loop the poll callback is scheduled on; None: none is scheduled
@@ -99,7 +106,8 @@ class IdlePoll:
 
     def __repr__(self) -> str:
         state = "polling" if self._loop is not None else "idle"
-        return f"<IdlePoll window={self.window * 1e6:.0f}us {state} polls={self.polls}>"
+        keeps = "" if self.yields else " keeps-cpu"
+        return f"<IdlePoll window={self.window * 1e6:.0f}us {state}{keeps} polls={self.polls}>"
 
     @property
     def polling(self) -> bool:
@@ -120,7 +128,8 @@ class IdlePoll:
         assert loop is not None
         if self._clock() < self._until and (self._busy is None or self._busy()):
             self.polls += 1
-            os.sched_yield()  # a thread that wants this CPU gets it first
+            if self.yields:
+                os.sched_yield()  # a thread that wants this CPU gets it first
             loop.call_soon(self._poll)
         else:
             self._loop = None

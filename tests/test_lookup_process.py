@@ -215,6 +215,9 @@ async def test_the_process_answers_as_the_daemon_would_right_after_each_change(
         await Client.connect(d.socket_path, lookup_process=False) as direct,
     ):
         assert c.lookups_process and not direct.lookups_process
+        # Its answers come from memory: waiting for one keeps the CPU.
+        assert " lookups <IdlePoll window=200us idle keeps-cpu polls=" in repr(c)
+        assert " lookups" not in repr(direct)
         asked = 0
         for step in range(120):
             pick = rng.sample(keys, rng.randint(1, 6))

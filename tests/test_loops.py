@@ -91,6 +91,22 @@ async def test_it_stops_once_nothing_is_awaited() -> None:
     assert poll.polls == 3
 
 
+async def test_each_poll_offers_the_cpu_unless_told_to_keep_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    yielded: list[None] = []
+    monkeypatch.setattr("kvtier.loops.os.sched_yield", lambda: yielded.append(None))
+    clock = Clock()
+    offers, keeps = IdlePoll(1.0, clock=clock), IdlePoll(1.0, clock=clock, yields=False)
+    assert "keeps-cpu" in repr(keeps) and "keeps-cpu" not in repr(offers)
+    keeps.touch()
+    await steps(3)
+    assert (keeps.polls, len(yielded)) == (3, 0)
+    offers.touch()
+    await steps(3)
+    assert (offers.polls, len(yielded)) == (3, 3)
+
+
 async def test_a_window_of_zero_never_polls() -> None:
     poll = IdlePoll(0)
     poll.touch()

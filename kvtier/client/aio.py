@@ -140,7 +140,7 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         shm = f" {self._shm!r}" if self._shm is not None else ""
-        lookups = " lookups" if self.lookups_process else ""
+        lookups = f" lookups {self._lookups.idle_poll!r}" if self._lookups is not None else ""
         return (
             f"<Client {self.path} {state} in_flight={len(self._protocol.pending)}"
             f"{shm}{lookups} {self.idle_poll!r}>"
@@ -336,6 +336,10 @@ class Client:
         if self.closed:  # closed meanwhile
             await lookups.close()
             return None
+        # Its answers come from memory, within microseconds: a poll that gave
+        # the CPU away to a busy writer would get it back a scheduler slice
+        # after the answer is there (docs/lookup-process.md).
+        lookups.idle_poll.yields = False
         self._lookups = lookups
         self._lookups_redial = LOOKUPS_REDIAL
         return lookups
