@@ -381,6 +381,8 @@ class Daemon:
         finally:
             self.service.stop_feed()
             feed.end()  # the process sees its feed end, and stops
+            if feed.stalled:  # (it would not see it)
+                proc.kill()
             try:
                 async with asyncio.timeout(LOOKUP_PROCESS_STOP):
                     await proc.wait()

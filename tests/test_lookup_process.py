@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
@@ -146,6 +147,18 @@ def test_the_feed_ring_hands_over_every_record_in_order_and_refuses_to_overtake(
         FeedRing(memoryview(bytearray(RING_HEADER + 100)))
 
 
+def test_the_ring_counts_the_readers_reads_even_of_nothing() -> None:
+    mem = memoryview(mmap.mmap(-1, RING_HEADER + 256))
+    writer, reader = FeedRing(mem), FeedRing(mem)
+    struct.pack_into("=I", mem, 24, 2**32 - 2)  # (the count wraps, as the others do)
+    assert writer.reads() == 2**32 - 2
+    assert reader.read() == [] and reader.read() == []
+    assert writer.reads() == 0
+    writer.write([(FeedOp.HELD, b"k")])
+    assert reader.read() == [(FeedOp.HELD, b"k")]
+    assert writer.reads() == 1 and "reads=1" in repr(writer)
+
+
 def test_the_report_stream_decodes_whole_reports_only() -> None:
     req = Lookup([b"a", b"b"], LookupMode.PREFIX, request_tag=b"t")
     meta = encode_lookup(req)
@@ -286,6 +299,44 @@ async def test_a_lookup_the_process_cannot_answer_is_answered_by_the_daemon(
         await answered(d, 1, referred=1)
         assert feed_of(d).stats()["referred"] == 1
         assert d.server.counters.lookup_process.total() == 2
+
+
+async def test_a_process_that_stops_reading_its_feed_is_killed_and_started_again(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lookups_module, "FEED_STALL", 0.3)
+    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 0.01)
+    monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
+    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
+    async with (
+        with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path, shared=False, timeout=60) as c,
+    ):
+        first, proc = feed_of(d), d.lookup_process
+        assert proc is not None
+        # Idle, it reads every FEED_POLL: several stall periods pass, and it
+        # stays.
+        reads = first.reads
+        await wait_until(lambda: first.reads >= reads + 20, limit=10**7)
+        assert not first.ended and d.server.counters.lookup_restarts.value == 0
+        await c.put(b"k", b"v")
+        proc.send_signal(signal.SIGSTOP)  # alive, and reading nothing
+        try:
+            again = await restarted(d, first)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # (killed: gone)
+                proc.send_signal(signal.SIGCONT)
+        assert first.stalled and first.stats()["state"] == "stalled"
+        assert await proc.wait() == -signal.SIGKILL
+        assert d.lookup_process is not None and d.lookup_process.pid != proc.pid
+        assert d.server.counters.lookup_restarts.value == 1
+        # Its connection to the old one gone, the client asks the daemon,
+        # then dials the new one.
+        assert (await c.lookup([b"k"])).prefix_hits == 1
+        assert (await c.lookup([b"k"])).prefix_hits == 1
+        assert c.lookups_process
+        await answered(d, 1)
+        assert again.answered == 1
 
 
 async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(

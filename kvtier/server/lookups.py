@@ -65,6 +65,9 @@ FEED_RING_BYTES = 4 << 20
 FEED_BACKLOG = 1 << 18
 #: seconds between two tries to write what the ring had no room for
 FEED_RETRY = 0.01
+#: seconds a listening process may go without reading its feed (it reads
+#: every FEED_POLL at least) before the daemon ends it as stuck
+FEED_STALL = 10.0
 #: seconds the process gathers reports before it sends them: the daemon
 #: applies a lookup's touches and counts that much later, wakes once for
 #: many lookups, and touches the keys of a lookup asked again meanwhile once
@@ -142,6 +145,8 @@ class FeedWriter:
         self._retry: asyncio.TimerHandle | None = None
         #: the feed has ended (the ring full, or the process went)
         self.ended = False
+        #: it ended because the process stopped reading it (FEED_STALL)
+        self.stalled = False
         #: set once the feed has ended
         self.done = asyncio.Event()
         #: lookups the process answered, and referred to the daemon
@@ -151,7 +156,11 @@ class FeedWriter:
         self.listening = asyncio.Event()
         #: set once it listens or the feed has ended: its start is decided
         self.decided = asyncio.Event()
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._read_reports)
+        #: the ring's read count at the last check that the process reads
+        self._reads = ring.reads()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._read_reports)
+        self._watch = loop.call_later(FEED_STALL, self._check_reading)
 
     def __repr__(self) -> str:
         return (
@@ -162,8 +171,13 @@ class FeedWriter:
     @property
     def state(self) -> str:
         if self.ended:
-            return "ended"
+            return "stalled" if self.stalled else "ended"
         return "listening" if self.listening.is_set() else "starting"
+
+    @property
+    def reads(self) -> int:
+        """How many times the process has read its feed (modulo 2**32)."""
+        return self._ring.reads()
 
     def stats(self) -> dict[str, object]:
         return {
@@ -172,6 +186,7 @@ class FeedWriter:
             "referred": self.referred,
             "feed_records": self.written,
             "feed_backlog": self.backlogged,
+            "feed_reads": self.reads,
         }
 
     def write(self, records: Records) -> None:
@@ -210,6 +225,19 @@ class FeedWriter:
             self._retry = asyncio.get_running_loop().call_later(FEED_RETRY, self._catch_up)
         else:
             self._ring.set_behind(False)
+
+    def _check_reading(self) -> None:
+        """End the feed of a listening process that has not read it for
+        FEED_STALL seconds: alive but stuck (stopped, or looping), it holds
+        up every lookup its clients send it until they give up on it, and
+        the daemon starts another once this one is gone."""
+        reads = self._ring.reads()
+        if self.listening.is_set() and reads == self._reads:
+            self.stalled = True
+            self.end(f"the lookup process has not read its feed for {FEED_STALL:g}s")
+            return
+        self._reads = reads
+        self._watch = asyncio.get_running_loop().call_later(FEED_STALL, self._check_reading)
 
     def announce(self, keys: Sequence[bytes]) -> None:
         """A reply is about to say ``keys`` are stored, and the store runs
@@ -257,6 +285,7 @@ class FeedWriter:
             log.warning("lookup process: %s; lookups go to the daemon", why)
         if self._retry is not None:
             self._retry.cancel()
+        self._watch.cancel()
         self._backlog.clear()
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(self._sock.fileno())

@@ -47,9 +47,10 @@ _REPORT_KINDS = {int(kind): kind for kind in ReportKind}
 
 #: the ring's header, as 32-bit words (each read and written in one aligned
 #: access, never byte by byte as struct's standard sizes are): bytes written
-#: (the daemon's), bytes read (the process's), and whether the writer holds
-#: records the ring had no room for
-_WRITTEN, _READ, _BEHIND = 0, 2, 4
+#: (the daemon's), bytes read (the process's), whether the writer holds
+#: records the ring had no room for, and how many times the reader has read
+#: (the process's heartbeat: it reads at least every few tens of ms)
+_WRITTEN, _READ, _BEHIND, _READS = 0, 2, 4, 6
 RING_HEADER = 64
 #: a record's op byte that says: nothing more before the ring wraps
 _PAD = 0
@@ -68,7 +69,9 @@ class FeedRing:
     head, marks the gap). A write that would overtake the reader takes
     nothing and says so; the writer then keeps its records and raises the
     *behind* flag until they are all in, so that the reader knows that what
-    it read is not all there is.
+    it read is not all there is. Each :meth:`read` counts itself
+    (:meth:`reads`): a reader that has stopped reading shows, even when
+    nothing was written.
     """
 
     def __init__(self, mem: memoryview) -> None:
@@ -81,7 +84,14 @@ class FeedRing:
     def __repr__(self) -> str:
         written, read = self._head[_WRITTEN], self._head[_READ]
         behind = " behind" if self.behind() else ""
-        return f"<FeedRing size={self.size} written={written} read={read}{behind}>"
+        return (
+            f"<FeedRing size={self.size} written={written} read={read} "
+            f"reads={self.reads()}{behind}>"
+        )
+
+    def reads(self) -> int:
+        """How many times the reader has read the ring (modulo 2**32)."""
+        return self._head[_READS]
 
     def behind(self) -> bool:
         """Whether the writer holds records the ring had no room for (read
@@ -133,6 +143,7 @@ class FeedRing:
             out.append((kind, bytes(data[at + _FEED_HEAD.size : at + _FEED_HEAD.size + n])))
             pos = (pos + _FEED_HEAD.size + n) & _MASK
         self._head[_READ] = pos  # read up to here
+        self._head[_READS] = (self._head[_READS] + 1) & _MASK
         return out
 
 
