@@ -16,7 +16,8 @@ from typing import Final
 DEFAULT_TIMEOUT: Final = 30.0
 DEFAULT_METRICS_PORT: Final = 9477
 #: seconds an event loop keeps polling instead of sleeping: the daemon's after
-#: each request arrives and each answer, a client's while it awaits a reply (kvtier.loops.IdlePoll)
+#: each request arrives and after each answer, a client's while it awaits a
+#: reply (kvtier.loops.IdlePoll)
 IDLE_POLL: Final = 200e-6
 
 

@@ -231,7 +231,7 @@ class FeedWriter:
         FEED_STALL seconds: alive but stuck (stopped, or looping), it holds
         up every lookup its clients send it until they give up on it, and
         the daemon starts another once this one is gone."""
-        reads = self._ring.reads()
+        reads = self.reads
         if self.listening.is_set() and reads == self._reads:
             self.stalled = True
             self.end(f"the lookup process has not read its feed for {FEED_STALL:g}s")
