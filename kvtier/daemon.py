@@ -382,7 +382,8 @@ class Daemon:
             self.service.stop_feed()
             feed.end()  # the process sees its feed end, and stops
             if feed.stalled:  # (it would not see it)
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):  # (it went meanwhile)
+                    proc.kill()
             try:
                 async with asyncio.timeout(LOOKUP_PROCESS_STOP):
                     await proc.wait()
