@@ -96,6 +96,9 @@ class Client:
         idle_poll: float = IDLE_POLL,
     ) -> None:
         self._protocol = protocol
+        #: the loop the connection lives on (held: asking asyncio for the
+        #: running loop costs a getpid system call, twice a request)
+        self._loop = asyncio.get_running_loop()
         #: keeps the loop polling while a reply is awaited (for ``idle_poll``
         #: seconds after each request at most), instead of sleeping
         self.idle_poll = IdlePoll(idle_poll, busy=lambda: bool(protocol.pending))
@@ -407,7 +410,7 @@ class Client:
         if proto.transport is None or proto.transport.is_closing():
             raise proto.closed_exc or ConnectionClosedError("the client is closed")
         rid = next(self._ids)
-        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Frame] = self._loop.create_future()
         proto.pending[rid] = fut
         if into is not None:
             proto.sinks[rid] = into
@@ -475,7 +478,7 @@ class Client:
         seconds = self._timeout(timeout)
         handle = None
         if seconds is not None:
-            handle = asyncio.get_running_loop().call_later(seconds, expire, fut, seconds)
+            handle = self._loop.call_later(seconds, expire, fut, seconds)
         try:
             frame = await fut
         finally:
