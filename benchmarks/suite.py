@@ -40,6 +40,7 @@ from kvtier.bench import (
     format_table,
     lookup_batch,
     measure,
+    measure_side_by_side,
     ops_for,
     percentile,
     prefix_lookup,
@@ -337,20 +338,16 @@ async def steady_state(tmp: Path, quick: bool, runs: int) -> list[Figure]:
                 return op
 
             for concurrency in (1, 8):
-                for store in measured:
-                    print(f"  steady {store.name} 1MiB x{concurrency}", file=sys.stderr)
-                    figures.append(
-                        await measure(
-                            f"steady put 1MiB x{concurrency}",
-                            store.name,
-                            put_fresh(store),
-                            ops=ops_for(MiB, quick),
-                            concurrency=concurrency,
-                            work_per_op=MiB,
-                            unit="GB/s",
-                            runs=runs,
-                        )
-                    )
+                print(f"  steady 1MiB x{concurrency}", file=sys.stderr)
+                figures += await measure_side_by_side(
+                    f"steady put 1MiB x{concurrency}",
+                    [(store.name, put_fresh(store)) for store in measured],
+                    ops=ops_for(MiB, quick),
+                    concurrency=concurrency,
+                    work_per_op=MiB,
+                    unit="GB/s",
+                    runs=runs,
+                )
     finally:
         for p in (kv, rd):
             p.terminate()
@@ -658,7 +655,9 @@ NOTES = """## Reading the figures
 * Every PUT run stores new keys (they are deleted before each run), for
   Redis as for kvtier. The *steady* rows store into stores already full at
   the same capacity (512 MiB; Redis with `allkeys-lru`): every PUT is a
-  fresh key and evicts, as in an engine's long run.
+  fresh key and evicts, as in an engine's long run. Their runs are taken
+  in turn (one run of each system, then the next round), so that a spell
+  of noise from the machine's other tenants slows each system alike.
 * One block per request from one client pays a full request round trip per
   block, of the order of a 1 MiB copy here, so single-client rows are far
   from memcpy; the batched rows (16 blocks per request, `MGET`/`MSET` for

@@ -74,16 +74,57 @@ async def measure(
     for run in range(runs + 1):
         if before_run is not None:
             await before_run()
-        lat: list[float] = []
-        counter = iter(range(ops))
-        started = time.perf_counter()
-        await asyncio.gather(*(_worker(op, w, counter, lat) for w in range(concurrency)))
-        elapsed = time.perf_counter() - started
-        if run == 0:
-            continue  # warm-up
-        total = ops * work_per_op
-        rates.append(total / elapsed / (1e9 if unit == "GB/s" else 1.0))
-        latencies.extend(lat)
+        rate, lat = await _timed_run(op, ops, concurrency, work_per_op, unit)
+        if run:  # (the first is the warm-up)
+            rates.append(rate)
+            latencies.extend(lat)
+    return _figure(workload, system, unit, rates, latencies)
+
+
+async def measure_side_by_side(
+    workload: str,
+    systems: Sequence[tuple[str, Op]],
+    *,
+    ops: int,
+    concurrency: int,
+    work_per_op: float,
+    unit: str,
+    runs: int = 5,
+) -> list[Figure]:
+    """:func:`measure` of each ``(system, op)`` with their runs taken in
+    turn (a warm-up round, then ``runs`` rounds of one run of each): a
+    spell of noise on a shared machine slows a run of each system alike,
+    not all the runs of one, so their ratio holds better than when each
+    system's runs come one after another."""
+    rates: list[list[float]] = [[] for _ in systems]
+    latencies: list[list[float]] = [[] for _ in systems]
+    for run in range(runs + 1):
+        for i, (_, op) in enumerate(systems):
+            rate, lat = await _timed_run(op, ops, concurrency, work_per_op, unit)
+            if run:
+                rates[i].append(rate)
+                latencies[i].extend(lat)
+    return [
+        _figure(workload, system, unit, rates[i], latencies[i])
+        for i, (system, _) in enumerate(systems)
+    ]
+
+
+async def _timed_run(
+    op: Op, ops: int, concurrency: int, work_per_op: float, unit: str
+) -> tuple[float, list[float]]:
+    """One run: its rate in ``unit`` and each operation's latency (seconds)."""
+    lat: list[float] = []
+    counter = iter(range(ops))
+    started = time.perf_counter()
+    await asyncio.gather(*(_worker(op, w, counter, lat) for w in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    return ops * work_per_op / elapsed / (1e9 if unit == "GB/s" else 1.0), lat
+
+
+def _figure(
+    workload: str, system: str, unit: str, rates: list[float], latencies: list[float]
+) -> Figure:
     latencies.sort()
     return Figure(
         workload,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -265,3 +266,30 @@ async def test_measure_counts_every_operation_of_every_run() -> None:
     assert {w for _, w in calls} == {0, 1, 2, 3}
     assert len(fig.runs) == 3 and fig.rate > 0
     assert percentile([1.0, 2.0, 3.0], 0.5) == 2.0 and percentile([], 0.99) == 0.0
+
+
+async def test_measure_side_by_side_takes_the_systems_runs_in_turn() -> None:
+    from kvtier.bench import measure_side_by_side
+
+    calls: list[str] = []
+
+    def op(name: str) -> Callable[[int, int], Awaitable[None]]:
+        async def run(i: int, worker: int) -> None:
+            calls.append(name)
+            await asyncio.sleep(0)  # allow-sleep: a real operation yields; workers interleave
+
+        return run
+
+    figs = await measure_side_by_side(
+        "noop",
+        [("a", op("a")), ("b", op("b"))],
+        ops=10,
+        concurrency=2,
+        work_per_op=1,
+        unit="ops/s",
+        runs=3,
+    )
+    assert [f.system for f in figs] == ["a", "b"]
+    assert all(len(f.runs) == 3 and f.rate > 0 for f in figs)  # the warm-up left out
+    # a run of a, then one of b, four times (the warm-up round included)
+    assert calls == (["a"] * 10 + ["b"] * 10) * 4
