@@ -152,6 +152,7 @@ bench: bench-deps
 	$(BIN)/python -m benchmarks.workloads
 	$(BIN)/python -m benchmarks.policies
 	$(BIN)/python -m benchmarks.streaming
+	$(BIN)/python -m benchmarks.sealed_memfd
 	$(BIN)/python -m benchmarks.kv_events
 	$(BIN)/python -m benchmarks.tenancy
 
