@@ -166,6 +166,29 @@ def test_retry_never_expires() -> None:
         assert r.expired_index is None and r.expires_at is None
 
 
+def test_a_lookup_reported_after_its_tags_release_leaves_no_state() -> None:
+    tr = DeferralTracker(idle_ttl=10, max_tags=2)
+    tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=0.0)
+    assert tr.release(b"req", now=0.5) == pytest.approx(0.5)
+    # Answered by the lookup process before the release, heard of after it.
+    r = tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=0.6, reported=True)
+    assert r.expires_at is None and len(tr) == 0
+    assert repr(tr) == "<DeferralTracker tags=0 released=1>"
+    # A tag never released is kept, reported or not.
+    tr.observe(b"other", KEYS, [PENDING], bound=1.0, now=0.7, reported=True)
+    assert len(tr) == 1
+    # A lookup the daemon answers itself: the tag is in use again.
+    r = tr.observe(b"req", KEYS, [HIT, PENDING, HIT], bound=1.0, now=0.8)
+    assert r.expires_at == pytest.approx(1.8) and len(tr) == 2
+    assert "released=0" in repr(tr)
+    # Tombstones are bounded in count and dropped once idle.
+    for i in range(3):
+        tr.release(b"t%d" % i, now=1.0 + i)
+    assert "released=2" in repr(tr)
+    tr.expire(now=12.5)  # t1 idle for 10.5 s, t2 for 9.5
+    assert "released=1" in repr(tr)
+
+
 def test_idle_tags_are_dropped_and_bounded() -> None:
     tr = DeferralTracker(idle_ttl=10, max_tags=2)
     tr.observe(b"one", KEYS, [PENDING], bound=1.0, now=0.0)

@@ -7,6 +7,12 @@ on it. The same key accrues; a different blocking key re-arms; a lookup
 with nothing pending disarms. Once the bound passes, that key counts as
 MISS for this request, so the prefix is truncated there and never counted
 as a hit. RETRY never expires by this rule.
+
+A released tag leaves a tombstone: a lookup answered by the lookup process
+before the release, and heard of after it (``reported``), changes no state,
+so a finished request leaves none behind. Tombstones are bounded as tags
+are (count and idle time); a lookup the daemon answers itself clears its
+tag's.
 """
 
 from __future__ import annotations
@@ -53,9 +59,11 @@ class DeferralTracker:
         self.idle_ttl = idle_ttl
         self.max_tags = max_tags
         self._tags: OrderedDict[bytes, TagState] = OrderedDict()
+        #: tags released, and when, oldest first
+        self._released: OrderedDict[bytes, float] = OrderedDict()
 
     def __repr__(self) -> str:
-        return f"<DeferralTracker tags={len(self._tags)}>"
+        return f"<DeferralTracker tags={len(self._tags)} released={len(self._released)}>"
 
     def __len__(self) -> int:
         return len(self._tags)
@@ -70,8 +78,15 @@ class DeferralTracker:
         states: Sequence[int],
         bound: float,
         now: float,
+        *,
+        reported: bool = False,
     ) -> BoundResult:
-        """Update ``tag``'s state from one lookup's states (``bound > 0``)."""
+        """Update ``tag``'s state from one lookup's states (``bound > 0``).
+        ``reported``: a lookup answered elsewhere, heard of now; one of a tag
+        released meanwhile changes nothing."""
+        if reported and tag in self._released:
+            return _UNCHANGED
+        self._released.pop(tag, None)
         idx = blocking_pending(states)
         state = self._tags.get(tag)
         if state is None:
@@ -100,6 +115,10 @@ class DeferralTracker:
 
     def release(self, tag: bytes, now: float) -> float | None:
         """Forget ``tag``; returns how long it had been deferred, if it was."""
+        self._released[tag] = now
+        self._released.move_to_end(tag)
+        while len(self._released) > self.max_tags:
+            self._released.popitem(last=False)
         state = self._tags.pop(tag, None)
         if state is None or state.key is None:
             return None
@@ -114,4 +133,10 @@ class DeferralTracker:
                 break
             del self._tags[tag]
             dropped += 1
+        released = self._released
+        while released and now - next(iter(released.values())) >= self.idle_ttl:
+            released.popitem(last=False)
         return dropped
+
+
+_UNCHANGED = BoundResult(None, False, None, None)

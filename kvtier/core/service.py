@@ -354,17 +354,25 @@ class Service:
         return LookupReply(bytes(states), hits, defer), waits, bound_at
 
     def _after_look(
-        self, req: Lookup, states: bytearray, on_disk: list[int], now: float
+        self,
+        req: Lookup,
+        states: bytearray,
+        on_disk: list[int],
+        now: float,
+        reported: bool = False,
     ) -> tuple[int, bool, float | None]:
         """What every answered lookup does once its keys' states are known:
         the reader's bound on PENDING (which may turn one MISS), the prefix
         answer, the touches, the disk hits read ahead. Returns the prefix
-        answer and when the bound will pass, if armed."""
+        answer and when the bound will pass, if armed. ``reported``: the
+        lookup process answered it, and the daemon hears of it now."""
         keys = req.keys
         bound_at: float | None = None
         if req.max_pending_wait > 0:
             bound = req.max_pending_wait
-            result = self.deferrals.observe(req.request_tag, keys, states, bound, now)
+            result = self.deferrals.observe(
+                req.request_tag, keys, states, bound, now, reported=reported
+            )
             if result.ends_deferral is not None:
                 self.counters.lookup_deferred_seconds.observe(result.ends_deferral)
             if result.expired_index is not None:
@@ -1072,7 +1080,7 @@ class Service:
             on_disk = [i for i, k in enumerate(keys) if states[i] == HIT and k not in ram]
             on_disk = [i for i in on_disk if disk.contains(keys[i])]
         answered = bytearray(states)
-        hits, defer, _ = self._after_look(req, answered, on_disk, self._now())
+        hits, defer, _ = self._after_look(req, answered, on_disk, self._now(), reported=True)
         self._answer(LookupReply(states, hits, defer), keys, count)
 
     # ------------------------------------------------------------ STATS
