@@ -9,6 +9,13 @@ turn, six times (off, on, on, off, ...: drift on this noisy machine falls
 on both): a prefix LOOKUP of a 512-block chain (ops/s), and 1 MiB PUT and
 GET from one client (GB/s), as ``kvtier bench`` measures them. Prints each
 turn's figures and the median ratio of on to off.
+
+Then a named namespace's lookups while blocks stream in: a full RAM-only
+daemon of 512 MiB, a 512-block chain of the namespace's, and its prefix
+LOOKUP's p99, idle and while 8 writers of another process stream 1 MiB
+blocks in place (as ``benchmarks.streaming``), through the lookup process
+(the client's default) and through the daemon's socket, in turn, three
+rounds: each round's idle and busy p99 and their ratio.
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ import asyncio
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from benchmarks import streaming
 from kvtier.bench import KvtierStore, MiB, block_key, ops_for, prefix_lookup, put_get
 from kvtier.client.aio import Client
+from kvtier.model import LookupMode
 from tests.enginedaemon import start
 
 QUOTAS = """\
@@ -51,6 +61,39 @@ async def measure(off: str, on: str) -> list[tuple[bool, dict[str, float]]]:
             await c.close()
 
 
+#: rounds of the streaming part (each: both lookup paths, idle and busy)
+STREAM_ROUNDS = 3
+
+
+async def while_streaming(sock: str) -> dict[bool, list[tuple[float, float]]]:
+    """Per lookup path (through the lookup process or not), each round's
+    idle and busy p99 (µs) of a named namespace's prefix LOOKUP."""
+    async with await Client.connect(sock) as filling:
+        filler = bytes(MiB)
+        for n in range(0, streaming.RAM // MiB, 16):  # full: every later store evicts
+            keys = [f"fill-{n + i}".encode() for i in range(16)]
+            await filling.put_many(keys, [filler] * 16)
+    chain = [f"chain-{i:04d}".encode() for i in range(streaming.CHAIN)]
+    async with await Client.connect(sock, namespace="bench") as owner:
+        await owner.put_many(chain, [b"c" * 4096] * len(chain))
+    rounds: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(STREAM_ROUNDS):
+        for lookup_process, out in rounds.items():
+            async with await Client.connect(
+                sock, namespace="bench", lookup_process=lookup_process
+            ) as client:
+                assert client.lookups_process == lookup_process
+                idle: list[float] = []
+                for _ in range(streaming.IDLE_LOOKUPS):
+                    started = time.perf_counter()
+                    reply = await client.lookup(chain, mode=LookupMode.PREFIX)
+                    idle.append((time.perf_counter() - started) * 1e6)
+                    assert reply.prefix_hits == len(chain)
+                busy, _, _ = await streaming.under_writers(sock, client, chain, "in-place")
+                out.append((streaming.percentiles(idle)[1], streaming.percentiles(busy)[1]))
+    return rounds
+
+
 def main() -> int:
     args = ["--no-disk", "--ram-capacity", "1GiB"]
     with (
@@ -76,6 +119,19 @@ def main() -> int:
             f[name] for o, f in rows if not o
         )
         print(f"{name}: on / off {ratio:.3f}x")
+    with tempfile.TemporaryDirectory(prefix="kvt-ns-", dir="/tmp") as c:
+        daemon = start(Path(c), "--no-disk", "--ram-capacity", str(streaming.RAM))
+        try:
+            paths = asyncio.run(while_streaming(str(daemon.socket_path)))
+        finally:
+            daemon.stop()
+    print("named namespace, prefix LOOKUP 512 p99 us   idle    busy   busy/idle   (per round)")
+    for lookup_process, measured in paths.items():
+        path = "lookup process" if lookup_process else "daemon socket"
+        for idle_p99, busy_p99 in measured:
+            print(f"{path:40s} {idle_p99:7.0f} {busy_p99:7.0f} {busy_p99 / idle_p99:8.2f}x")
+        ratio = statistics.median(b / i for i, b in measured)
+        print(f"{path}: busy / idle p99, median {ratio:.2f}x")
     return 0
 
 

@@ -40,11 +40,11 @@ from kvtier.config import Config, split_address
 from kvtier.core.propagation import RemoteSpec
 from kvtier.endpoint import start_metrics_server
 from kvtier.errors import ConfigError
-from kvtier.model import DEFAULT_NAMESPACE, ReportKind, Spawn
+from kvtier.model import ReportKind, Spawn
 from kvtier.reload import Live, apply
 from kvtier.server.handoff import Handoff
 from kvtier.server.lookups import FEED_RING_BYTES, FeedWriter, Settings
-from kvtier.server.ops import NamespaceAccess
+from kvtier.server.ops import NamespaceAccess, scoped_tag
 from kvtier.server.sockets import bind_unix_socket
 from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Tier
@@ -187,11 +187,11 @@ class Daemon:
                 budget.shares.quotas = quotas
         access = access_of(new)
         feed = self.server.feed
-        if feed is not None and _default_uids(access) != _default_uids(self.server.ops.access):
-            # The lookup process checks who may use the default namespace as
-            # it started: a new one is started at once, told the new users.
+        if feed is not None and access != self.server.ops.access:
+            # The lookup process checks who may use which namespace as it
+            # started: a new one is started at once, told the new users.
             self._lookups_again = True
-            feed.end("who may use the default namespace changed; starting it again")
+            feed.end("who may use which namespace changed; starting it again")
         self.server.ops.access = access
         return True
 
@@ -299,7 +299,7 @@ class Daemon:
             mode=sc.socket_mode,
             uids=None if peers.uids is None else sorted(peers.uids),
             gids=sorted(peers.gids),
-            default_uids=_default_uids(self.server.ops.access),
+            access=(self.server.ops.access or NamespaceAccess()).to_json(),
             max_key_bytes=limits.max_key_bytes,
             max_batch=limits.max_batch,
             max_block_bytes=limits.max_block_bytes,
@@ -400,7 +400,8 @@ class Daemon:
         kind = report.kind
         if kind is ReportKind.ANSWERED:
             assert report.lookup is not None
-            self.service.looked_up(report.lookup, report.states, report.times)
+            req = scoped_tag(report.lookup, report.prefix)
+            self.service.looked_up(req, report.states, report.times)
             self.server.counters.lookup_process.inc("answered", n=report.times)
         elif kind is ReportKind.REFERRED:
             self.server.counters.lookup_process.inc("referred")
@@ -522,12 +523,6 @@ async def _decided(feed: FeedWriter) -> None:
             "the lookup process does not listen after %.0fs; serving meanwhile",
             LOOKUP_PROCESS_START,
         )
-
-
-def _default_uids(access: NamespaceAccess | None) -> list[int] | None:
-    """Who may use the default namespace (None: whoever may connect)."""
-    uids = access.uids.get(DEFAULT_NAMESPACE) if access is not None else None
-    return None if uids is None else sorted(uids)
 
 
 def install_signal_handlers(daemon: Daemon) -> None:

@@ -22,9 +22,8 @@ from pathlib import Path
 from kvtier import loops, wire
 from kvtier.core.lookup import check_lookup
 from kvtier.core.replica import Replica
-from kvtier.errors import ForbiddenError
 from kvtier.loops import IdlePoll
-from kvtier.model import DEFAULT_NAMESPACE, DEFAULT_NAMESPACE_NAME, Limits, Lookup, LookupReply
+from kvtier.model import Limits, Lookup, LookupReply
 from kvtier.schedule import request_slice
 from kvtier.server.lookups import LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess, agreed_version
@@ -41,11 +40,8 @@ def build(settings: Settings) -> tuple[LookupListener, Replica]:
         return replica.answer(req)
 
     def hello(req: wire.Hello) -> wire.HelloReply:
-        version = agreed_version(req)
-        if req.namespace not in ("", DEFAULT_NAMESPACE_NAME):
-            raise ForbiddenError("a named namespace looks up through the daemon's socket")
         return wire.HelloReply(
-            version=version,
+            version=agreed_version(req),
             max_key_bytes=settings.max_key_bytes,
             max_batch=settings.max_batch,
             max_frame_bytes=settings.max_frame_bytes,
@@ -63,11 +59,7 @@ def build(settings: Settings) -> tuple[LookupListener, Replica]:
         answer=answer,
         hello=hello,
         peers=PeerPolicy(uids, frozenset(settings.gids)),
-        access=NamespaceAccess(
-            uids={}
-            if settings.default_uids is None
-            else {DEFAULT_NAMESPACE: frozenset(settings.default_uids)}
-        ),
+        access=NamespaceAccess.from_json(settings.access),
         max_frame=settings.max_frame_bytes,
         max_batch=settings.max_batch,
         idle_poll=IdlePoll(settings.idle_poll),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import mmap
 import os
@@ -27,6 +28,7 @@ from kvtier.core.replica import FeedTap, Replica
 from kvtier.daemon import Daemon
 from kvtier.errors import ForbiddenError, UnknownOpcodeError
 from kvtier.model import (
+    DEFAULT_NAMESPACE,
     HIT,
     MISS,
     PENDING,
@@ -36,14 +38,16 @@ from kvtier.model import (
     Lookup,
     LookupMode,
     ReportKind,
+    namespace_id,
+    namespace_prefix,
 )
 from kvtier.server import lookups as lookups_module
 from kvtier.server.lookups import FeedWriter, LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess
-from kvtier.server.sockets import PeerPolicy
+from kvtier.server.sockets import Peer, PeerPolicy
 from kvtier.tiers.base import Tier
 from kvtier.tiers.memory import MemoryRemoteTier
-from kvtier.wire import CodecError, encode_lookup
+from kvtier.wire import DEFAULT_SCOPE, CodecError, encode_lookup
 from kvtier.wire.framing import Op
 from kvtier.wire.replica import RING_HEADER, FeedRing, Report, decode_reports, encode_report
 from tests.helpers import running_daemon, wait_until
@@ -173,6 +177,20 @@ def test_the_report_stream_decodes_whole_reports_only() -> None:
         decode_reports(bytearray(encode_report(ReportKind.ANSWERED, meta, b"\x01")))
     with pytest.raises(CodecError, match="unknown report kind"):
         decode_reports(bytearray(b"\x01\x00\x00\x00\x63"))
+    # A named namespace's lookup: its keys decoded in its scope, as asked.
+    prefix = namespace_prefix(namespace_id("tenant"))
+    named = encode_lookup(req, prefix)
+    (report,) = decode_reports(
+        bytearray(encode_report(ReportKind.ANSWERED, named, b"\x01\x00", 1, prefix))
+    )
+    assert report.lookup is not None and report.lookup.keys == [prefix + b"a", prefix + b"b"]
+    assert report.prefix == prefix  # (the daemon keeps the namespace's request tags apart)
+    # The default namespace's key that starts with the namespace mark is escaped.
+    marked = encode_lookup(Lookup([prefix + b"a"]))
+    (report,) = decode_reports(bytearray(encode_report(ReportKind.ANSWERED, marked, b"\x01")))
+    assert report.lookup is not None and report.lookup.keys != [prefix + b"a"]
+    with pytest.raises(ForbiddenError):  # a report that names another scope than its keys'
+        decode_reports(bytearray(encode_report(ReportKind.ANSWERED, meta, b"\x01\x00", 1, prefix)))
 
 
 # -- a real lookup process beside a daemon
@@ -389,7 +407,7 @@ async def test_a_process_that_keeps_going_is_started_again_ever_later(
     assert delays[:4] == [0.01, 0.02, 0.04, 0.04]  # doubling, up to the most
 
 
-async def test_a_reload_that_changes_who_may_use_the_default_namespace_restarts_it_at_once(
+async def test_a_reload_that_changes_who_may_use_a_namespace_restarts_it_at_once(
     sock_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     sources: list[Config] = []
@@ -409,11 +427,43 @@ async def test_a_reload_that_changes_who_may_use_the_default_namespace_restarts_
         assert d.server.counters.lookup_restarts.value == 1
         assert d.lookup_process is not None  # it was told the new users
         argv = Path(f"/proc/{d.lookup_process.pid}/cmdline").read_bytes().split(b"\0")
-        assert Settings.from_json(argv[-2].decode()).default_uids == [me]
+        assert Settings.from_json(argv[-2].decode()).access["uids"] == {"": [me]}
         async with await Client.connect(d.socket_path) as c:
             assert c.lookups_process
             await c.put(b"k", b"v")
             assert (await c.lookup([b"k"])).prefix_hits == 1
+
+
+async def test_a_named_namespace_looks_up_at_the_process_within_its_own_keys(
+    sock_dir: Path,
+) -> None:
+    me = os.getuid()
+    async with (
+        with_lookup_process(
+            sock_dir, disk=RAM_ONLY, namespaces={"tenant": {}, "closed": {"uids": [me + 1]}}
+        ) as d,
+        await Client.connect(d.socket_path, namespace="tenant", shared=False) as tenant,
+        await Client.connect(d.socket_path, shared=False) as default,
+    ):
+        assert tenant.lookups_process and default.lookups_process
+        await tenant.put(b"k", b"v")
+        await default.put(b"d", b"v")
+        assert (await tenant.lookup([b"k", b"d"])).raw_states == bytes([HIT, MISS])
+        assert (await default.lookup([b"k", b"d"])).raw_states == bytes([MISS, HIT])
+        await answered(d, 2)  # both at the process
+        # Its reports count in the right namespace, as the daemon's own lookups do.
+        for ns in (namespace_id("tenant"), DEFAULT_NAMESPACE):
+            counts = d.service.namespace_counts[ns]
+            assert (counts.hits, counts.misses) == (1, 1)
+        path = Path(f"{d.socket_path}.lookups")
+        async with await Client.connect(
+            path, namespace="tenant", shared=False, lookup_process=False
+        ) as raw:
+            with pytest.raises(ForbiddenError, match="outside this connection's namespace"):
+                await raw.request(Op.LOOKUP, encode_lookup(Lookup([b"k"])))
+            assert (await raw.lookup([b"k"])).prefix_hits == 1  # (with its prefix)
+        with pytest.raises(ForbiddenError, match="may not use namespace 'closed'"):
+            await Client.connect(path, namespace="closed", lookup_process=False)
 
 
 async def test_the_lookup_socket_answers_lookups_only(sock_dir: Path) -> None:
@@ -422,15 +472,12 @@ async def test_the_lookup_socket_answers_lookups_only(sock_dir: Path) -> None:
         await Client.connect(d.socket_path, namespace="tenant", shared=False) as tenant,
     ):
         path = Path(f"{d.socket_path}.lookups")
-        assert not tenant.lookups_process  # a named namespace asks the daemon
         await tenant.put(b"k", b"v")
         assert (await tenant.lookup([b"k"])).prefix_hits == 1
         raw = await Client.connect(path, shared=False, lookup_process=False)
         with pytest.raises(UnknownOpcodeError, match="answers LOOKUP only"):
             await raw.get(b"k")
         assert (await raw.lookup([b"k"])).prefix_hits == 0  # the default namespace's k
-        with pytest.raises(ForbiddenError):
-            await Client.connect(path, namespace="tenant", lookup_process=False)
         # A broken frame closes its own connection, and no other.
         reader, writer = await asyncio.open_unix_connection(str(path))
         writer.write(b"\x00" * 64)
@@ -630,3 +677,24 @@ async def test_a_stuck_process_holds_no_lookup_up(
         assert c.lookups_process
         await answered(d, 2)
         assert d.server.counters.lookup_restarts.value == 0
+
+
+def test_the_process_is_told_who_may_use_which_namespace_as_the_daemon_checks_it() -> None:
+    me = os.getuid()
+    tenant = namespace_id("tenant")
+    access = NamespaceAccess(
+        uids={DEFAULT_NAMESPACE: frozenset({me}), tenant: frozenset({me + 1})},
+        configured=frozenset({tenant}),
+        strict=True,
+    )
+    told = NamespaceAccess.from_json(json.loads(json.dumps(access.to_json())))
+    assert told == access  # (a reload that changes any of it starts a new process)
+    assert told != NamespaceAccess(uids=access.uids, configured=access.configured)
+    mine, theirs = Peer(1, me, 0), Peer(1, me + 1, 0)
+    assert told.scope_for("", mine) == (DEFAULT_NAMESPACE, DEFAULT_SCOPE)
+    ns, scope = told.scope_for("tenant", theirs)
+    assert ns == tenant and scope.prefix == namespace_prefix(tenant)
+    with pytest.raises(ForbiddenError, match="may not use namespace 'tenant'"):
+        told.scope_for("tenant", mine)
+    with pytest.raises(ForbiddenError, match="not configured here"):
+        told.scope_for("elsewhere", mine)

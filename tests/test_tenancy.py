@@ -21,7 +21,7 @@ from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError
 from kvtier.model import EventKind, LookupMode, State, namespace_prefix
 from kvtier.tiers.rendezvous import owner
 from kvtier.wire import FLAG_REPLY, Op
-from tests.helpers import DaemonProcess, RawConnection, free_port, running_daemon
+from tests.helpers import DaemonProcess, RawConnection, free_port, running_daemon, wait_until
 from tests.s3server import S3Server, s3_server
 
 H, M = State.HIT, State.MISS
@@ -219,6 +219,10 @@ async def test_per_namespace_series_are_capped_and_the_rest_summed(sock_dir: Pat
                 await c.put(b"k", b"v" * 10)
                 await c.lookup([b"k", b"gone"])
         sample = d.metrics.registry.get_sample_value
+        # The lookup process answered them: the daemon counts its reports.
+        feed = d.server.feed
+        assert feed is not None
+        await wait_until(lambda: feed.answered + feed.referred == 4, 10**6)
         seen = {
             s.labels["namespace"]
             for family in d.metrics.registry.collect()

@@ -215,8 +215,8 @@ class Client:
         at once.
         ``lookup_process``: where the daemon runs a lookup process (a socket
         ``<path>.lookups``; docs/lookup-process.md), send lookups there
-        first; the daemon answers what it refers back. Only the default
-        namespace's clients use it.
+        first (a named namespace's client names it there too); the daemon
+        answers what it refers back.
         """
         _check_idle_poll(idle_poll)
         path = Path(path) if path is not None else default_socket_path()
@@ -253,7 +253,7 @@ class Client:
             offer = client.server.shared
             if offer is not None:
                 await client._map_shared(offer)
-            if lookup_process and not client._prefix:
+            if lookup_process:
                 client._lookups_wanted = True
                 await client._dial_lookups()
         except BaseException:
@@ -332,6 +332,7 @@ class Client:
                     name=self.name,
                     shared=False,
                     idle_poll=self.idle_poll.window,
+                    namespace=self.namespace,
                     lookup_process=False,
                 )
         except (KvtierError, TimeoutError):

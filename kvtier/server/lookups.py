@@ -47,8 +47,9 @@ from kvtier import wire
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.loops import IdlePoll
 from kvtier.model import Buffer, FeedOp, Lookup, LookupReply, ReportKind
-from kvtier.server.ops import DEFAULT_SCOPE, NamespaceAccess
-from kvtier.server.sockets import PeerPolicy, bind_unix_socket, peer_of
+from kvtier.server.ops import NamespaceAccess
+from kvtier.server.sockets import Peer, PeerPolicy, bind_unix_socket, peer_of
+from kvtier.wire.codecs import DEFAULT_SCOPE, NO_KEYS, KeyScope
 from kvtier.wire.framing import FLAG_REPLY, Frame, Op
 from kvtier.wire.replica import FeedRing, Report, decode_reports, encode_report
 
@@ -90,8 +91,8 @@ class Settings:
     #: who may connect (None: whoever can open the socket)
     uids: list[int] | None
     gids: list[int]
-    #: who may use the default namespace (None: whoever may connect)
-    default_uids: list[int] | None
+    #: who may use which namespace (:meth:`NamespaceAccess.to_json`)
+    access: dict[str, object]
     max_key_bytes: int
     max_batch: int
     max_block_bytes: int
@@ -263,8 +264,8 @@ class FeedWriter:
             return
         self._reports += chunk
         try:
-            reports = decode_reports(self._reports, DEFAULT_SCOPE)
-        except wire.CodecError as exc:
+            reports = decode_reports(self._reports)
+        except KvtierError as exc:  # (malformed, or keys outside the scope it names)
             self.end(f"bad report from the lookup process: {exc}")
             return
         for report in reports:
@@ -333,14 +334,15 @@ class LookupListener:
         self._answer = answer
         self.hello = hello
         self.peers = peers
-        #: who may use the default namespace, the only one served here
+        #: who may use which namespace
         self.access = access
         self.max_frame = max_frame
         self.max_batch = max_batch
         #: reports not yet sent: gathered for a while, or the daemon is slow to read
         self._unsent = bytearray()
-        #: lookups answered since the last send: (meta, states) -> times asked
-        self._answered: dict[tuple[bytes, bytes], int] = {}
+        #: lookups answered since the last send: (namespace prefix, meta,
+        #: states) -> times asked
+        self._answered: dict[tuple[bytes, bytes, bytes], int] = {}
         self._report_timer: asyncio.TimerHandle | None = None
         #: the next read of the feed between lookups
         self._poll_timer: asyncio.TimerHandle | None = None
@@ -400,9 +402,10 @@ class LookupListener:
             self.behind = self._ring.behind()  # (first: it covers what is read next)
             self._apply(self._ring.read())
 
-    def lookup(self, meta: Buffer) -> LookupReply | None:
-        """The answer to the LOOKUP of ``meta``, or None: ask the daemon."""
-        req = wire.decode_lookup(meta, self.max_batch, DEFAULT_SCOPE)
+    def lookup(self, meta: Buffer, scope: KeyScope = DEFAULT_SCOPE) -> LookupReply | None:
+        """The answer to the LOOKUP of ``meta`` from a connection whose keys
+        are ``scope``'s (its namespace's), or None: ask the daemon."""
+        req = wire.decode_lookup(meta, self.max_batch, scope)
         self.catch_up()
         if self.ended.is_set():
             return None
@@ -413,7 +416,7 @@ class LookupListener:
         else:
             self.answered += 1
             # The same lookup answered alike again is one report, asked twice.
-            asked = (bytes(meta), reply.raw_states)
+            asked = (scope.prefix, bytes(meta), reply.raw_states)
             self._answered[asked] = self._answered.get(asked, 0) + 1
             self._report_soon()
         return reply
@@ -433,8 +436,8 @@ class LookupListener:
 
     def _send_reports(self) -> None:
         self._report_timer = None
-        for (meta, states), count in self._answered.items():
-            self._unsent += encode_report(ReportKind.ANSWERED, meta, states, count)
+        for (prefix, meta, states), count in self._answered.items():
+            self._unsent += encode_report(ReportKind.ANSWERED, meta, states, count, prefix)
         self._answered.clear()
         loop = asyncio.get_running_loop()
         try:
@@ -459,19 +462,22 @@ class LookupConnection(asyncio.BufferedProtocol):
         self.listener = listener
         self.reader = wire.FrameReader(listener.max_frame)
         self.transport: asyncio.Transport | None = None
+        self.peer: Peer | None = None
+        #: the keys this connection may name: its namespace's (HELLO names it)
+        self.scope = NO_KEYS
 
     def __repr__(self) -> str:
-        return f"<LookupConnection open={self.transport is not None} {self.reader!r}>"
+        return (
+            f"<LookupConnection open={self.transport is not None} {self.scope!r} {self.reader!r}>"
+        )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        peer = peer_of(transport.get_extra_info("socket"))
-        if not self.listener.peers.allows(peer):
-            message = "this user may not use this daemon (server.allowed_uids / allowed_gids)"
-        elif self.listener.access.first_scope(peer).closed:
-            message = "this user names its namespace at HELLO: it looks up through the daemon"
-        else:
+        self.peer = peer_of(transport.get_extra_info("socket"))
+        if self.listener.peers.allows(self.peer):
+            self.scope = self.listener.access.first_scope(self.peer)
             return
+        message = "this user may not use this daemon (server.allowed_uids / allowed_gids)"
         self._reply(0, 0, wire.encode_error(message), ErrorCode.FORBIDDEN)
         self.transport.close()
 
@@ -497,17 +503,16 @@ class LookupConnection(asyncio.BufferedProtocol):
         op, rid = frame.header.opcode, frame.header.request_id
         try:
             if op == Op.LOOKUP:
-                reply = self.listener.lookup(frame.meta)
+                reply = self.listener.lookup(frame.meta, self.scope)
                 if reply is None:
                     self._reply(op, rid, b"", ErrorCode.REFERRED)
                 else:
                     self._reply(op, rid, wire.encode_lookup_reply(reply))
             elif op == Op.HELLO:
-                self._reply(
-                    op,
-                    rid,
-                    wire.encode_hello_reply(self.listener.hello(wire.decode_hello(frame.meta))),
-                )
+                hello = wire.decode_hello(frame.meta)
+                agreed = self.listener.hello(hello)
+                _, self.scope = self.listener.access.scope_for(hello.namespace, self.peer)
+                self._reply(op, rid, wire.encode_hello_reply(agreed))
             elif op == Op.PING:
                 self._reply(op, rid, bytes(frame.meta))
             else:

@@ -25,6 +25,7 @@ from kvtier.model import (
     Copied,
     EventSource,
     Leased,
+    Lookup,
     LookupReply,
     PutStatus,
     SharedService,
@@ -34,7 +35,7 @@ from kvtier.model import (
     namespace_prefix,
 )
 from kvtier.server.connection import Later, Reply
-from kvtier.wire import Frame, KeyScope, Op
+from kvtier.wire import DEFAULT_SCOPE, NO_KEYS, Frame, KeyScope, Op
 
 if TYPE_CHECKING:
     from kvtier.server.connection import Connection
@@ -75,6 +76,33 @@ class NamespaceAccess:
             who = f"uid {peer.uid}" if peer is not None else "a client without credentials"
             raise ForbiddenError(f"{who} may not use namespace {namespace_name(ns)!r}")
 
+    def scope_for(self, name: str, peer: Peer | None) -> tuple[bytes, KeyScope]:
+        """The namespace a HELLO names (empty: the default one) and the keys a
+        connection of it may name; BadArgumentError for a bad name,
+        ForbiddenError where ``peer`` may not use it."""
+        try:
+            ns = namespace_id(name or "default")
+        except ValueError as exc:
+            raise BadArgumentError(str(exc)) from None
+        self.check(ns, peer)
+        return ns, KeyScope(namespace_prefix(ns)) if ns else DEFAULT_SCOPE
+
+    def to_json(self) -> dict[str, Any]:
+        """As the lookup process is told it (namespace ids in hex)."""
+        return {
+            "uids": {ns.hex(): sorted(uids) for ns, uids in self.uids.items()},
+            "configured": sorted(ns.hex() for ns in self.configured),
+            "strict": self.strict,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> NamespaceAccess:
+        return cls(
+            uids={bytes.fromhex(ns): frozenset(uids) for ns, uids in d["uids"].items()},
+            configured=frozenset(bytes.fromhex(ns) for ns in d["configured"]),
+            strict=bool(d["strict"]),
+        )
+
     def first_scope(self, peer: Peer | None) -> KeyScope:
         """A new local connection's scope: the default namespace, or (when its
         uid may not use that) nothing until a HELLO names one it may."""
@@ -95,11 +123,6 @@ def agreed_version(hello: wire.Hello) -> int:
             f"this server speaks {list(wire.SUPPORTED_VERSIONS)}"
         )
     return version
-
-
-DEFAULT_SCOPE = KeyScope()
-#: a scope that admits no key: a connection whose uid must name its namespace
-NO_KEYS = KeyScope(closed=True)
 
 
 class Ops:
@@ -162,13 +185,7 @@ class Ops:
         hello = wire.decode_hello(frame.meta)
         version = agreed_version(hello)
         if self.access is not None:
-            try:
-                ns = namespace_id(hello.namespace or "default")
-            except ValueError as exc:
-                raise BadArgumentError(str(exc)) from None
-            self.access.check(ns, conn.peer)
-            conn.namespace = ns
-            conn.scope = KeyScope(namespace_prefix(ns)) if ns else DEFAULT_SCOPE
+            conn.namespace, conn.scope = self.access.scope_for(hello.namespace, conn.peer)
         elif hello.namespace:
             raise ForbiddenError("namespaces are named on the local socket, not the peer port")
         limits = self.service.limits
@@ -205,7 +222,7 @@ class Ops:
     def lookup(self, conn: Connection, frame: Frame) -> Reply | Later:
         req = wire.decode_lookup(frame.meta, self.max_batch, conn.scope)
         if conn.namespace and req.request_tag:  # tags are a namespace's own too
-            req = dataclasses.replace(req, request_tag=_tag(conn, req.request_tag))
+            req = scoped_tag(req, namespace_prefix(conn.namespace))
         reply = self.service.lookup(req, conn.eof)
         if isinstance(reply, LookupReply):
             return Reply(wire.encode_lookup_reply(reply))
@@ -482,6 +499,16 @@ class Ops:
 def _tag(conn: Connection, tag: bytes) -> bytes:
     """A request tag as the service keeps it: a namespace's tags are its own."""
     return namespace_prefix(conn.namespace) + tag if conn.namespace else tag
+
+
+def scoped_tag(req: Lookup, prefix: bytes) -> Lookup:
+    """``req``, asked on a connection of the namespace whose key ``prefix``
+    this is, its request tag as the service keeps it (prefixed as the keys
+    are): a namespace's tags are its own. The daemon's lookups and those
+    the lookup process reports alike."""
+    if prefix and req.request_tag:
+        return dataclasses.replace(req, request_tag=prefix + req.request_tag)
+    return req
 
 
 def _scoped(events: Iterable[BlockEvent], prefix: bytes) -> list[BlockEvent]:

@@ -151,6 +151,12 @@ class KeyScope:
         return escape(keys)
 
 
+#: the default namespace's scope: every key, escaped where it must be
+DEFAULT_SCOPE = KeyScope()
+#: a scope that admits no key: a connection whose uid must name its namespace
+NO_KEYS = KeyScope(closed=True)
+
+
 def escape(keys: list[bytes]) -> list[bytes]:
     """Default-namespace keys as stored: one that starts with the namespace
     mark gets the escape in front."""

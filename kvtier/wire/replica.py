@@ -6,8 +6,9 @@ what it holds, each a one-byte :class:`~kvtier.model.FeedOp`, a two-byte
 key length and the key. The process writes *reports* on a socket pair:
 each a four-byte length, then a one-byte :class:`~kvtier.model.ReportKind`,
 then for an answered lookup how many times it was asked alike, the states
-it answered (a four-byte count and one byte each) and the LOOKUP's meta as
-the client sent it.
+it answered (a four-byte count and one byte each), the namespace prefix of
+the connection that asked (a one-byte length; empty: the default
+namespace) and the LOOKUP's meta as the client sent it.
 
 Invariants: the ring's reader reads only records the writer published
 whole, and the writer never overwrites what the reader has not read; a
@@ -22,13 +23,13 @@ import struct
 from typing import NamedTuple
 
 from kvtier.model import Buffer, FeedOp, Lookup, ReportKind
-from kvtier.wire.codecs import KeyScope, decode_lookup
+from kvtier.wire.codecs import DEFAULT_SCOPE, KeyScope, decode_lookup
 from kvtier.wire.framing import CodecError
 
 _FEED_HEAD = struct.Struct("<BH")
 _U32 = struct.Struct("<I")
 _REPORT_HEAD = struct.Struct("<IB")
-_ANSWERED = struct.Struct("<II")  # times asked, states
+_ANSWERED = struct.Struct("<IIB")  # times asked, states, namespace prefix bytes
 
 
 class Report(NamedTuple):
@@ -39,6 +40,8 @@ class Report(NamedTuple):
     lookup: Lookup | None = None
     states: bytes = b""
     times: int = 0
+    #: the key prefix of the namespace that asked (empty: the default one)
+    prefix: bytes = b""
 
 
 _FEED_OPS = {int(op): op for op in FeedOp}
@@ -148,19 +151,26 @@ class FeedRing:
 
 
 def encode_report(
-    kind: ReportKind, lookup: Buffer = b"", states: bytes = b"", count: int = 1
+    kind: ReportKind,
+    lookup: Buffer = b"",
+    states: bytes = b"",
+    count: int = 1,
+    prefix: bytes = b"",
 ) -> bytes:
     """A report; for ANSWERED, ``lookup`` is the LOOKUP's meta as it came,
-    asked ``count`` times with the same answer."""
+    asked ``count`` times with the same answer on a connection of the
+    namespace whose key ``prefix`` this is (empty: the default namespace)."""
     if kind is not ReportKind.ANSWERED:
         return _REPORT_HEAD.pack(1, kind)
-    head = _REPORT_HEAD.pack(1 + _ANSWERED.size + len(states) + len(lookup), kind)
-    return b"".join((head, _ANSWERED.pack(count, len(states)), states, lookup))
+    n = _ANSWERED.size + len(prefix) + len(states) + len(lookup)
+    head = _REPORT_HEAD.pack(1 + n, kind)
+    return b"".join((head, _ANSWERED.pack(count, len(states), len(prefix)), prefix, states, lookup))
 
 
-def decode_reports(buf: bytearray, scope: KeyScope | None = None) -> list[Report]:
+def decode_reports(buf: bytearray) -> list[Report]:
     """The whole reports at the start of ``buf``, removed from it; an
-    answered lookup's keys decoded in ``scope`` (as the process did)."""
+    answered lookup's keys decoded in its namespace's scope (as the
+    process decoded them)."""
     out: list[Report] = []
     pos, end = 0, len(buf)
     while pos + _U32.size <= end:
@@ -173,21 +183,23 @@ def decode_reports(buf: bytearray, scope: KeyScope | None = None) -> list[Report
         kind = _REPORT_KINDS.get(body[0])
         if kind is None:
             raise CodecError(f"unknown report kind {body[0]}")
-        out.append(_decode_answered(body, scope) if kind is ReportKind.ANSWERED else Report(kind))
+        out.append(_decode_answered(body) if kind is ReportKind.ANSWERED else Report(kind))
         pos += _U32.size + n
     del buf[:pos]
     return out
 
 
-def _decode_answered(body: bytes, scope: KeyScope | None) -> Report:
+def _decode_answered(body: bytes) -> Report:
     at = 1 + _ANSWERED.size
     if len(body) < at:
         raise CodecError("truncated report")
-    count, n = _ANSWERED.unpack_from(body, 1)
-    if at + n > len(body):
+    count, n, p = _ANSWERED.unpack_from(body, 1)
+    if at + p + n > len(body):
         raise CodecError("truncated report states")
-    states = body[at : at + n]
-    req = decode_lookup(memoryview(body)[at + n :], None, scope)
+    prefix = body[at : at + p]
+    states = body[at + p : at + p + n]
+    scope = KeyScope(prefix) if prefix else DEFAULT_SCOPE
+    req = decode_lookup(memoryview(body)[at + p + n :], None, scope)
     if len(req.keys) != n:
         raise CodecError(f"report of {len(req.keys)} keys with {n} states")
-    return Report(ReportKind.ANSWERED, req, states, count)
+    return Report(ReportKind.ANSWERED, req, states, count, prefix)
