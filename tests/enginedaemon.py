@@ -60,6 +60,17 @@ class EngineDaemon:
                 total += float(value)
         return total
 
+    def total_reaching(self, name: str, value: float, tries: int = 10_000, **labels: str) -> float:
+        """:meth:`total` once it has reached ``value`` (scraped again until
+        then, ``tries`` times at most): a count the daemon takes from its
+        lookup process's reports lands a few milliseconds after the answer."""
+        total = self.total(name, **labels)
+        for _ in range(tries):
+            if total >= value:
+                break
+            total = self.total(name, **labels)
+        return total
+
     def stats(self) -> dict[str, Any]:
         out = subprocess.run(
             [serve_command(), "stats", "--json", "--socket", str(self.socket_path)],
