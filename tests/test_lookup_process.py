@@ -230,9 +230,14 @@ async def restarted(d: Daemon, first: FeedWriter) -> FeedWriter:
 
 def default_users(d: Daemon, uids: list[int]) -> Config:
     """``d``'s configuration with only ``uids`` allowed the default namespace."""
+    return with_namespaces(d, {"default": {"uids": uids}})
+
+
+def with_namespaces(d: Daemon, namespaces: dict[str, Any]) -> Config:
+    """``d``'s configuration with these ``[namespaces]``."""
     base: dict[str, Any] = d.config.model_dump(mode="json")
     sections = {k: v for k, v in base.items() if isinstance(v, dict)}
-    return load_config(None, {**sections, "namespaces": {"default": {"uids": uids}}})
+    return load_config(None, {**sections, "namespaces": namespaces})
 
 
 async def test_the_process_answers_as_the_daemon_would_right_after_each_change(
@@ -434,6 +439,22 @@ async def test_a_reload_that_changes_who_may_use_a_namespace_restarts_it_at_once
             assert c.lookups_process
             await c.put(b"k", b"v")
             assert (await c.lookup([b"k"])).prefix_hits == 1
+        # The same users again: it stays.
+        sources.append(default_users(d, [me]))
+        d.reload()
+        assert feed_of(d) is not first and not feed_of(d).ended
+        # A named namespace's users: started again, told them.
+        second = feed_of(d)
+        sources.append(with_namespaces(d, {"default": {"uids": [me]}, "tenant": {"uids": [me]}}))
+        d.reload()
+        await restarted(d, second)
+        assert d.server.counters.lookup_restarts.value == 2
+        assert d.lookup_process is not None
+        argv = Path(f"/proc/{d.lookup_process.pid}/cmdline").read_bytes().split(b"\0")
+        told = Settings.from_json(argv[-2].decode()).access
+        assert told["uids"] == {"": [me], namespace_id("tenant").hex(): [me]}
+        async with await Client.connect(d.socket_path, namespace="tenant") as t:
+            assert t.lookups_process
 
 
 async def test_a_named_namespace_looks_up_at_the_process_within_its_own_keys(
