@@ -125,14 +125,33 @@ async def under_writers(
 Round = tuple[list[float], dict[str, tuple[list[float], float, float]]]
 
 
-async def measure(sock: str) -> dict[str, list[Round]]:
+async def fill(sock: str, namespace: str = "") -> list[bytes]:
+    """Fill the daemon at ``sock`` (every later store evicts) and store the
+    chain the lookups ask for, in ``namespace``; the chain's keys."""
     async with await Client.connect(sock) as filling:
         filler = os.urandom(MiB)
-        for n in range(0, RAM // MiB, 16):  # full: every later store evicts
+        for n in range(0, RAM // MiB, 16):
             keys = [f"fill-{n + i}".encode() for i in range(16)]
             await filling.put_many(keys, [filler] * 16)
-        chain = [f"chain-{i:04d}".encode() for i in range(CHAIN)]
-        await filling.put_many(chain, [b"c" * 4096] * CHAIN)
+    chain = [f"chain-{i:04d}".encode() for i in range(CHAIN)]
+    async with await Client.connect(sock, namespace=namespace) as owner:
+        await owner.put_many(chain, [b"c" * 4096] * CHAIN)
+    return chain
+
+
+async def idle_lookups(client: Client, chain: list[bytes]) -> list[float]:
+    """IDLE_LOOKUPS prefix lookups of the chain, one after another: each one's µs."""
+    out: list[float] = []
+    for _ in range(IDLE_LOOKUPS):
+        started = time.perf_counter()
+        reply = await client.lookup(chain, mode=LookupMode.PREFIX)
+        out.append((time.perf_counter() - started) * 1e6)
+        assert reply.prefix_hits == len(chain)
+    return out
+
+
+async def measure(sock: str) -> dict[str, list[Round]]:
+    chain = await fill(sock)
     rounds: dict[str, list[Round]] = {path: [] for path in PATHS}
     for _ in range(ROUNDS):
         for path, (lookup_process, caller_slice) in PATHS.items():
@@ -140,11 +159,7 @@ async def measure(sock: str) -> dict[str, list[Round]]:
                 continue  # (a kernel without slices of a thread's own)
             async with await Client.connect(sock, lookup_process=lookup_process) as client:
                 assert client.lookups_process == lookup_process, path
-                idle: list[float] = []
-                for _ in range(IDLE_LOOKUPS):
-                    started = time.perf_counter()
-                    await client.lookup(chain, mode=LookupMode.PREFIX)
-                    idle.append((time.perf_counter() - started) * 1e6)
+                idle = await idle_lookups(client, chain)
                 busy: dict[str, tuple[list[float], float, float]] = {}
                 for mode in MODES:
                     samples, rate, per_second = await under_writers(sock, client, chain, mode)

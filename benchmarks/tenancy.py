@@ -24,13 +24,11 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks import streaming
 from kvtier.bench import KvtierStore, MiB, block_key, ops_for, prefix_lookup, put_get
 from kvtier.client.aio import Client
-from kvtier.model import LookupMode
 from tests.enginedaemon import start
 
 QUOTAS = """\
@@ -68,14 +66,7 @@ STREAM_ROUNDS = 3
 async def while_streaming(sock: str) -> dict[bool, list[tuple[float, float]]]:
     """Per lookup path (through the lookup process or not), each round's
     idle and busy p99 (µs) of a named namespace's prefix LOOKUP."""
-    async with await Client.connect(sock) as filling:
-        filler = bytes(MiB)
-        for n in range(0, streaming.RAM // MiB, 16):  # full: every later store evicts
-            keys = [f"fill-{n + i}".encode() for i in range(16)]
-            await filling.put_many(keys, [filler] * 16)
-    chain = [f"chain-{i:04d}".encode() for i in range(streaming.CHAIN)]
-    async with await Client.connect(sock, namespace="bench") as owner:
-        await owner.put_many(chain, [b"c" * 4096] * len(chain))
+    chain = await streaming.fill(sock, namespace="bench")
     rounds: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for _ in range(STREAM_ROUNDS):
         for lookup_process, out in rounds.items():
@@ -83,12 +74,7 @@ async def while_streaming(sock: str) -> dict[bool, list[tuple[float, float]]]:
                 sock, namespace="bench", lookup_process=lookup_process
             ) as client:
                 assert client.lookups_process == lookup_process
-                idle: list[float] = []
-                for _ in range(streaming.IDLE_LOOKUPS):
-                    started = time.perf_counter()
-                    reply = await client.lookup(chain, mode=LookupMode.PREFIX)
-                    idle.append((time.perf_counter() - started) * 1e6)
-                    assert reply.prefix_hits == len(chain)
+                idle = await streaming.idle_lookups(client, chain)
                 busy, _, _ = await streaming.under_writers(sock, client, chain, "in-place")
                 out.append((streaming.percentiles(idle)[1], streaming.percentiles(busy)[1]))
     return rounds

@@ -319,7 +319,10 @@ class Ops:
     def release(self, conn: Connection, frame: Frame) -> Reply:
         if frame.data:
             raise wire.CodecError("RELEASE carries no data")
-        existed = self.service.release(_tag(conn, wire.decode_tag(frame.meta)))
+        tag = wire.decode_tag(frame.meta)
+        if conn.namespace:  # tags are a namespace's own too
+            tag = namespace_tag(namespace_prefix(conn.namespace), tag)
+        existed = self.service.release(tag)
         return Reply(bytes([int(existed)]))
 
     # -- shared memory
@@ -496,18 +499,19 @@ class Ops:
         return keys
 
 
-def _tag(conn: Connection, tag: bytes) -> bytes:
-    """A request tag as the service keeps it: a namespace's tags are its own."""
-    return namespace_prefix(conn.namespace) + tag if conn.namespace else tag
+def namespace_tag(prefix: bytes, tag: bytes) -> bytes:
+    """A request tag as the service keeps it, named on a connection of the
+    namespace whose key ``prefix`` this is: a namespace's tags are its own
+    (prefixed as its keys are)."""
+    return prefix + tag
 
 
 def scoped_tag(req: Lookup, prefix: bytes) -> Lookup:
     """``req``, asked on a connection of the namespace whose key ``prefix``
-    this is, its request tag as the service keeps it (prefixed as the keys
-    are): a namespace's tags are its own. The daemon's lookups and those
-    the lookup process reports alike."""
+    this is (empty: the default one), its request tag as the service keeps
+    it: the daemon's lookups and those the lookup process reports alike."""
     if prefix and req.request_tag:
-        return dataclasses.replace(req, request_tag=prefix + req.request_tag)
+        return dataclasses.replace(req, request_tag=namespace_tag(prefix, req.request_tag))
     return req
 
 
