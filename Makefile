@@ -10,7 +10,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# What installing the package reads: its metadata and its one compiled part.
+PACKAGE := pyproject.toml setup.py kvtier/_blockcopy.c
+
+$(STAMP): $(PACKAGE) | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -58,7 +61,7 @@ deploy-tools: $(PROMTOOL)
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): tests/vllm/requirements.txt pyproject.toml | $(STAMP)
+$(VLLM_STAMP): tests/vllm/requirements.txt $(PACKAGE) | $(STAMP)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
@@ -82,7 +85,7 @@ bench-vllm: $(VLLM_STAMP)
 LMCACHE_VENV  := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 
-$(LMCACHE_STAMP): tests/lmcache/requirements.txt pyproject.toml | $(STAMP)
+$(LMCACHE_STAMP): tests/lmcache/requirements.txt $(PACKAGE) | $(STAMP)
 	$(PYTHON) -m venv $(LMCACHE_VENV)
 	$(LMCACHE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(LMCACHE_VENV)/bin/pip install --quiet torch==2.13.0
@@ -105,7 +108,7 @@ test-lmcache: $(LMCACHE_STAMP)
 SGLANG_VENV  := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-$(SGLANG_STAMP): tests/sglang/requirements.txt pyproject.toml | $(STAMP)
+$(SGLANG_STAMP): tests/sglang/requirements.txt $(PACKAGE) | $(STAMP)
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(SGLANG_VENV)/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1

@@ -27,7 +27,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from benchmarks.raw import RawStore
-from kvtier import Client, loops
+from kvtier import Client, blockcopy, loops
 from kvtier._version import __version__
 from kvtier.bench import (
     BLOCK_SIZES,
@@ -121,17 +121,21 @@ class MemcpyStore:
 class SteadyMemcpy:
     """The steady rows' floor: each block copied once into the next of a
     ring of buffers as large as the stores (pre-touched: a full store's
-    memory, not fresh pages), in this process."""
+    memory, not fresh pages), in this process: with memcpy, or ``streamed``
+    as kvtier's writers copy (kvtier.blockcopy)."""
 
-    name = "memcpy"
-
-    def __init__(self, count: int, size: int) -> None:
+    def __init__(self, count: int, size: int, *, streamed: bool = False) -> None:
         self._ring = [memoryview(bytearray(b"\x01" * size)) for _ in range(count)]
         self._next = 0
+        self._streamed = streamed
+        self.name = "streamed copy" if streamed else "memcpy"
 
     async def put(self, worker: int, key: bytes, value: bytes) -> None:
         self._next = (self._next + 1) % len(self._ring)
-        self._ring[self._next][: len(value)] = value
+        if self._streamed:
+            blockcopy.copy_into(self._ring[self._next], value)
+        else:
+            self._ring[self._next][: len(value)] = value
 
 
 def wait_for_line(proc: subprocess.Popen[bytes], needle: str, timeout: float = 60) -> None:
@@ -328,6 +332,7 @@ async def steady_state(tmp: Path, quick: bool, runs: int) -> list[Figure]:
             measured: list[Store | SteadyMemcpy] = [
                 *stores,
                 SteadyMemcpy(STEADY_BYTES // MiB, MiB),
+                SteadyMemcpy(STEADY_BYTES // MiB, MiB, streamed=True),
             ]
             fresh = iter(range(1 << 62))
 
@@ -650,8 +655,11 @@ NOTES = """## Reading the figures
   staging room, then COMMIT: the daemon copies and checks it), as a client
   of another user than the daemon's does. **kvtier-socket** is a client
   that does not opt in (`shared=False`). *memcpy* copies the same working
-  set once in the client process: the floor of any data path on this
-  machine.
+  set once in the client process with glibc's memcpy. In the steady rows
+  *streamed copy* copies it as kvtier's writer does into its slot, with
+  streaming stores that write each line without first reading it
+  (kvtier.blockcopy): the floor of a PUT in place, faster than memcpy into
+  memory no cache holds.
 * Every PUT run stores new keys (they are deleted before each run), for
   Redis as for kvtier. The *steady* rows store into stores already full at
   the same capacity (512 MiB; Redis with `allkeys-lru`): every PUT is a
@@ -662,8 +670,8 @@ NOTES = """## Reading the figures
   block, of the order of a 1 MiB copy here, so single-client rows are far
   from memcpy; the batched rows (16 blocks per request, `MGET`/`MSET` for
   Redis) and the 4- and 8-client rows show the data path itself.
-* A PUT in place passes over the bytes once (the client's copy into the
-  slot); a staged PUT four times (the client's copy and checksum, the
+* A PUT in place passes over the bytes once (the client's streamed copy
+  into the slot); a staged PUT four times (the client's copy and checksum, the
   daemon's copy into the arena and its checksum); a socket PUT twice (two
   kernel copies, received in place). In the steady rows every client of
   the default path has filled the store once first, as an engine's

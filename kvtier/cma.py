@@ -11,13 +11,6 @@ namespaces that cannot see each other (the peer's pid then reads as 0).
 Every call here blocks: run it in a worker thread. Used by the client (the
 addresses of its buffers) and the daemon (the copies); imports the shared
 records only.
-
-Also here, for the other copies into memory another process shares:
-:func:`fault_in`, which maps a shared file's pages into this process before
-they are written. Unlike the copies it does not wait long (a read each 64
-KiB; a fault where a page is not yet mapped, once per page per process),
-so it runs on the event loop too, right before the kernel receives a PUT's
-body into a slot.
 """
 
 from __future__ import annotations
@@ -112,23 +105,6 @@ def address_of(buf: Buffer) -> tuple[int, int]:
         return int(pb.buf or 0), int(pb.len)
     finally:
         _release_buffer(ctypes.byref(pb))
-
-
-#: a read fault maps this many bytes of a shared file at once (the kernel's
-#: fault-around, 64 KiB unless changed), a write fault one page
-FAULT_AROUND = 64 * 1024
-
-
-def fault_in(view: memoryview) -> None:
-    """Map the pages of ``view``, a span of a shared file's mapping, into this
-    process before writing it: one read each ``FAULT_AROUND`` bytes maps
-    them 16 pages a fault, where a write would fault each page (measured
-    here, pages another process had touched: 105-145 against 450-480 us a
-    MiB; fresh pages cost their allocation either way). A page already
-    mapped costs a read of one byte."""
-    if view.nbytes:
-        bytes(view[::FAULT_AROUND])
-        view[-1]  # the last window, when the span does not start on one
 
 
 def read_from(pid: int, remote: int, dest: memoryview) -> None:

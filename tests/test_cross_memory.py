@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 import subprocess
 import sys
@@ -35,21 +34,6 @@ async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
         yield d
 
 
-def mapped_pages(view: memoryview) -> list[bool]:
-    """Whether each page of ``view`` is mapped in this process (/proc/self/pagemap)."""
-    start = cma.address_of(view)[0]
-    first, last = start // PAGE, (start + view.nbytes - 1) // PAGE
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(first * 8)
-        entries = f.read((last - first + 1) * 8)
-    return [
-        bool(int.from_bytes(entries[i : i + 8], "little") >> 63) for i in range(0, len(entries), 8)
-    ]
-
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
 def test_address_of_names_the_bytes_of_any_contiguous_buffer() -> None:
     """Writable or read-only, sliced, of any item size or shape: the address
     and length are those of the buffer's own bytes."""
@@ -71,26 +55,6 @@ def test_address_of_names_the_bytes_of_any_contiguous_buffer() -> None:
     assert cma.address_of(bytearray())[1] == 0
     with pytest.raises(ValueError, match="contiguous"):
         cma.address_of(memoryview(whole)[::2])
-
-
-def test_fault_in_maps_every_page_of_a_span_another_mapping_wrote() -> None:
-    fd = os.memfd_create("fault-in")
-    try:
-        os.ftruncate(fd, 1 * MiB)
-        with mmap.mmap(fd, MiB) as writer:
-            writer[:] = b"\x01" * MiB  # the file's pages exist, mapped over there
-            with mmap.mmap(fd, MiB) as here:
-                whole = memoryview(here)
-                # unaligned at both ends, over more than one fault-around window
-                span = whole[PAGE + 1 : PAGE + 1 + 3 * cma.FAULT_AROUND - 2]
-                assert not any(mapped_pages(span))
-                cma.fault_in(span)
-                assert all(mapped_pages(span))
-                cma.fault_in(whole[:0])  # nothing to map
-                span.release()
-                whole.release()
-    finally:
-        os.close(fd)
 
 
 def block(seed: int, size: int = MiB) -> bytes:

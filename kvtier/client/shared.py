@@ -37,7 +37,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
-from kvtier import cma, wire
+from kvtier import blockcopy, wire
 from kvtier.client.batching import SOLO_VALUE_BYTES
 from kvtier.errors import (
     ForbiddenError,
@@ -318,8 +318,8 @@ class SharedSession:
             return None
         room = self._arena_view[offset : offset + length]
         try:
-            cma.fault_in(room)  # (a room never written from here maps faster)
-            room[:] = value
+            blockcopy.fault_in(room)  # (a room never written from here maps faster)
+            blockcopy.copy_into(room, value)  # (streamed: no one reads it here)
         finally:
             room.release()  # nothing here writes to the slot once COMMIT leaves
         # No checksum: nothing but this process (and others of the daemon's

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvtier import cma, wire
+from kvtier import blockcopy, wire
 from kvtier.errors import BadArgumentError, ForbiddenError, UnsupportedVersionError
 from kvtier.model import (
     DEFAULT_NAMESPACE,
@@ -257,7 +257,7 @@ class Ops:
             return None  # the handler reports it
         view = self.service.stage(header.data_len, keys[0])
         if view is not None:
-            cma.fault_in(view)  # (the kernel's copy into it then faults no page)
+            blockcopy.fault_in(view)  # (the kernel's copy into it then faults no page)
         return view
 
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:

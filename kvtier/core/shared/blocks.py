@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from kvtier import cma
+from kvtier import blockcopy, cma
 from kvtier.core.lookup import check_keys
 from kvtier.core.service import check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
@@ -347,8 +347,8 @@ class SharedBlocks:
             block = stored_view if stored_view is not None else memoryview(bytearray(length))
             try:
                 if stored_view is not None:
-                    cma.fault_in(stored_view)
-                block[:] = value
+                    blockcopy.fault_in(stored_view)
+                block[:] = value  # (not streamed: the check reads it at once)
                 self._verify(block, checksum, key, "the staged block")
                 (status,) = self._put([key], [block])
             finally:
@@ -670,8 +670,9 @@ class SharedBlocks:
         def copy() -> list[int]:
             for view in staged:
                 if view is not None:
-                    cma.fault_in(view)
-            _read_into(region, views, offsets)
+                    blockcopy.fault_in(view)
+            # Streamed into the slots unless a check reads them at once.
+            _read_into(region, views, offsets, streamed=wanted is None)
             if wanted is None:
                 return []
             return [i for i, v in enumerate(views) if xxhash.xxh3_64_intdigest(v) != wanted[i]]
@@ -946,8 +947,11 @@ def _check_size(region: Region, offsets: Sequence[int], lengths: Sequence[int]) 
         raise OSError(f"the region ends before {end}: was it shrunk?")
 
 
-def _read_into(region: Region, views: Sequence[memoryview], offsets: Sequence[int]) -> None:
-    """Fill each view from the region at its offset (a worker thread's work)."""
+def _read_into(
+    region: Region, views: Sequence[memoryview], offsets: Sequence[int], *, streamed: bool
+) -> None:
+    """Fill each view from the region at its offset (a worker thread's work),
+    a mapped region's copies ``streamed`` past the caches (kvtier.blockcopy)."""
     if region.pid:
         for view, address in zip(views, offsets, strict=True):
             cma.read_from(region.pid, address, view)
@@ -955,7 +959,11 @@ def _read_into(region: Region, views: Sequence[memoryview], offsets: Sequence[in
     if region.base:
         _check_size(region, offsets, [len(v) for v in views])
         for view, offset in zip(views, offsets, strict=True):
-            ctypes.memmove(cma.address_of(view)[0], region.base + offset, len(view))
+            if streamed:
+                source = (ctypes.c_char * len(view)).from_address(region.base + offset)
+                blockcopy.copy_into(view, memoryview(source))
+            else:
+                ctypes.memmove(cma.address_of(view)[0], region.base + offset, len(view))
         return
     fd = region.fd
     for view, offset in zip(views, offsets, strict=True):
