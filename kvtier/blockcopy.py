@@ -20,7 +20,7 @@ Invariants: ``copy_into(dst, src)`` leaves the first ``len(src)`` bytes of
 ``dst`` equal to ``src`` and the rest as they were, and raises ValueError,
 writing nothing, when ``dst`` is shorter; when it returns, the stores are
 visible to any process that reads after a message this one sends next;
-copies of a 64 KiB or more run without the GIL. Imports the shared records
+copies of 64 KiB or more run without the GIL. Imports the shared records
 only.
 """
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from kvtier import wire
 from kvtier.client.aio import Client
@@ -124,6 +125,27 @@ async def test_bad_region_requests_are_refused_and_others_carry_on(
         assert await other.ping(b"x") == b"x"
         got = await other.get(b"big")
         assert got is not None and bytes(got) == pattern(1, MiB)
+
+
+async def test_a_region_store_with_checksums_stores_what_matches_and_nothing_of_a_lie(
+    daemon: Daemon, memfd: int
+) -> None:
+    """PUT_REGION with each block's XXH3-64 (as a writer that cannot be
+    trusted not to change its memory sends it): the daemon checks the bytes
+    it copied; one block that does not match stores none of the request."""
+    async with await Client.connect(daemon.socket_path) as c:
+        region = await c.attach_region(memfd)
+        sums = [xxhash.xxh3_64_intdigest(os.pread(memfd, n, off)) for off, n in SPANS]
+        lie = wire.RegionIO(region, [b"l-" + k for k in KEYS], SPANS, [*sums[:2], sums[2] ^ 1])
+        with pytest.raises(BadArgumentError, match="does not match its checksum"):
+            await c.request(wire.Op.PUT_REGION, wire.encode_region_io(lie))
+        assert [await c.get(k) for k in lie.keys] == [None, None, None]
+        honest = wire.RegionIO(region, KEYS, SPANS, sums)
+        frame = await c.request(wire.Op.PUT_REGION, wire.encode_region_io(honest))
+        assert wire.decode_put_reply(frame.meta) == [PutStatus.STORED] * 3
+        for key, (off, n) in zip(KEYS, SPANS, strict=True):
+            got = await c.get(key)
+            assert got is not None and bytes(got) == os.pread(memfd, n, off)
 
 
 async def test_a_region_is_a_regular_file_used_with_the_clients_own_access(
