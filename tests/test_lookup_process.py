@@ -87,6 +87,30 @@ def test_the_replica_answers_held_pending_and_missing_keys_as_the_daemon_orders_
     assert (len(replica.held), len(replica.pending)) == (1, 0)
 
 
+def test_a_lookup_of_held_keys_only_is_all_hit_in_every_mode() -> None:
+    """Every key held (the answer asked most, taken in one pass): the same
+    states, prefix and deferral the per-key answer gives."""
+    keys = [b"k%d" % i for i in range(40)]
+    replica = replica_of(keys, [keys[3]])  # held wins over pending
+    for mode, window in (
+        (LookupMode.PREFIX, 0),
+        (LookupMode.KEYS, 0),
+        (LookupMode.SLIDING_WINDOW, 8),
+    ):
+        reply = replica.answer(Lookup(keys, mode, window=window))
+        assert reply is not None
+        assert (reply.raw_states, reply.prefix_hits, reply.defer) == (bytes([HIT]) * 40, 40, False)
+    empty = replica.answer(Lookup([], LookupMode.PREFIX))
+    assert empty is not None and (empty.raw_states, empty.prefix_hits, empty.defer) == (
+        b"",
+        0,
+        False,
+    )
+    one_short = replica.answer(Lookup([*keys, b"gone"], LookupMode.PREFIX))
+    assert one_short is not None and list(one_short.raw_states) == [HIT] * 40 + [MISS]
+    assert (one_short.prefix_hits, one_short.defer) == (40, False)
+
+
 def test_the_replica_refers_what_only_the_daemon_can_answer() -> None:
     keys = [b"a", b"x"]
     # A key nothing holds here may be on a remote tier, or on a disk not indexed yet.
