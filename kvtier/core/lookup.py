@@ -197,7 +197,8 @@ class Locator:
         return ABSENT
 
 
-_HIT_BYTE = bytes([HIT])
+#: one HIT state as a byte (a lookup's states are a byte each)
+HIT_BYTE = bytes([HIT])
 
 #: probes a waiting lookup has seen, by (remote tier index, key)
 SeenProbes = dict[tuple[int, bytes], asyncio.Future[Verdict]]
@@ -302,7 +303,7 @@ def waits_for(
 def leading_hits(states: Sequence[int]) -> int:
     """Length of the leading run of HIT."""
     if isinstance(states, bytes | bytearray):
-        return len(states) - len(states.lstrip(_HIT_BYTE))  # at C speed
+        return len(states) - len(states.lstrip(HIT_BYTE))  # at C speed
     for i, state in enumerate(states):
         if state != HIT:
             return i
@@ -345,7 +346,7 @@ def prefix_answer(states: Sequence[int], window: int = 0) -> tuple[int, bool]:
         hits = sliding_window_hits(states, window)
         return hits, sliding_window_hits(_optimistic(states), window) > hits
     if isinstance(states, bytes | bytearray):  # every lookup's: leading_hits, inline
-        hits = len(states) - len(states.lstrip(_HIT_BYTE))
+        hits = len(states) - len(states.lstrip(HIT_BYTE))
     else:
         hits = leading_hits(states)
     return hits, hits < len(states) and states[hits] in (PENDING, RETRY)

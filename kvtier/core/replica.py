@@ -29,9 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvtier.core.events import Subscription
-from kvtier.core.lookup import prefix_answer
+from kvtier.core.lookup import HIT_BYTE, prefix_answer
 from kvtier.model import (
-    HIT,
     MISS,
     PENDING,
     BlockEvent,
@@ -90,7 +89,7 @@ class Replica:
         held, pending = self.held, self.pending
         window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
         if held.issuperset(keys):  # all HIT, the usual answer: one pass in C
-            every = _ALL_HIT * len(keys)
+            every = HIT_BYTE * len(keys)
             return LookupReply(every, *prefix_answer(every, window))
         # HIT is 1 and MISS is 0: membership maps straight onto states.
         states = bytearray(map(held.__contains__, keys))
@@ -110,9 +109,6 @@ class Replica:
         hits, defer = prefix_answer(states, window)
         return LookupReply(bytes(states), hits, defer)
 
-
-#: one HIT state, repeated for a lookup whose keys are all held
-_ALL_HIT = bytes([HIT])
 
 #: what a block event means to the lookup process
 _EVENT_OPS = {
