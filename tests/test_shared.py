@@ -682,3 +682,47 @@ async def test_many_writes_in_place_share_the_connections_rooms(daemon: Daemon) 
         assert st["in_place_rooms"] == MAX_IN_PLACE_ROOMS
         for key, value in [*zip(keys, values, strict=True), (b"odd", odd)]:
             assert bytes(await c.get(key) or b"") == value
+
+
+def arena_mappings() -> int:
+    """Mappings of a daemon's arena in this process (each in-process daemon
+    maps its own once)."""
+    return sum("memfd:kvtier-ram " in line for line in Path("/proc/self/maps").open())
+
+
+async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_dir: Path) -> None:
+    other = sock_dir / "other"
+    other.mkdir()
+    async with running_daemon(sock_dir) as first, running_daemon(other) as second:
+        daemons_own = arena_mappings()
+        a = await Client.connect(first.socket_path)
+        b = await Client.connect(first.socket_path)
+        assert a.shared and b.shared
+        assert arena_mappings() == daemons_own + 1  # one for both clients
+        assert "MappedMemory arena=" in repr(a) and "rw users=2>" in repr(a)
+        assert await a.put(b"from-a", block(1)) is PutStatus.STORED
+        assert await b.put(b"from-b", block(2)) is PutStatus.STORED
+        assert shared_stats(first)["in_place_commits"] == 2
+        assert bytes(await b.get(b"from-a") or b"") == block(1)
+        assert bytes(await a.get(b"from-b") or b"") == block(2)
+
+        c = await Client.connect(second.socket_path)  # another daemon: its own
+        assert arena_mappings() == daemons_own + 2
+        assert "rw users=1>" in repr(c)
+
+        await a.close()
+        await a.close()  # (once is all it lets go of)
+        assert arena_mappings() == daemons_own + 2
+        assert "rw users=1>" in repr(b)
+        assert await b.put(b"after-a", block(3)) is PutStatus.STORED
+        assert bytes(await b.get(b"after-a") or b"") == block(3)
+        assert bytes(await b.get(b"from-a") or b"") == block(1)
+
+        await b.close()
+        assert arena_mappings() == daemons_own + 1  # only the other daemon's client's
+        again = await Client.connect(first.socket_path)  # maps it anew
+        assert arena_mappings() == daemons_own + 2 and "rw users=1>" in repr(again)
+        assert bytes(await again.get(b"after-a") or b"") == block(3)
+        await again.close()
+        await c.close()
+        assert arena_mappings() == daemons_own

@@ -33,7 +33,7 @@ from kvtier.client.batching import (
     put_batches,
 )
 from kvtier.client.protocol import ClientProtocol, expire
-from kvtier.client.shared import SharedSession, checksum, fetch, hand_region
+from kvtier.client.shared import SharedSession, attach, checksum, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL, default_socket_path
 from kvtier.errors import (
     BadArgumentError,
@@ -358,14 +358,12 @@ class Client:
 
     async def _map_shared(self, offer: wire.SharedOffer) -> None:
         try:
-            arena, staging, writable = await asyncio.to_thread(
-                fetch, offer.path, self.timeout or 5.0
-            )
+            mapped = await asyncio.to_thread(attach, offer.path, self.timeout or 5.0)
         except OSError as exc:
             log.info("shared memory offered but not usable (%s); using the socket", exc)
             return
-        in_place = writable and self._write_in_place and self._stage_writes is not False
-        self._shm = SharedSession(self, arena, staging, self._prefix, in_place=in_place)
+        in_place = mapped.writable and self._write_in_place and self._stage_writes is not False
+        self._shm = SharedSession(self, mapped, self._prefix, in_place=in_place)
 
     async def __aenter__(self) -> Client:
         return self

@@ -3,7 +3,8 @@
 After HELLO offers shared memory, the client fetches two descriptors from
 the daemon's handoff socket (SCM_RIGHTS): RAM's arena, which it maps
 read-only (read-write when the daemon lets this process write in place),
-and the staging region, which it maps read-write. Then:
+and the staging region, which it maps read-write; once a process, for every
+session to that daemon (:class:`MappedMemory`). Then:
 
 * reads ask GET_SHARED and copy each leased block out of the mapping (or
   hand the caller a read-only view of it, :meth:`SharedSession.lease`);
@@ -22,7 +23,8 @@ a room is used by one write at a time; an in-place room is written only
 before its COMMIT is sent, and never reused once committed (a COMMIT
 whose outcome is unknown gives the room back with UNSTAGE, which frees
 only a room); at most ``MAX_IN_PLACE_ROOMS`` writes in place are in
-flight. Imports the wire and the records.
+flight; a daemon's memory is mapped once a process, and unmapped when its
+last session closes. Imports the wire and the records.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import logging
 import mmap
 import os
 import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -76,12 +79,113 @@ class Calls(Protocol):
 
 
 def fetch(path: str, timeout: float) -> tuple[mmap.mmap, mmap.mmap, bool]:
-    """The daemon's arena and staging region (read-write), mapped, and
+    """The daemon's arena and staging region (read-write), mapped afresh, and
     whether the arena is writable (the daemon lets this process write blocks
-    in place; else it is mapped read-only).
+    in place; else it is mapped read-only). Sessions use :func:`attach`,
+    which maps each daemon's memory once a process.
 
     Blocking: one local round trip. Raises OSError when refused.
     """
+    fds, arena_bytes, staging_bytes, writable = _receive(path, timeout)
+    try:
+        return (*_map(fds, arena_bytes, staging_bytes, writable), writable)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class MappedMemory:
+    """A daemon's arena and staging region as this process maps them: once,
+    however many of its sessions (connections) to that daemon use them. A
+    mapping of a large arena costs its own page tables and its own page
+    faults as it is first written, so one a connection would cost a
+    process with many connections that many times over.
+
+    Invariants: ``users`` counts the sessions that attached and have not
+    released it; the mappings are closed when it falls to 0, and not before.
+    """
+
+    def __init__(
+        self, identity: _Identity, arena: mmap.mmap, staging: mmap.mmap, writable: bool
+    ) -> None:
+        self.identity = identity
+        self.arena = arena
+        self.staging = staging
+        #: the arena is mapped read-write (writes in place allowed)
+        self.writable = writable
+        #: sessions using these mappings (guarded by ``_MAPPED_LOCK``)
+        self.users = 0
+
+    def __repr__(self) -> str:
+        mode = "rw" if self.writable else "ro"
+        return f"<MappedMemory arena={len(self.arena)} {mode} users={self.users}>"
+
+    def release(self) -> None:
+        """A session is done with the mappings: closed after the last one."""
+        with _MAPPED_LOCK:
+            self.users -= 1
+            if self.users:
+                return
+            if _MAPPED.get(self.identity) is self:
+                del _MAPPED[self.identity]
+        for mapping in (self.arena, self.staging):
+            with contextlib.suppress(BufferError):  # a caller still holds a lease's view
+                mapping.close()
+
+
+#: what names a daemon's memory: (device, inode) of the arena's file, its
+#: size, whether it is writable, then (device, inode) and size of the
+#: staging region's (a file mapped here stays open, so its inode is not
+#: reused while its entry stands)
+_Identity = tuple[tuple[int, int], int, bool, tuple[int, int], int]
+#: the daemons' memory mapped in this process, by identity
+_MAPPED: dict[_Identity, MappedMemory] = {}
+#: guards _MAPPED and each entry's ``users`` (sessions attach from threads)
+_MAPPED_LOCK = threading.Lock()
+
+
+def _fresh_lock() -> None:
+    global _MAPPED_LOCK
+    _MAPPED_LOCK = threading.Lock()  # (a fork may copy it held by another thread)
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
+
+
+def attach(path: str, timeout: float) -> MappedMemory:
+    """The daemon's memory as this process maps it, fetched from the handoff
+    socket at ``path``: the mappings another session to the same daemon
+    already made, or new ones. Each call is one user; :meth:`MappedMemory.release`
+    ends it.
+
+    Blocking: one local round trip. Raises OSError when refused.
+    """
+    fds, arena_bytes, staging_bytes, writable = _receive(path, timeout)
+    try:
+        arena_st, staging_st = os.fstat(fds[0]), os.fstat(fds[1])
+        identity: _Identity = (
+            (arena_st.st_dev, arena_st.st_ino),
+            arena_bytes,
+            writable,
+            (staging_st.st_dev, staging_st.st_ino),
+            staging_bytes,
+        )
+        with _MAPPED_LOCK:
+            mapped = _MAPPED.get(identity)
+            if mapped is None:
+                arena, staging = _map(fds, arena_bytes, staging_bytes, writable)
+                mapped = _MAPPED[identity] = MappedMemory(identity, arena, staging, writable)
+            mapped.users += 1
+            return mapped
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _receive(path: str, timeout: float) -> tuple[list[int], int, int, bool]:
+    """The arena's and the staging region's descriptors from the handoff
+    socket at ``path`` (the caller closes them), their sizes, and whether the
+    arena is writable."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)
@@ -93,17 +197,24 @@ def fetch(path: str, timeout: float) -> tuple[mmap.mmap, mmap.mmap, bool]:
         if tag != wire.HANDOFF_TAG:
             raise OSError(f"{path} does not hand out kvtier shared memory")
         writable = fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        arena = mmap.mmap(fds[0], arena_bytes, prot=prot)
-        try:
-            staging = mmap.mmap(fds[1], staging_bytes)
-        except BaseException:
-            arena.close()
-            raise
-        return arena, staging, writable
-    finally:
+    except BaseException:
         for fd in fds:
             os.close(fd)
+        raise
+    return fds, arena_bytes, staging_bytes, writable
+
+
+def _map(
+    fds: list[int], arena_bytes: int, staging_bytes: int, writable: bool
+) -> tuple[mmap.mmap, mmap.mmap]:
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    arena = mmap.mmap(fds[0], arena_bytes, prot=prot)
+    try:
+        staging = mmap.mmap(fds[1], staging_bytes)
+    except BaseException:
+        arena.close()
+        raise
+    return arena, staging
 
 
 def hand_region(path: str, token: bytes, fd: int, timeout: float) -> int:
@@ -145,8 +256,7 @@ class SharedSession:
     def __init__(
         self,
         calls: Calls,
-        arena: mmap.mmap,
-        staging: mmap.mmap,
+        mapped: MappedMemory,
         prefix: bytes = b"",
         *,
         in_place: bool = False,
@@ -154,10 +264,12 @@ class SharedSession:
         self._calls = calls
         #: the connection's namespace prefix, before every key it sends
         self._prefix = prefix
-        self._arena = arena
-        self._staging = staging
-        self._arena_view = memoryview(arena)
-        self._staging_view = memoryview(staging)
+        #: the daemon's arena and staging region, mapped once in this process
+        self._mapped = mapped
+        self._arena = mapped.arena
+        self._staging = mapped.staging
+        self._arena_view = memoryview(mapped.arena)
+        self._staging_view = memoryview(mapped.staging)
         #: large blocks are written straight into their RAM slots (the arena is
         #: mapped writable); off for good once the daemon refuses it
         self.in_place = in_place
@@ -175,6 +287,8 @@ class SharedSession:
         #: (offset, when last committed to)
         self._rooms: dict[int, list[tuple[int, float]]] = {}
         self.leases_taken = 0
+        #: the session let go of the mappings (:meth:`close`)
+        self.closed = False
 
     def __repr__(self) -> str:
         rooms = sum(len(r) for r in self._rooms.values())
@@ -182,7 +296,7 @@ class SharedSession:
         return (
             f"<SharedSession arena={len(self._arena)} staging={len(self._staging)} "
             f"to_release={len(self._releases)} rooms={rooms} "
-            f"in_place={'on' if self.in_place else 'off'} places={places}>"
+            f"in_place={'on' if self.in_place else 'off'} places={places} {self._mapped!r}>"
         )
 
     # -- reads
@@ -476,11 +590,13 @@ class SharedSession:
         return [s for s in out if s is not None]
 
     def close(self) -> None:
+        """Done with shared memory (again: nothing more)."""
+        if self.closed:
+            return
+        self.closed = True
         self._arena_view.release()
         self._staging_view.release()
-        for mapping in (self._arena, self._staging):
-            with contextlib.suppress(BufferError):  # a caller still holds a lease's view
-                mapping.close()
+        self._mapped.release()
 
 
 def checksum(value: Buffer) -> int:
