@@ -26,6 +26,7 @@ from pathlib import Path
 import zmq
 
 from benchmarks.streaming import percentiles
+from kvtier import loops
 from kvtier.client.aio import Client
 from kvtier.model import LookupMode
 from tests.enginedaemon import start
@@ -41,6 +42,7 @@ PACE = 0.002
 
 _WRITER = """
 import asyncio, sys, time
+from kvtier import loops
 from kvtier.client.aio import Client
 
 async def main(path, blocks, size):
@@ -61,7 +63,7 @@ async def main(path, blocks, size):
         await asyncio.gather(store(0, half), store(half, blocks))
         print(f"{blocks / (time.perf_counter() - started):.0f}", flush=True)
 
-asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+loops.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """
 
 
@@ -107,7 +109,7 @@ def run(tmp: Path, publish: bool) -> tuple[list[float], str, float]:
     if publish:
         sub.connect(f"ipc://{tmp}/events")
     try:
-        samples, rate = asyncio.run(measure(str(daemon.socket_path)))
+        samples, rate = loops.run(measure(str(daemon.socket_path)))
         events = daemon.total("kvtier_kv_events_blocks_total")
         while sub.poll(500):  # drain what the subscriber was sent (bounded)
             sub.recv_multipart()

@@ -20,13 +20,13 @@ rounds: each round's idle and busy p99 and their ratio.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks import streaming
+from kvtier import loops
 from kvtier.bench import KvtierStore, MiB, block_key, ops_for, prefix_lookup, put_get
 from kvtier.client.aio import Client
 from tests.enginedaemon import start
@@ -90,7 +90,7 @@ def main() -> int:
         off = start(Path(a), *args)
         on = start(Path(b), *args, "--config", str(Path(b) / "kvtier.toml"))
         try:
-            rows = asyncio.run(measure(str(off.socket_path), str(on.socket_path)))
+            rows = loops.run(measure(str(off.socket_path), str(on.socket_path)))
         finally:
             off.stop()
             on.stop()
@@ -108,7 +108,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvt-ns-", dir="/tmp") as c:
         daemon = start(Path(c), "--no-disk", "--ram-capacity", str(streaming.RAM))
         try:
-            paths = asyncio.run(while_streaming(str(daemon.socket_path)))
+            paths = loops.run(while_streaming(str(daemon.socket_path)))
         finally:
             daemon.stop()
     print("named namespace, prefix LOOKUP 512 p99 us   idle    busy   busy/idle   (per round)")
