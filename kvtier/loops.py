@@ -53,6 +53,13 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
             loop.close()
 
 
+#: polls in a row that ran their whole window and caught nothing, before
+#: an :class:`IdlePoll` rests
+POLL_MISSES = 3
+#: touches a resting :class:`IdlePoll` lets pass without polling
+POLL_REST = 32
+
+
 class IdlePoll:
     """Keeps an event loop polling for I/O, instead of sleeping in the
     kernel, for ``window`` seconds after the last :meth:`touch`, and with
@@ -75,10 +82,27 @@ class IdlePoll:
     reply from memory), where giving the CPU away means waiting a whole
     scheduler slice to get it back once the reply is there.
 
+    A poller awaiting replies (``busy``) adapts, as an adaptive lock spins
+    before it sleeps: a poll that ran its whole window before the reply came
+    was CPU spent for nothing, and where the machine is so busy that replies
+    take longer than the window, every poll is. Worse, a thread that polls
+    uses more than its share of the CPU, and the fair scheduler then makes
+    it wait when it wakes: measured here, a caller polling for lookup
+    replies while writers kept both cores busy spent 270-320 µs of CPU a
+    lookup, and was woken a writer's slice late. So after ``POLL_MISSES``
+    polls in a row whose reply came after the window, such a poller *rests*:
+    the next ``POLL_REST`` touches do not poll (the loop sleeps in the kernel
+    at once), and the one after tries again. A poller waiting for the next
+    request (no ``busy``: the daemon's) never rests: were both ends of a
+    round trip to rest, each one's sleeping would make the other's polls
+    miss, and both could stay asleep on an idle machine.
+
     Invariants: at most one poll callback is scheduled at any time; none is
-    once ``window`` has passed since the last touch, or ``busy()`` is false;
-    a window of 0 schedules nothing. Polling never blocks the loop: its
-    other callbacks and its I/O run between two polls.
+    once ``window`` has passed since the last touch, or ``busy()`` is false,
+    or while resting; a window of 0 schedules nothing; only a poller with
+    ``busy`` rests, and a reply caught within the window ends its run of
+    misses. Polling never blocks the loop: its other callbacks and its I/O
+    run between two polls.
     """
 
     def __init__(
@@ -103,11 +127,23 @@ class IdlePoll:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: loop steps spent polling, since the start
         self.polls = 0
+        #: polls in a row (with ``busy``) that ran out of window before the reply
+        self._misses = 0
+        #: touches still to let pass without polling
+        self._resting = 0
+        #: times the poller began resting, since the start
+        self.rests = 0
 
     def __repr__(self) -> str:
-        state = "polling" if self._loop is not None else "idle"
+        if self._loop is not None:
+            state = "polling"
+        else:
+            state = f"resting={self._resting}" if self._resting else "idle"
         keeps = "" if self.yields else " keeps-cpu"
-        return f"<IdlePoll window={self.window * 1e6:.0f}us {state}{keeps} polls={self.polls}>"
+        return (
+            f"<IdlePoll window={self.window * 1e6:.0f}us {state}{keeps}"
+            f" polls={self.polls} rests={self.rests}>"
+        )
 
     @property
     def polling(self) -> bool:
@@ -119,17 +155,32 @@ class IdlePoll:
         if not self.window:
             return
         self._until = self._clock() + self.window
-        if self._loop is None or self._loop.is_closed():
-            self._loop = asyncio.get_running_loop()
-            self._loop.call_soon(self._poll)
+        if self._loop is not None and not self._loop.is_closed():
+            return
+        if self._resting:
+            self._resting -= 1
+            return
+        self._loop = asyncio.get_running_loop()
+        self._loop.call_soon(self._poll)
 
     def _poll(self) -> None:
         loop = self._loop
         assert loop is not None
-        if self._clock() < self._until and (self._busy is None or self._busy()):
+        awaited = self._busy is None or self._busy()
+        if awaited and self._clock() < self._until:
             self.polls += 1
             if self.yields:
                 os.sched_yield()  # a thread that wants this CPU gets it first
             loop.call_soon(self._poll)
-        else:
-            self._loop = None
+            return
+        self._loop = None
+        if self._busy is None:
+            return  # (waiting for a request: never rests)
+        if not awaited:  # the reply came within the window
+            self._misses = 0
+            return
+        self._misses += 1
+        if self._misses >= POLL_MISSES:
+            self._misses = 0
+            self._resting = POLL_REST
+            self.rests += 1

@@ -18,7 +18,7 @@ from kvtier.config import load_config
 from kvtier.daemon import Daemon
 from kvtier.defaults import IDLE_POLL
 from kvtier.errors import BadArgumentError
-from kvtier.loops import IdlePoll
+from kvtier.loops import POLL_MISSES, POLL_REST, IdlePoll
 from kvtier.tiers.memory import MemoryRemoteTier
 from tests.helpers import running_daemon, wait_until
 
@@ -39,12 +39,12 @@ async def steps(n: int) -> None:
 async def test_it_polls_once_a_step_until_the_window_has_passed() -> None:
     clock = Clock()
     poll = IdlePoll(1.0, clock=clock)
-    assert repr(poll) == "<IdlePoll window=1000000us idle polls=0>"
+    assert repr(poll) == "<IdlePoll window=1000000us idle polls=0 rests=0>"
     poll.touch()
     assert poll.polling
     await steps(5)
     assert poll.polls == 5
-    assert repr(poll) == "<IdlePoll window=1000000us polling polls=5>"
+    assert repr(poll) == "<IdlePoll window=1000000us polling polls=5 rests=0>"
     clock.now = 0.999
     await steps(1)
     assert poll.polls == 6
@@ -52,7 +52,7 @@ async def test_it_polls_once_a_step_until_the_window_has_passed() -> None:
     await steps(3)
     assert not poll.polling
     assert poll.polls == 6
-    assert repr(poll) == "<IdlePoll window=1000000us idle polls=6>"
+    assert repr(poll) == "<IdlePoll window=1000000us idle polls=6 rests=0>"
 
 
 async def test_a_touch_while_polling_extends_the_window_without_a_second_poller() -> None:
@@ -119,6 +119,59 @@ async def test_a_window_of_zero_never_polls() -> None:
 def test_a_window_below_zero_is_refused(window: float) -> None:
     with pytest.raises(ValueError, match="0 or more seconds"):
         IdlePoll(window)
+
+
+async def missed(poll: IdlePoll, clock: Clock) -> None:
+    """One touch whose poll runs out of window with nothing caught."""
+    poll.touch()
+    await steps(1)
+    clock.now += 1.0
+    await steps(1)
+    assert not poll.polling
+
+
+async def test_after_polls_that_catch_nothing_it_rests_then_tries_again() -> None:
+    clock = Clock()
+    awaited = [1]  # a reply that never comes within the window
+    poll = IdlePoll(1.0, busy=lambda: bool(awaited), clock=clock)
+    for _ in range(POLL_MISSES):
+        await missed(poll, clock)
+    assert poll.rests == 1
+    assert repr(poll) == f"<IdlePoll window=1000000us resting={POLL_REST} polls=3 rests=1>"
+    for left in range(POLL_REST - 1, -1, -1):
+        poll.touch()  # the loop sleeps at once: no poll
+        assert not poll.polling
+        assert (f" resting={left} " if left else " idle ") in repr(poll)
+    await steps(2)
+    assert poll.polls == POLL_MISSES
+    assert repr(poll) == "<IdlePoll window=1000000us idle polls=3 rests=1>"
+    poll.touch()  # rested: it tries again
+    assert poll.polling
+    await steps(1)
+    awaited.clear()  # and this time the reply comes within the window
+    await steps(1)
+    assert not poll.polling
+    # A catch ends the run of misses: it takes POLL_MISSES more to rest again.
+    awaited.append(1)
+    for _ in range(POLL_MISSES - 1):
+        await missed(poll, clock)
+    assert poll.rests == 1
+    poll.touch()
+    assert poll.polling
+    await missed(poll, clock)
+    assert poll.rests == 2
+
+
+async def test_a_poller_waiting_for_requests_never_rests() -> None:
+    # The daemon's side: were it to rest as well, a client's sleeping would
+    # make its polls miss, and the other way round, on an idle machine.
+    clock = Clock()
+    poll = IdlePoll(1.0, clock=clock)
+    for _ in range(4 * POLL_MISSES):  # requests further apart than the window
+        await missed(poll, clock)
+    assert poll.rests == 0
+    poll.touch()
+    assert poll.polling
 
 
 async def test_other_callbacks_run_between_polls() -> None:
