@@ -53,8 +53,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
             loop.close()
 
 
-#: polls in a row that ran their whole window and caught nothing, before
-#: an :class:`IdlePoll` rests
+#: polls in a row whose awaited reply came only after the window, before an
+#: :class:`IdlePoll` awaiting replies rests
 POLL_MISSES = 3
 #: touches a resting :class:`IdlePoll` lets pass without polling
 POLL_REST = 32
