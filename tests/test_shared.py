@@ -16,7 +16,7 @@ import xxhash
 
 from kvtier import wire
 from kvtier.client.aio import Client
-from kvtier.client.shared import fetch
+from kvtier.client.shared import attach
 from kvtier.core.shared.blocks import may_write_in_place
 from kvtier.daemon import Daemon
 from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError, NoCapacityError
@@ -184,9 +184,9 @@ async def test_commits_are_checked_and_rooms_are_the_clients_own(staging_daemon:
     ):
         frame = await a.request(Op.STAGE, wire.encode_u64(MiB))
         offset = wire.decode_u64(frame.meta, "STAGE")
-        arena, staging, writable = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
-        assert not writable  # write_in_place is off: the arena is read-only
-        staging[offset : offset + MiB] = block(6)
+        mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
+        assert not mapped.writable  # write_in_place is off: the arena is read-only
+        mapped.staging[offset : offset + MiB] = block(6)
         good = xxhash.xxh3_64_intdigest(block(6))
         allocated = daemon.ram.stats().arena_allocated_bytes
         bad = wire.Commit(b"k", offset, MiB, good ^ 1, keep_room=True)
@@ -206,8 +206,7 @@ async def test_commits_are_checked_and_rooms_are_the_clients_own(staging_daemon:
         assert bytes(await b.get(b"k") or b"") == block(6)
         assert shared_stats(daemon)["commits_refused"] == 3
         assert shared_stats(daemon)["staging_rooms"] == 0  # given back by the commit
-        arena.close()
-        staging.close()
+        mapped.release()
         # an abandoned room is reclaimed at its deadline
         await a.request(Op.STAGE, wire.encode_u64(4096))
         assert shared_stats(daemon)["staging_rooms"] == 1
@@ -292,7 +291,7 @@ async def test_a_refused_handoff_leaves_the_client_on_the_socket(sock_dir: Path)
     task = asyncio.create_task(handoff.serve())
     try:
         with pytest.raises(OSError, match="refused to share memory"):
-            await asyncio.to_thread(fetch, str(handoff.path), 1.0)
+            await asyncio.to_thread(attach, str(handoff.path), 1.0)
         assert handoff.refused == 1 and handoff.handed == 0
     finally:
         task.cancel()
@@ -383,9 +382,10 @@ async def test_in_place_commits_are_checked_and_rooms_are_the_clients_own(daemon
         offset = await _stage_in_place(a)
         assert shared_stats(daemon)["in_place_rooms"] == 1
         assert daemon.ram.reserved_bytes == MiB  # the room counts against RAM
-        arena, staging, writable = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+        mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
+        arena = mapped.arena
         try:
-            assert writable  # a client of the daemon's own user
+            assert mapped.writable  # a client of the daemon's own user
             arena[offset : offset + MiB] = block(8)
             good = xxhash.xxh3_64_intdigest(block(8))
 
@@ -438,8 +438,7 @@ async def test_in_place_commits_are_checked_and_rooms_are_the_clients_own(daemon
             assert again.meta == b"\x00"  # not b's to give back
             assert shared_stats(daemon)["in_place_rooms"] == 7
         finally:
-            arena.close()
-            staging.close()
+            mapped.release()
 
 
 async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: Daemon) -> None:
@@ -454,7 +453,8 @@ async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: 
             await Client.connect(daemon.socket_path) as b,
         ):
             offset = await _stage_in_place(a)
-            arena, staging, _ = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+            mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
+            arena = mapped.arena
             try:
                 arena[offset : offset + MiB] = block(11)
                 commit = wire.Commit(b"k", offset, MiB, 0, True, True, unchecked=True)
@@ -476,8 +476,7 @@ async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: 
                 assert bytes(await b.get(b"d") or b"") == block(12)
                 assert shared_stats(daemon)["in_place_commits"] == 2
             finally:
-                arena.close()
-                staging.close()
+                mapped.release()
 
 
 async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_answer(
@@ -504,7 +503,8 @@ async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_ans
     try:
         async with await Client.connect(daemon.socket_path) as a:
             offset = await _stage_in_place(a)
-            arena, staging, _ = await asyncio.to_thread(fetch, f"{daemon.socket_path}.shm", 1.0)
+            mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
+            arena = mapped.arena
             try:
                 rooms = [offset]
                 for i in range(3):
@@ -535,8 +535,7 @@ async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_ans
                 assert len(ready) == MiB // 2
                 assert bytes(await a.get(b"h") or b"") == block(30, MiB // 2)
             finally:
-                arena.close()
-                staging.close()
+                mapped.release()
     finally:
         shared._stage_room = stage_room
     for conn in list(daemon.server.connections):
@@ -589,16 +588,15 @@ async def test_the_handoff_gives_the_arena_writable_only_to_whom_it_may(
     handoff.bind()
     task = asyncio.create_task(handoff.serve())
     try:
-        got, room, was_writable = await asyncio.to_thread(fetch, str(handoff.path), 1.0)
-        assert was_writable is writable and asked == [os.getuid()]
+        mapped = await asyncio.to_thread(attach, str(handoff.path), 1.0)
+        assert mapped.writable is writable and asked == [os.getuid()]
         if writable:
-            got[:4] = b"abcd"
+            mapped.arena[:4] = b"abcd"
             assert arena.mapping[:4] == b"abcd"  # the daemon's own memory
         else:
             with pytest.raises(TypeError):
-                got[:4] = b"abcd"
-        got.close()
-        room.close()
+                mapped.arena[:4] = b"abcd"
+        mapped.release()
         assert handoff.handed == 1 and handoff.handed_writable == int(writable)
         assert f"writable={int(writable)}" in repr(handoff)
     finally:
@@ -627,16 +625,16 @@ _HALF_WRITER = """
 import asyncio, sys
 from kvtier import wire
 from kvtier.client.aio import Client
-from kvtier.client.shared import fetch
+from kvtier.client.shared import attach
 from kvtier.wire import Op
 
 async def main():
     c = await Client.connect(sys.argv[1])
     frame = await c.request(Op.STAGE, wire.encode_stage(1 << 20, in_place=True))
     offset = wire.decode_u64(frame.meta, "STAGE")
-    arena, _, writable = fetch(sys.argv[1] + ".shm", 1.0)
-    assert writable
-    arena[offset : offset + (1 << 19)] = b"x" * (1 << 19)  # half the block
+    mapped = attach(sys.argv[1] + ".shm", 1.0)
+    assert mapped.writable
+    mapped.arena[offset : offset + (1 << 19)] = b"x" * (1 << 19)  # half the block
     print("writing", flush=True)
     await asyncio.Event().wait()
 

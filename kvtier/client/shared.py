@@ -78,22 +78,6 @@ class Calls(Protocol):
     def post(self, op: int, meta: Buffer) -> None: ...
 
 
-def fetch(path: str, timeout: float) -> tuple[mmap.mmap, mmap.mmap, bool]:
-    """The daemon's arena and staging region (read-write), mapped afresh, and
-    whether the arena is writable (the daemon lets this process write blocks
-    in place; else it is mapped read-only). Sessions use :func:`attach`,
-    which maps each daemon's memory once a process.
-
-    Blocking: one local round trip. Raises OSError when refused.
-    """
-    fds, arena_bytes, staging_bytes, writable = _receive(path, timeout)
-    try:
-        return (*_map(fds, arena_bytes, staging_bytes, writable), writable)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 class MappedMemory:
     """A daemon's arena and staging region as this process maps them: once,
     however many of its sessions (connections) to that daemon use them. A
