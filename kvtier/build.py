@@ -29,7 +29,7 @@ from kvtier.config import (
 from kvtier.core.local import LocalView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.service import Service
-from kvtier.core.shared.blocks import SharedBlocks
+from kvtier.core.shared.blocks import Copier, SharedBlocks
 from kvtier.core.timers import Scheduler
 from kvtier.errors import ConfigError
 from kvtier.loops import IdlePoll
@@ -230,6 +230,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             staging_timeout=shc.staging_timeout,
             limits=service.limits,
             write_in_place=shc.write_in_place,
+            copier=Copier(shc.copy_thread_count()),
         )
         offer = SharedOffer(handoff_path(config), arena.size, staging.size)
     # One poller for the loop: both listeners' requests keep it awake.

@@ -17,7 +17,7 @@ import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     ByteSize,
@@ -169,6 +169,29 @@ class SharedConfig(Section):
     #: blocks straight into their RAM slots (no copy in the daemon); others,
     #: and all clients when off, write through the staging region
     write_in_place: bool = True
+    #: threads the daemon copies blocks of clients' regions in (PUT_REGION,
+    #: GET_REGION, cross-memory writes), 0 to 64; 0 copies them on the event loop,
+    #: 256 KiB a loop step; "auto": 0 where the daemon may run on 2 CPUs or
+    #: fewer, else half of them, up to 8
+    copy_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
+
+    def copy_thread_count(self) -> int:
+        if self.copy_threads == "auto":
+            return auto_copy_threads(usable_cpus())
+        return int(self.copy_threads)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def auto_copy_threads(cpus: int) -> int:
+    """``shared.copy_threads = "auto"``: none on 2 CPUs or fewer (the copies
+    run on the loop, docs/shared-memory.md), else half the CPUs, up to 8."""
+    return 0 if cpus <= 2 else min(cpus // 2, 8)
 
 
 class DiskConfig(Section):

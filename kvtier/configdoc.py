@@ -14,7 +14,7 @@ import re
 import textwrap
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -125,7 +125,11 @@ def _type(info: FieldInfo) -> str:
     text = _strip_annotated(text).replace("pydantic.types.SecretStr", "secret")
     text = re.sub(r"Optional\[([^\]]+)\]", r"\1 or None", text)
     text = text.replace("<class '", "").replace("'>", "").replace("pydantic.types.ByteSize", "size")
-    text = text.replace("Union[int, Literal['auto']]", 'size or "auto"')
+    # A capacity parses sizes ("8GiB") before it validates; a count does not.
+    sized = any(isinstance(m, BeforeValidator) for m in info.metadata)
+    text = text.replace(
+        "Union[int, Literal['auto']]", 'size or "auto"' if sized else 'int or "auto"'
+    )
     text = re.sub(
         r"Literal\[([^\]]*)\]",
         lambda m: " or ".join(f'"{v.strip()}"' for v in m.group(1).replace("'", "").split(",")),

@@ -223,9 +223,9 @@ def test_reader_direct_frames_are_views_of_their_own_buffer() -> None:
 
 
 def test_a_large_frame_is_received_in_steps() -> None:
-    """No receive fills more than RECEIVE_STEP bytes: a large frame takes
+    """No receive fills more than LOOP_STEP bytes: a large frame takes
     several loop steps, and other connections are served between them."""
-    from kvtier.wire.framing import RECEIVE_STEP
+    from kvtier.model import LOOP_STEP
 
     reader = FrameReader(max_frame=1 << 22)
     raw = frame_bytes(Op.PUT, 1, b"m" * 300_000, b"d" * (1 << 20))
@@ -233,13 +233,13 @@ def test_a_large_frame_is_received_in_steps() -> None:
     at = steps = 0
     while at < len(raw):
         buf = reader.get_buffer(-1)
-        assert 0 < len(buf) <= RECEIVE_STEP
+        assert 0 < len(buf) <= LOOP_STEP
         n = min(len(buf), len(raw) - at)
         buf[:n] = raw[at : at + n]
         at += n
         steps += 1
         frames += reader.buffer_updated(n)
-    assert steps >= (300_000 + (1 << 20)) // RECEIVE_STEP
+    assert steps >= (300_000 + (1 << 20)) // LOOP_STEP
     (frame,) = frames
     assert bytes(frame.meta) == b"m" * 300_000 and bytes(frame.data) == b"d" * (1 << 20)
 

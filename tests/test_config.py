@@ -1,10 +1,18 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from kvtier.config import GiB, MiB, auto_ram_capacity, load_config, render_toml
+from kvtier.config import (
+    GiB,
+    MiB,
+    auto_copy_threads,
+    auto_ram_capacity,
+    load_config,
+    render_toml,
+)
 from kvtier.defaults import DEFAULT_METRICS_PORT, default_socket_path
 from kvtier.errors import ConfigError
 
@@ -41,6 +49,15 @@ def test_auto_ram_capacity_is_capped() -> None:
     assert auto_ram_capacity(10 * MiB) == 64 * MiB
 
 
+def test_region_copies_run_on_the_loop_on_small_machines() -> None:
+    assert [auto_copy_threads(n) for n in (1, 2, 3, 4, 12, 64)] == [0, 0, 1, 2, 6, 8]
+    config = load_config(None, {"shared": {"copy_threads": 3}})
+    assert config.shared.copy_thread_count() == 3
+    auto = load_config(None, {}).shared
+    assert auto.copy_threads == "auto"
+    assert auto.copy_thread_count() == auto_copy_threads(len(os.sched_getaffinity(0)))
+
+
 def test_precedence_cli_over_env_over_toml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     toml = tmp_path / "k.toml"
     toml.write_text('[ram]\ncapacity = "1GiB"\n[metrics]\nport = 1111\nhost = "0.0.0.0"\n')
@@ -71,6 +88,9 @@ def test_kvtier_config_env_names_the_file(monkeypatch: pytest.MonkeyPatch, tmp_p
         ('[server]\nmax_block_bytes = "128MiB"\n', "must fit in one frame"),
         ("[server]\nlookup_slice = 0.00005\n", "lookup_slice is 0 or 0.0001 to 0.1 seconds"),
         ("[server]\nlookup_slice = 1\n", "server.lookup_slice"),
+        ("[shared]\ncopy_threads = -1\n", "shared.copy_threads"),
+        ("[shared]\ncopy_threads = 65\n", "shared.copy_threads"),
+        ('[shared]\ncopy_threads = "many"\n', "shared.copy_threads"),
         ("[bogus]\nx = 1\n", "bogus"),
         ("[ram\n", "not valid TOML"),
     ],

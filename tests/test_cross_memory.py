@@ -26,11 +26,12 @@ MiB = 1024 * 1024
 pytestmark = pytest.mark.skipif(not cma.AVAILABLE, reason="Linux only")
 
 
-@pytest.fixture
-async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
+@pytest.fixture(params=[0, 2], ids=["copies-on-loop", "copy-threads"])
+async def daemon(request: pytest.FixtureRequest, sock_dir: Path) -> AsyncIterator[Daemon]:
     """A daemon nobody writes in place to: a batch of large blocks is then
-    read out of its writer's memory."""
-    async with running_daemon(sock_dir, shared={"write_in_place": False}) as d:
+    read out of its writer's memory, on its loop or in 2 threads."""
+    shared = {"write_in_place": False, "copy_threads": request.param}
+    async with running_daemon(sock_dir, shared=shared) as d:
         yield d
 
 

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import fcntl
 import os
 import secrets
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio.lowlevel
 import pytest
 import xxhash
 
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.shared import hand_region
-from kvtier.core.shared.blocks import MAX_REGIONS, may_map, off_loop
+from kvtier.core.shared.blocks import MAX_REGIONS, Copier, Steps, may_map
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadArgumentError,
@@ -35,6 +35,12 @@ from tests.helpers import received_bytes, running_daemon, shared_stats, watching
 MiB = 1024 * 1024
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only")
+
+
+@pytest.fixture
+def daemon(copying_daemon: Daemon) -> Daemon:
+    """Each test twice: the daemon copies on its loop, and in threads."""
+    return copying_daemon
 
 
 def pattern(seed: int, size: int) -> bytes:
@@ -75,9 +81,12 @@ async def test_blocks_move_between_a_region_and_ram_without_the_socket(
         mapped = os.fstat(memfd).st_nlink == 0  # the memfd; the open file is not
         assert shared_stats(daemon)["regions_mapped"] == int(mapped)
         before = received_bytes(daemon)
+        on_loop = shared_stats(daemon)["copy_threads"] == 0
         assert await c.put_region(region, KEYS, SPANS) == [PutStatus.STORED] * 3
         assert await c.put_region(region, KEYS[:1], SPANS[:1]) == [PutStatus.EXISTS]
         assert received_bytes(daemon) - before < 4096  # keys and spans, not 1.3 MiB
+        # On the loop, 256 KiB a step: 4 + 1 + 1 for the three blocks copied.
+        assert shared_stats(daemon)["copy_steps"] == (6 if on_loop else 0)
         for key, (off, n) in zip(KEYS, SPANS, strict=True):
             got = await c.get(key)
             assert got is not None and bytes(got) == os.pread(memfd, n, off)
@@ -85,6 +94,7 @@ async def test_blocks_move_between_a_region_and_ram_without_the_socket(
         rooms = [(3 * MiB, MiB), (3 * MiB + MiB - 4096, 4096)]
         os.pwrite(memfd, b"\xee" * 4096, rooms[1][0])
         assert await c.get_region(region, [b"big", b"nope"], rooms) == [MiB, None]
+        assert shared_stats(daemon)["copy_steps"] == (10 if on_loop else 0)
         assert os.pread(memfd, MiB, 3 * MiB)[: MiB - 4096] == pattern(1, MiB)[: MiB - 4096]
         st = shared_stats(daemon)
         assert st["region_bytes_in"] == MiB + 256 * 1024 + 4096
@@ -202,30 +212,85 @@ async def test_regions_need_shared_memory_a_token_and_a_bound(daemon: Daemon, me
 async def test_a_cancelled_copy_keeps_its_memory_until_the_thread_ends() -> None:
     go, copying = threading.Event(), threading.Event()
     released = asyncio.get_running_loop().create_future()
+    copier = Copier(1)
 
-    def copy() -> None:
+    def copy() -> Steps[None]:
         copying.set()
         go.wait(10)
+        yield
 
-    task = asyncio.ensure_future(off_loop(copy, lambda: released.set_result(True)))
+    task = asyncio.ensure_future(copier.run(copy(), lambda: released.set_result(True)))
     await asyncio.to_thread(copying.wait, 10)
+    assert repr(copier) == "<Copier threads=1 running=1 steps=0>"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not released.done()  # the thread still writes into it
     go.set()
     assert await released
+    copier.close()
 
 
-async def test_a_failed_copy_releases_at_once() -> None:
+@pytest.mark.parametrize("threads", [0, 1])
+async def test_a_failed_copy_releases_at_once(threads: int) -> None:
     released: list[bool] = []
+    copier = Copier(threads)
 
-    def copy() -> None:
+    def copy() -> Steps[None]:
+        yield
         raise OSError("bad descriptor")
 
     with pytest.raises(OSError):
-        await off_loop(copy, lambda: released.append(True))
+        await copier.run(copy(), lambda: released.append(True))
     assert released == [True]
+    assert copier.running == 0
+    copier.close()
+
+
+async def test_a_copy_on_the_loop_lets_other_work_run_between_its_steps() -> None:
+    copier = Copier(0)
+    seen: list[str] = []
+
+    def copy() -> Steps[int]:
+        for i in range(3):
+            seen.append(f"step {i}")
+            yield
+        return 42
+
+    async def other() -> None:
+        for _ in range(3):
+            seen.append("other")
+            await anyio.lowlevel.checkpoint()
+
+    result, _ = await asyncio.gather(copier.run(copy(), lambda: None), other())
+    assert result == 42
+    assert seen == ["step 0", "other", "step 1", "other", "step 2", "other"]
+    assert repr(copier) == "<Copier on-loop running=0 steps=3>"
+
+
+async def test_a_cancelled_copy_on_the_loop_takes_no_further_step() -> None:
+    copier = Copier(0)
+    stepped = asyncio.Event()
+    taken: list[int] = []
+    ended: list[str] = []
+
+    def copy() -> Steps[None]:
+        try:
+            for i in range(4):
+                taken.append(i)
+                stepped.set()
+                yield
+        finally:
+            ended.append("closed")
+
+    task = asyncio.ensure_future(copier.run(copy(), lambda: ended.append("abandoned")))
+    await stepped.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert taken == [0]
+    assert ended == ["closed", "abandoned"]  # its memory is let go after its last step
+    assert repr(copier) == "<Copier on-loop running=0 steps=1>"
 
 
 def test_the_daemon_maps_only_files_no_one_it_does_not_trust_can_shrink(tmp_path: Path) -> None:
@@ -260,36 +325,37 @@ def test_the_daemon_maps_only_files_no_one_it_does_not_trust_can_shrink(tmp_path
             os.close(fd)
 
 
-class GatedExecutor(concurrent.futures.ThreadPoolExecutor):
-    """The loop's worker threads, each job held at ``gate`` until the test opens it."""
+class GatedCopier(Copier):
+    """The daemon's copier, each copy held at ``gate`` until the test opens it."""
 
-    def __init__(self) -> None:
-        super().__init__(max_workers=2)
-        self.gate, self.started = threading.Event(), threading.Event()
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        self.gate, self.started = asyncio.Event(), asyncio.Event()
 
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        def held() -> Any:
-            self.started.set()
-            self.gate.wait(10)
-            return fn(*args, **kwargs)
-
-        return super().submit(held)
+    async def run(self, steps: Steps[Any], abandoned: Callable[[], None]) -> Any:
+        self.started.set()
+        try:
+            await self.gate.wait()
+        except BaseException:
+            steps.close()
+            abandoned()
+            raise
+        return await super().run(steps, abandoned)
 
 
 @contextlib.contextmanager
-def gated_copies() -> Iterator[tuple[GatedExecutor, concurrent.futures.ThreadPoolExecutor]]:
-    """The loop's worker threads held at a gate (:class:`GatedExecutor`),
-    and a thread to wait for the first job to start on."""
-    loop = asyncio.get_running_loop()
-    gated, waiter = GatedExecutor(), concurrent.futures.ThreadPoolExecutor(1)
-    loop.set_default_executor(gated)
+def gated_copies(daemon: Daemon) -> Iterator[GatedCopier]:
+    """The daemon's copies held at a gate (:class:`GatedCopier`), where they
+    run otherwise (on its loop, or in threads)."""
+    assert daemon.shared is not None
+    kept = daemon.shared.copier
+    gated = daemon.shared.copier = GatedCopier(kept.threads)
     try:
-        yield gated, waiter
+        yield gated
     finally:
         gated.gate.set()
-        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
-        gated.shutdown()
-        waiter.shutdown()
+        daemon.shared.copier = kept
+        gated.close()
 
 
 async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
@@ -298,7 +364,6 @@ async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
     """The answer leaves as soon as the daemon is done reading the writer's
     memory; the blocks are stored right after, in the same step (no request
     in between), even when the writer hung up during the copy."""
-    loop = asyncio.get_running_loop()
     sent = daemon.server.counters.sent_bytes
     with watching_stores(daemon) as seen:
         async with (
@@ -306,11 +371,11 @@ async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
             await Client.connect(daemon.socket_path) as reader,
         ):
             region = await c.attach_region(memfd)
-            with gated_copies() as (gated, waiter):
+            with gated_copies(daemon) as gated:
                 # (blocks of a slot each: a block under shared.min_block has none,
                 # makes its room as it is stored, and is stored before the answer)
                 answered = asyncio.ensure_future(c.put_region(region, KEYS[:2], SPANS[:2]))
-                assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+                await asyncio.wait_for(gated.started.wait(), 10)
                 before = sent.value
                 gated.gate.set()
                 assert await answered == [PutStatus.STORED] * 2
@@ -323,7 +388,7 @@ async def test_a_region_store_is_answered_once_copied_and_stored_in_that_step(
                 gated.started.clear()
                 seen.stored.clear()
                 hung_up = asyncio.ensure_future(c.put_region(region, [b"late"], SPANS[:1]))
-                assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+                await asyncio.wait_for(gated.started.wait(), 10)
                 await c.close()
                 with pytest.raises(KvtierError):
                     await hung_up
@@ -342,16 +407,15 @@ async def test_blocks_read_pending_while_the_daemon_copies_them_in(
 ) -> None:
     """PUT_REGION reserves its keys itself: a reader finds them PENDING (not
     MISS) while the copy runs, HIT once stored; a copy that fails ends them."""
-    loop = asyncio.get_running_loop()
     sample = daemon.metrics.registry.get_sample_value
     async with (
         await Client.connect(daemon.socket_path) as c,
         await Client.connect(daemon.socket_path) as reader,
     ):
         region = await c.attach_region(memfd)
-        with gated_copies() as (gated, waiter):
+        with gated_copies(daemon) as gated:
             put = asyncio.ensure_future(c.put_region(region, KEYS, SPANS))
-            assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+            await asyncio.wait_for(gated.started.wait(), 10)
             assert (await reader.lookup(KEYS)).states == [State.PENDING] * 3
             assert not put.done()
             gated.gate.set()
@@ -420,10 +484,9 @@ async def test_no_rooms_are_made_for_a_connection_lost_during_its_store(
     """A connection lost while the daemon copies into the rooms made for it:
     its blocks are stored all the same, and no rooms are made for a next
     store that cannot come: no RAM stays held for it."""
-    loop = asyncio.get_running_loop()
     assert daemon.server is not None
     spans = [(3 * MiB + i * QUARTER, QUARTER) for i in range(4)]
-    with watching_stores(daemon) as seen, gated_copies() as (gated, waiter):
+    with watching_stores(daemon) as seen, gated_copies(daemon) as gated:
         gated.gate.set()
         c = await Client.connect(daemon.socket_path)
         region = await c.attach_region(memfd)
@@ -434,7 +497,7 @@ async def test_no_rooms_are_made_for_a_connection_lost_during_its_store(
         seen.stored.clear()
         second = [b"second-%d" % i for i in range(4)]
         put = asyncio.ensure_future(c.put_region(region, second, spans))
-        assert await loop.run_in_executor(waiter, gated.started.wait, 10)
+        await asyncio.wait_for(gated.started.wait(), 10)
         st = shared_stats(daemon)
         assert (st["region_rooms"], st["region_rooms_used"]) == (0, 4)  # copied into now
         (conn,) = daemon.server.connections

@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.model import Buffer
+from kvtier.model import LOOP_STEP, Buffer
 
 MAGIC = b"KV"
 VERSION = 1
@@ -130,10 +130,9 @@ def frame_parts(
 
 
 _MIN_TAIL = 16 * 1024
-#: bytes one receive into a frame's own buffer fills at most: a large frame
-#: arrives over several loop steps of about 50 us each (256 KiB of kernel
-#: copy), so the loop answers other connections between them
-RECEIVE_STEP = 256 * 1024
+#: a receive into a frame's own buffer fills at most LOOP_STEP bytes: a large
+#: frame arrives over several loop steps, so the loop answers other
+#: connections between them
 
 
 class _Direct:
@@ -153,9 +152,9 @@ class _Direct:
 
     def buffer(self) -> memoryview:
         if self.filled < len(self.meta):
-            return self.meta[self.filled : self.filled + RECEIVE_STEP]
+            return self.meta[self.filled : self.filled + LOOP_STEP]
         at = self.filled - len(self.meta)
-        return self.data[at : at + RECEIVE_STEP]
+        return self.data[at : at + LOOP_STEP]
 
     def put(self, chunk: memoryview) -> None:
         """Copy bytes that arrived in the ring buffer (the frame's first part)."""

@@ -16,8 +16,9 @@ it gives it back, goes idle past the staging deadline, or disconnects.
 A client whose blocks already sit in a memory file of its own (an engine's
 host pool in a memfd) registers that file as a *region*: the daemon then
 copies blocks itself, from the region into their RAM slots (PUT_REGION)
-and from RAM into the region (GET_REGION), in a worker thread, so the
-bytes cross no socket and the event loop never touches them: with memcpy
+and from RAM into the region (GET_REGION), so the bytes cross no
+socket: on the event loop, :data:`~kvtier.model.LOOP_STEP` bytes a loop step, or each
+copy whole in a worker thread (:class:`Copier`), with memcpy
 from its own mapping of a file that no process it does not already trust
 can shrink (:func:`may_map`: a mapped file shrunk under a copy faults the
 daemon), else with ``pread``/``pwrite`` (a read past the end is a clear
@@ -30,9 +31,11 @@ only by its commit (it becomes the block, or a refused one is freed), an
 UNSTAGE, or ``staging_timeout`` after its connection closed (never while
 its writer may still be copying into it); a connection holds at most
 ``MAX_IN_PLACE_ROOMS``; a staged slot or a pinned
-block a copy thread works on outlives the copy, even when its request is
-cancelled, and a region's descriptor is closed (and its mapping
-unmapped) only once no copy uses it;
+block a copy works on outlives the copy, even when its request is
+cancelled (a copy on the loop takes no step after that, one in a thread
+ends first), and a region's descriptor is closed (and its mapping
+unmapped) only once no copy uses it; a copy on the loop holds it for one
+step of at most :data:`~kvtier.model.LOOP_STEP` bytes at a time;
 ``stats`` shows what is live. Imports the core's service and lease table
 and the tiers' arena; no sockets.
 """
@@ -50,10 +53,12 @@ import mmap
 import os
 import secrets
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+import anyio.lowlevel
 import xxhash
 
 from kvtier import blockcopy, cma
@@ -62,6 +67,7 @@ from kvtier.core.service import check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
 from kvtier.model import (
+    LOOP_STEP,
     MAX_IN_PLACE_ROOMS,
     Buffer,
     ConnId,
@@ -75,6 +81,9 @@ from kvtier.tiers.ram import Arena, OutOfArena, RamTier, Slot
 log = logging.getLogger("kvtier.shared")
 
 T = TypeVar("T")
+
+#: a copy's steps: each moves at most LOOP_STEP bytes; its return value is the copy's
+Steps = Generator[None, None, T]
 
 
 @dataclass(slots=True)
@@ -122,7 +131,7 @@ class Region:
     base: int = 0
     #: the mapping may be written (the client handed a read-write descriptor)
     writable: bool = False
-    #: copies running in worker threads now: the descriptor is closed only at 0
+    #: copies of it running now: the descriptor is closed only at 0
     busy: int = 0
     #: the connection is gone: the descriptor closes when the last copy ends
     closed: bool = False
@@ -160,6 +169,10 @@ class SharedStats:
     #: the blocks that have landed in one since the start
     region_rooms: int
     region_rooms_used: int
+    #: worker threads the regions' copies run in (0: on the event loop), and
+    #: the loop steps those on the loop have taken since the start
+    copy_threads: int
+    copy_steps: int
 
     def as_dict(self) -> dict[str, Any]:
         """The STATS reply's ``shared`` section."""
@@ -188,6 +201,7 @@ class SharedBlocks:
         staging_timeout: float,
         limits: Limits,
         write_in_place: bool = True,
+        copier: Copier | None = None,
     ) -> None:
         assert ram.slots is not None, "shared memory needs RAM in the arena"
         self.ram = ram
@@ -247,6 +261,8 @@ class SharedBlocks:
         self._region_ids = itertools.count(1)
         self.region_bytes_in = 0
         self.region_bytes_out = 0
+        #: where the regions' copies run (on the loop unless given threads)
+        self.copier = copier or Copier(0)
 
     def __repr__(self) -> str:
         return (
@@ -255,7 +271,7 @@ class SharedBlocks:
             f"in_place={len(self._places)} prepared={len(self._prepared)} "
             f"region_rooms={sum(map(len, self._region_rooms.values()))} "
             f"quarantined={len(self._quarantine)} "
-            f"regions={len(self._regions)}>"
+            f"regions={len(self._regions)} {self.copier!r}>"
         )
 
     # -- reads
@@ -667,17 +683,25 @@ class SharedBlocks:
             release()
             self._abort(arriving, owner)  # (those stored ended when stored)
 
-        def copy() -> list[int]:
-            for view in staged:
-                if view is not None:
-                    blockcopy.fault_in(view)
-            # Streamed into the slots unless a check reads them at once.
-            _read_into(region, views, offsets, streamed=wanted is None)
+        def copy() -> Steps[list[int]]:
+            for view, offset, slot in zip(views, offsets, staged, strict=True):
+                for at in range(0, len(view), LOOP_STEP):
+                    piece = view[at : at + LOOP_STEP]
+                    if slot is not None:
+                        blockcopy.fault_in(piece)
+                    # Streamed into the slots unless a check reads them at once.
+                    _read_into(region, [piece], [offset + at], streamed=wanted is None)
+                    yield
             if wanted is None:
                 return []
-            return [i for i, v in enumerate(views) if xxhash.xxh3_64_intdigest(v) != wanted[i]]
+            torn = []
+            for i, view in enumerate(views):
+                if xxhash.xxh3_64_intdigest(view) != wanted[i]:
+                    torn.append(i)
+                yield
+            return torn
 
-        torn = await self._copy(region, copy, abandoned)
+        torn = await self._copy(region, copy(), abandoned)
         if torn:
             abandoned()
             self.commits_refused += 1
@@ -784,17 +808,21 @@ class SharedBlocks:
             self._unpin(keys, values)
             raise
         present = [(v, off) for v, (off, _) in zip(values, spans, strict=True) if v is not None]
-        await self._copy(
-            region,
-            lambda: _write_from(region, present),
-            lambda: self._unpin(keys, values),
-        )
+
+        def copy() -> Steps[None]:
+            for value, offset in present:
+                view = memoryview(value).cast("B")
+                for at in range(0, len(view), LOOP_STEP):
+                    _write_from(region, [(view[at : at + LOOP_STEP], offset + at)])
+                    yield
+
+        await self._copy(region, copy(), lambda: self._unpin(keys, values))
         self._unpin(keys, values)
         self.region_bytes_out += sum(len(v) for v, _ in present)
         return [None if v is None else len(v) for v in values]
 
-    async def _copy(self, region: Region, copy: Callable[[], T], release: Callable[[], None]) -> T:
-        """``copy`` in a worker thread while ``region`` is in use; see :func:`off_loop`."""
+    async def _copy(self, region: Region, copy: Steps[T], release: Callable[[], None]) -> T:
+        """``copy``'s steps while ``region`` is in use; see :class:`Copier`."""
         region.busy += 1
 
         def abandoned() -> None:
@@ -802,7 +830,7 @@ class SharedBlocks:
             self._let_go(region)
 
         try:
-            result = await off_loop(copy, abandoned)
+            result = await self.copier.run(copy, abandoned)
         except OSError as exc:
             raise TierError(f"region {region.region_id}: {exc}") from exc
         self._let_go(region)
@@ -874,6 +902,7 @@ class SharedBlocks:
         self._quarantine = []
         for region in list(self._regions.values()):
             self._drop_region(region)
+        self.copier.close()
 
     def stats(self) -> SharedStats:
         return SharedStats(
@@ -896,6 +925,8 @@ class SharedBlocks:
             region_bytes_out=self.region_bytes_out,
             region_rooms=sum(map(len, self._region_rooms.values())),
             region_rooms_used=self.region_rooms_used,
+            copy_threads=self.copier.threads,
+            copy_steps=self.copier.steps,
         )
 
 
@@ -950,7 +981,7 @@ def _check_size(region: Region, offsets: Sequence[int], lengths: Sequence[int]) 
 def _read_into(
     region: Region, views: Sequence[memoryview], offsets: Sequence[int], *, streamed: bool
 ) -> None:
-    """Fill each view from the region at its offset (a worker thread's work),
+    """Fill each view from the region at its offset (a copy's step),
     a mapped region's copies ``streamed`` past the caches (kvtier.blockcopy)."""
     if region.pid:
         for view, address in zip(views, offsets, strict=True):
@@ -976,7 +1007,7 @@ def _read_into(
 
 
 def _write_from(region: Region, blocks: Sequence[tuple[Buffer, int]]) -> None:
-    """Write each block into the region at its offset (a worker thread's work)."""
+    """Write each block into the region at its offset (a copy's step)."""
     if region.pid:
         for value, address in blocks:
             cma.write_to(region.pid, address, value)
@@ -999,26 +1030,91 @@ def _nothing() -> None:
     """The store of a :class:`Copied` whose blocks are stored already."""
 
 
-async def off_loop(copy: Callable[[], T], abandoned: Callable[[], None]) -> T:
-    """Run ``copy`` in a worker thread and wait for it.
+class Copier:
+    """Where region copies run: on the event loop, one step of at most
+    :data:`~kvtier.model.LOOP_STEP` bytes a loop step (``threads`` 0), or
+    each copy whole in one of ``threads`` worker threads.
 
-    Returned: the caller releases what the copy used. Raised: ``abandoned``
-    has run. Cancelled meanwhile: the thread goes on with the memory the
-    caller set aside, so ``abandoned`` runs once the thread ends, never
-    before (a slot freed under a running copy would be another block's).
+    On a machine of few cores the loop is the better place (docs/shared-memory.md,
+    7.): a worker thread is one more thread wanting a core while writers
+    keep them busy, and each copy costs two wake-ups, so a lookup's caller
+    waits longer for its turn; on the loop the copies of all clients take
+    one core at most, and other requests are answered between steps.
+
+    Invariants: a copy that does not return runs its ``abandoned`` exactly
+    once, and never while a step of it may still touch its memory (a copy on
+    the loop takes no step after it is cancelled; a cancelled copy in a
+    thread runs it once the thread ends); ``steps`` counts the steps taken
+    on the loop; ``running`` the copies begun and not ended. Raises what a
+    step raises; never swallows a cancellation.
     """
-    done = asyncio.get_running_loop().run_in_executor(None, copy)
-    try:
-        return await asyncio.shield(done)
-    except asyncio.CancelledError:
 
-        def ended(fut: asyncio.Future[T]) -> None:
-            if not fut.cancelled():
-                fut.exception()  # read: nobody is left to report it to
+    def __init__(self, threads: int) -> None:
+        #: worker threads copies run in (0: on the loop)
+        self.threads = threads
+        self._executor = (
+            ThreadPoolExecutor(threads, thread_name_prefix="kvtier-copy") if threads else None
+        )
+        self.running = 0
+        self.steps = 0
+
+    def __repr__(self) -> str:
+        where = f"threads={self.threads}" if self.threads else "on-loop"
+        return f"<Copier {where} running={self.running} steps={self.steps}>"
+
+    async def run(self, steps: Steps[T], abandoned: Callable[[], None]) -> T:
+        """The copy's result once its every step has run; see the class."""
+        self.running += 1
+        try:
+            if self._executor is None:
+                return await self._on_loop(steps, abandoned)
+            return await self._in_thread(steps, abandoned)
+        finally:
+            self.running -= 1
+
+    async def _on_loop(self, steps: Steps[T], abandoned: Callable[[], None]) -> T:
+        result: list[T] = []
+        try:
+            for _ in _collect(steps, result):
+                self.steps += 1
+                await anyio.lowlevel.checkpoint()  # other requests between steps
+        except BaseException:
+            steps.close()
             abandoned()
+            raise
+        return result[0]
 
-        done.add_done_callback(ended)
-        raise
-    except BaseException:
-        abandoned()
-        raise
+    async def _in_thread(self, steps: Steps[T], abandoned: Callable[[], None]) -> T:
+        done = asyncio.get_running_loop().run_in_executor(self._executor, _all_of, steps)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+
+            def ended(fut: asyncio.Future[T]) -> None:
+                if not fut.cancelled():
+                    fut.exception()  # read: nobody is left to report it to
+                abandoned()
+
+            done.add_done_callback(ended)
+            raise
+        except BaseException:
+            abandoned()
+            raise
+
+    def close(self) -> None:
+        """Stop the threads, once the copies they run have ended (shutdown)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _collect(steps: Steps[T], result: list[T]) -> Iterator[None]:
+    """``steps``, their result appended to ``result`` after the last."""
+    result.append((yield from steps))
+
+
+def _all_of(steps: Steps[T]) -> T:
+    """Every step of a copy, one after another (a worker thread's work)."""
+    result: list[T] = []
+    for _ in _collect(steps, result):
+        pass
+    return result[0]
