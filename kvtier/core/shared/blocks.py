@@ -684,21 +684,21 @@ class SharedBlocks:
             self._abort(arriving, owner)  # (those stored ended when stored)
 
         def copy() -> Steps[list[int]]:
-            for view, offset, slot in zip(views, offsets, staged, strict=True):
+            torn = []
+            for i, (view, offset, slot) in enumerate(zip(views, offsets, staged, strict=True)):
+                want = None if wanted is None else wanted[i]
+                check = None if want is None else xxhash.xxh3_64()
                 for at in range(0, len(view), LOOP_STEP):
                     piece = view[at : at + LOOP_STEP]
                     if slot is not None:
                         blockcopy.fault_in(piece)
                     # Streamed into the slots unless a check reads them at once.
-                    _read_into(region, [piece], [offset + at], streamed=wanted is None)
+                    _read_into(region, [piece], [offset + at], streamed=check is None)
+                    if check is not None:
+                        check.update(piece)  # (the bytes copied, while in the cache)
                     yield
-            if wanted is None:
-                return []
-            torn = []
-            for i, view in enumerate(views):
-                if xxhash.xxh3_64_intdigest(view) != wanted[i]:
+                if check is not None and check.intdigest() != want:
                     torn.append(i)
-                yield
             return torn
 
         torn = await self._copy(region, copy(), abandoned)
