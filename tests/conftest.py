@@ -23,14 +23,6 @@ async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
         yield d
 
 
-@pytest.fixture(params=[0, 2], ids=["copies-on-loop", "copy-threads"])
-async def copying_daemon(request: pytest.FixtureRequest, sock_dir: Path) -> AsyncIterator[Daemon]:
-    """A daemon that copies clients' regions on its loop, or in 2 threads."""
-    async with running_daemon(sock_dir, shared={"copy_threads": request.param}) as d:
-        assert d.shared is not None and d.shared.copier.threads == request.param
-        yield d
-
-
 #: tests/vllm, tests/lmcache and tests/sglang run in venvs of their own
 #: (make test-vllm, test-lmcache, test-sglang), where the engine is installed
 collect_ignore = ["vllm", "lmcache", "sglang"]

@@ -9,7 +9,7 @@ import os
 import secrets
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,12 @@ MiB = 1024 * 1024
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only")
 
 
-@pytest.fixture
-def daemon(copying_daemon: Daemon) -> Daemon:
-    """Each test twice: the daemon copies on its loop, and in threads."""
-    return copying_daemon
+@pytest.fixture(params=[0, 2], ids=["copies-on-loop", "copy-threads"])
+async def daemon(request: pytest.FixtureRequest, sock_dir: Path) -> AsyncIterator[Daemon]:
+    """Each test twice: the daemon copies regions on its loop, and in 2 threads."""
+    async with running_daemon(sock_dir, shared={"copy_threads": request.param}) as d:
+        assert d.shared is not None and d.shared.copier.threads == request.param
+        yield d
 
 
 def pattern(seed: int, size: int) -> bytes:
