@@ -250,8 +250,6 @@ class SharedSession:
         self._prefix = prefix
         #: the daemon's arena and staging region, mapped once in this process
         self._mapped = mapped
-        self._arena = mapped.arena
-        self._staging = mapped.staging
         self._arena_view = memoryview(mapped.arena)
         self._staging_view = memoryview(mapped.staging)
         #: large blocks are written straight into their RAM slots (the arena is
@@ -278,7 +276,7 @@ class SharedSession:
         rooms = sum(len(r) for r in self._rooms.values())
         places = sum(len(r) for r in self._places.values())
         return (
-            f"<SharedSession arena={len(self._arena)} staging={len(self._staging)} "
+            f"<SharedSession staging={len(self._mapped.staging)} "
             f"to_release={len(self._releases)} rooms={rooms} "
             f"in_place={'on' if self.in_place else 'off'} places={places} {self._mapped!r}>"
         )
