@@ -250,6 +250,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         handshake_timeout=sc.handshake_timeout
         if sc.allowed_uids is not None or sc.allowed_gids is not None
         else None,
+        body_timeout=sc.body_timeout,
         idle_poll=idle_poll,
     )
     peer_server = None
@@ -262,6 +263,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             node_id=node_id,
             handshake_timeout=pc.handshake_timeout,
             max_unauthenticated=pc.max_unauthenticated,
+            body_timeout=sc.body_timeout,
             idle_poll=idle_poll,
         )
     parts = Parts(

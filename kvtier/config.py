@@ -117,6 +117,11 @@ class ServerConfig(Section):
     #: with allowed_uids or allowed_gids set: seconds a new connection has to
     #: send its first frame before it is closed
     handshake_timeout: float = Field(default=5.0, gt=0)
+    #: seconds a request's frame may go without a byte arriving once it has
+    #: begun: a client that stalls inside a frame (a PUT body half sent) has
+    #: its connection closed, the room its body held given back and its
+    #: reservations ended (counted: kvtier_protocol_errors_total{code="body_timeout"})
+    body_timeout: float = Field(default=10.0, gt=0)
     #: a HELLO may name only a namespace of a [namespaces.<name>] table (off:
     #: any name, with the default share; docs/tenancy.md)
     configured_namespaces_only: bool = False

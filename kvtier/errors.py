@@ -33,6 +33,7 @@ class ErrorCode(enum.IntEnum):
     BUSY = 12
     FORBIDDEN = 13
     REFERRED = 14  # the lookup socket: ask the daemon (docs/lookup-process.md)
+    TIMEOUT = 15  # a frame's bytes stopped arriving (server.body_timeout)
 
 
 class KvtierError(Exception):
@@ -170,6 +171,13 @@ class ReferredError(KvtierError):
     code = ErrorCode.REFERRED
 
 
+class FrameTimeoutError(ProtocolError):
+    """The frame's bytes stopped arriving for ``server.body_timeout``: the
+    daemon closed the connection."""
+
+    code = ErrorCode.TIMEOUT
+
+
 _BY_CODE: dict[ErrorCode, type[KvtierError]] = {
     ErrorCode.MALFORMED: ProtocolError,
     ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersionError,
@@ -185,6 +193,7 @@ _BY_CODE: dict[ErrorCode, type[KvtierError]] = {
     ErrorCode.BUSY: BusyError,
     ErrorCode.FORBIDDEN: ForbiddenError,
     ErrorCode.REFERRED: ReferredError,
+    ErrorCode.TIMEOUT: FrameTimeoutError,
 }
 
 

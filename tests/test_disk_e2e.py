@@ -8,8 +8,9 @@ import os
 import signal
 from pathlib import Path
 
-from kvtier import Client, PutStatus
+from kvtier import Client, PutStatus, State
 from kvtier.errors import KvtierError
+from kvtier.tiers.disk.format import block_path
 from tests.helpers import DaemonProcess
 
 
@@ -134,3 +135,49 @@ async def test_small_disk_stays_within_capacity(sock_dir: Path) -> None:
         assert await c.get(key_of(0)) is None  # evicted from both tiers
         assert await c.get(key_of(299)) == value_of(299)
     assert proc.stop() == 0
+
+
+async def test_a_block_whose_disk_read_failed_looks_up_miss_at_both_sockets(
+    sock_dir: Path,
+) -> None:
+    """Three files with a payload byte flipped and two truncated: each GET
+    finds nothing, and a LOOKUP right after answers MISS for all five, from
+    the lookup process as from the daemon: the daemon's dropping a block
+    reaches the lookup process's replica in the same step. The files go."""
+    proc = DaemonProcess(sock_dir).start()
+    keys = [key_of(i) for i in range(8)]
+    async with await Client.connect(proc.socket_path) as c:
+        await c.put_many(keys, [value_of(i) for i in range(8)], durable=True)
+    assert proc.stop() == 0
+    files = [block_path(proc.data_dir, k) for k in keys]
+    assert all(f.exists() for f in files)
+    for f in files[:3]:
+        flipped = bytearray(f.read_bytes())
+        flipped[-100] ^= 0x01  # in the payload
+        f.write_bytes(bytes(flipped))
+    for f in files[3:5]:
+        f.write_bytes(f.read_bytes()[:1000])
+
+    restarted = DaemonProcess(sock_dir, "--ram-capacity", "1MiB").start()
+    async with (
+        await Client.connect(restarted.socket_path) as c,
+        await Client.connect(restarted.socket_path, lookup_process=False) as direct,
+    ):
+        assert c.lookups_process
+        await direct.lookup(keys, wait=30.0)  # the index is rebuilt
+        for k in keys[:5]:
+            assert await c.get(k) is None
+        stats = await c.stats()
+        at_process = await c.lookup(keys[:5])
+        at_daemon = await direct.lookup(keys[:5])
+        for _ in range(10_000):  # its report reaches the daemon a few ms later
+            answered = (await c.stats())["server"]["lookup_process"]["answered"]
+            if answered:
+                break
+    assert stats["tiers"]["disk"]["corrupt_discarded"] == 5
+    assert at_daemon.states == [State.MISS] * 5
+    assert at_process.states == [State.MISS] * 5
+    assert answered >= 1  # the lookup process answered, not the daemon
+    assert not any(f.exists() for f in files[:5])
+    assert all(f.exists() for f in files[5:])
+    assert restarted.stop() == 0

@@ -24,7 +24,9 @@ from kvtier.client import aio
 from kvtier.client.aio import Client
 from kvtier.config import Config, load_config
 from kvtier.core.events import EventLog
-from kvtier.core.replica import FeedTap, Replica
+from kvtier.core.holdings import Holdings
+from kvtier.core.replica import Replica
+from kvtier.core.writes import ReservationTable
 from kvtier.daemon import Daemon
 from kvtier.errors import ForbiddenError, UnknownOpcodeError
 from kvtier.model import (
@@ -46,7 +48,9 @@ from kvtier.server.lookups import FeedWriter, LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import Peer, PeerPolicy
 from kvtier.tiers.base import Tier
+from kvtier.tiers.budget import Gone
 from kvtier.tiers.memory import MemoryRemoteTier
+from kvtier.tiers.ram import RamTier
 from kvtier.wire import DEFAULT_SCOPE, CodecError, encode_lookup
 from kvtier.wire.framing import Op
 from kvtier.wire.replica import RING_HEADER, FeedRing, Report, decode_reports, encode_report
@@ -130,20 +134,42 @@ def test_the_replica_refers_what_only_the_daemon_can_answer() -> None:
     assert scanned.answer(Lookup(keys, LookupMode.PREFIX)) is not None
 
 
-def test_block_events_become_feed_records_as_they_are_emitted() -> None:
+def test_holdings_feed_every_change_of_the_local_tiers_indexes_in_its_step() -> None:
+    """Whatever changes a tier's index (a store, an eviction, a delete, a
+    loss) reaches the feed through the tier's budget: HELD when the first
+    local tier takes a key, GONE when the last lets it go."""
+    ram, disk = RamTier(100), RamTier(1000)
+    events, table = EventLog(), ReservationTable()
+    invalidated: list[bytes] = []
+    holdings = Holdings(
+        [(EventTier.RAM, ram), (EventTier.DISK, disk)], table, events, invalidated.append
+    )
+    ram.put(b"a", b"x" * 10)
     written: list[tuple[FeedOp, bytes]] = []
-    log = EventLog()
-    log.add_own(FeedTap(written.extend))
-    assert log.stats().subscribers == 0  # the daemon's own
-    log.emit(EventKind.STORED, b"a", EventTier.RAM)
-    log.emit_many(EventKind.EVICTED, [b"b", b"c"])
-    log.emit(EventKind.DELETED, b"d")
-    assert written == [
-        (FeedOp.HELD, b"a"),
-        (FeedOp.GONE, b"b"),
-        (FeedOp.GONE, b"c"),
-        (FeedOp.GONE, b"d"),
+    holdings.feed(written.extend, None)
+    assert written == [(FeedOp.RESET, b""), (FeedOp.HELD, b"a")]
+    sub = events.subscribe(100)
+    written.clear()
+    disk.put(b"a", b"x" * 10)  # held already: the feed says nothing more
+    disk.put(b"b", b"y" * 10)
+    _, evicted = ram.put(b"c", b"z" * 95)
+    assert [k for k, _ in evicted] == [b"a"]  # the disk still holds it: no GONE
+    assert written == [(FeedOp.HELD, b"b"), (FeedOp.HELD, b"c")]
+    disk.budget.remove(b"b", Gone.LOST)  # found corrupt
+    disk.remove(b"a")
+    assert written[2:] == [(FeedOp.GONE, b"b"), (FeedOp.GONE, b"a")]
+    kinds = [(e.kind, e.key, e.tier) for e in sub.take(100)]
+    assert kinds == [
+        (EventKind.STORED, b"a", EventTier.DISK),
+        (EventKind.STORED, b"b", EventTier.DISK),
+        (EventKind.STORED, b"c", EventTier.RAM),
+        (EventKind.EVICTED, b"b", EventTier.NONE),
+        (EventKind.DELETED, b"a", EventTier.NONE),
     ]
+    assert invalidated.count(b"a") == 4 and invalidated.count(b"b") == 2
+    holdings.stop_feed()
+    ram.put(b"d", b"w")
+    assert written[-1] == (FeedOp.GONE, b"a")
 
 
 def test_the_feed_ring_hands_over_every_record_in_order_and_refuses_to_overtake() -> None:

@@ -15,6 +15,7 @@ import pytest
 from kvtier import BlockingClient, Client, PutStatus, ReserveStatus, State, wire
 from kvtier.config import load_config
 from kvtier.daemon import Daemon
+from kvtier.errors import ErrorCode
 from kvtier.model import Lookup, Reserve
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import Op
@@ -387,3 +388,67 @@ def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
         assert dropped > 0  # past the backlog writes are dropped, never queued
     finally:
         assert proc.stop() == 0
+
+
+# ---------------------------------------------------------------- what RAM has promised
+
+
+async def _half_put(path: Path, key: bytes, size: int) -> Raw:
+    """A raw connection that RESERVEs ``key`` (``size`` bytes, 1 s) and sends
+    half of its PUT frame."""
+    raw = await Raw.open(path)
+    raw.send(Op.RESERVE, 1, wire.encode_reserve(Reserve([key], [size], 1.0)))
+    assert wire.decode_status_bytes((await raw.recv()).meta) == [ReserveStatus.GRANTED]
+    meta, data = wire.encode_put([key], [bytes([7]) * size])
+    frame = wire.pack_header(Op.PUT, 2, len(meta), size) + meta + b"".join(map(bytes, data))
+    raw.writer.write(frame[: len(frame) - size // 2])
+    await raw.writer.drain()
+    return raw
+
+
+async def test_every_body_being_received_is_counted(daemon: Daemon) -> None:
+    """A 4 KiB and a 1 MiB reserved PUT, each half received: STATS counts
+    the room of both (the small body's reservation keeps its room until
+    the block is stored; the large one's became its arena slot)."""
+    assert daemon.server is not None
+    small = await _half_put(daemon.socket_path, K, 4096)
+    large = await _half_put(daemon.socket_path, OTHER, MIB)
+    await wait_until(lambda: not any(c.reader.idle for c in daemon.server.connections))
+    async with await Client.connect(daemon.socket_path) as c:
+        stats = await c.stats()
+    assert stats["tiers"]["ram"]["reserved_bytes"] == 4096 + MIB
+    assert stats["tiers"]["ram"]["used_bytes"] == 0
+    assert stats["server"]["receiving_bytes"] == 0  # both land in RAM's own room
+    for raw in (small, large):
+        await raw.close()
+    await wait_until(lambda: daemon.service.map_sizes().pending_writes == 0)
+    assert ram_bytes(daemon) == (0, 0)
+
+
+async def test_a_writer_stalled_inside_a_put_body_is_closed_and_its_room_freed(
+    sock_dir: Path,
+) -> None:
+    """RESERVE with a 1 s deadline, half a 1 MiB PUT, then silence with the
+    connection open: readers read MISS at the deadline, and at
+    ``server.body_timeout`` the daemon says why, closes the connection and
+    gives back the room; a bystander is served throughout."""
+    async with (
+        running_daemon(sock_dir, disk={"enabled": False}, server={"body_timeout": 1.5}) as d,
+        await Client.connect(d.socket_path, lookup_process=False) as c,
+    ):
+        raw = await _half_put(d.socket_path, K, MIB)
+        assert ram_bytes(d) == (MIB, 0)
+        assert (await c.lookup([K], wait=30.0)).states == [M]  # the write deadline
+        async with asyncio.timeout(30):
+            reply = await raw.recv()  # the daemon's word, then its EOF
+            assert reply.header.status == ErrorCode.TIMEOUT
+            assert reply.header.request_id == 2
+            assert "body_timeout" in wire.decode_error(reply.meta)
+            assert await raw.at_eof()
+        await raw.close()
+        await wait_until(lambda: d.server is not None and len(d.server.connections) == 1)
+        assert ram_bytes(d) == (0, 0)
+        assert protocol_errors(d, "body_timeout") == 1
+        assert await c.ping(b"still") == b"still"
+        await c.put(K, b"v")
+        assert await c.get(K) == b"v"

@@ -111,9 +111,6 @@ class EventLog:
         #: the last sequence number given out
         self.seq = 0
         self.subscriptions: set[Subscription] = set()
-        #: subscriptions of the daemon's own (the lookup process's feed), not
-        #: counted as subscribers
-        self.own: set[Subscription] = set()
         #: events published, by kind, and gaps started in any subscription
         self.published: dict[EventKind, int] = {k: 0 for k in EventKind}
         self.gaps = 0
@@ -146,16 +143,10 @@ class EventLog:
         self.subscriptions.add(sub)
         return sub
 
-    def add_own(self, sub: Subscription) -> None:
-        """Subscribe the daemon's own ``sub`` (not counted as a subscriber)."""
-        self.subscriptions.add(sub)
-        self.own.add(sub)
-
     def unsubscribe(self, sub: object) -> None:
         """Forget ``sub`` (any object: one that is not a subscription here is ignored)."""
         if isinstance(sub, Subscription):
             self.subscriptions.discard(sub)
-            self.own.discard(sub)
 
     def stats(self) -> EventStats:
         return EventStats(
@@ -163,7 +154,7 @@ class EventLog:
             published={
                 k.name.lower(): n for k, n in self.published.items() if k <= EventKind.DELETED
             },
-            subscribers=len(self.subscriptions) - len(self.own),
+            subscribers=len(self.subscriptions),
             gaps=self.gaps,
         )
 

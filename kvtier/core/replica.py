@@ -26,15 +26,12 @@ shared records only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from kvtier.core.events import Subscription
 from kvtier.core.lookup import HIT_BYTE, prefix_answer
 from kvtier.model import (
     MISS,
     PENDING,
-    BlockEvent,
-    EventKind,
     FeedOp,
     Lookup,
     LookupMode,
@@ -108,38 +105,3 @@ class Replica:
                     return None
         hits, defer = prefix_answer(states, window)
         return LookupReply(bytes(states), hits, defer)
-
-
-#: what a block event means to the lookup process
-_EVENT_OPS = {
-    EventKind.STORED: FeedOp.HELD,
-    EventKind.SNAPSHOT: FeedOp.HELD,
-    EventKind.EVICTED: FeedOp.GONE,
-    EventKind.DELETED: FeedOp.GONE,
-}
-
-Records = list[tuple[FeedOp, bytes]]
-
-
-class FeedTap(Subscription):
-    """The event log's subscriber for the lookup process: each event is
-    written to the feed as it is offered (nothing queues, so nothing is
-    lost to an overflow; the feed's writer says when it cannot keep up)."""
-
-    def __init__(self, write: Callable[[Records], None]) -> None:
-        super().__init__(limit=0)
-        self.write = write
-
-    def __repr__(self) -> str:
-        return "<FeedTap>"
-
-    def offer(self, event: BlockEvent) -> bool:
-        op = _EVENT_OPS.get(event.kind)
-        if op is not None:
-            self.write([(op, event.key)])
-        return False
-
-    def offer_many(self, events: list[BlockEvent]) -> bool:
-        ops = _EVENT_OPS
-        self.write([(ops[e.kind], e.key) for e in events if e.kind in ops])
-        return False

@@ -42,6 +42,7 @@ from kvtier.core.counts import (
 )
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.events import EventLog, Subscription
+from kvtier.core.holdings import Holdings, Records
 from kvtier.core.lookup import (
     Location,
     Locator,
@@ -57,7 +58,6 @@ from kvtier.core.lookup import (
 )
 from kvtier.core.probes import Probe, ProbeMap, Verdict
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
-from kvtier.core.replica import FeedTap, Records
 from kvtier.core.timers import Scheduler
 from kvtier.core.writes import End, Owner, Promotion, Reservation, ReservationTable
 from kvtier.errors import (
@@ -79,7 +79,6 @@ from kvtier.model import (
     ConnId,
     EventKind,
     EventTier,
-    FeedOp,
     Limits,
     Lookup,
     LookupMode,
@@ -92,7 +91,7 @@ from kvtier.model import (
     Subscriber,
     namespace_name,
 )
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import LocalTier, Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.shares import Shares
@@ -184,16 +183,17 @@ class Service:
         self.local_locator = Locator(ram.resident(), disk, self.pending.table, [])
         #: what this node holds, as events for routers (SUBSCRIBE)
         self.events = EventLog()
-        #: the lookup process's feed (:meth:`feed`), while it runs
-        self._feed: FeedTap | None = None
+        local: list[tuple[EventTier, LocalTier]] = [(EventTier.RAM, ram)]
+        if disk is not None:
+            local.append((EventTier.DISK, disk))
+        #: the one place where what the local tiers hold changes is told, and
+        #: tells the kept verdicts, the lookup process's feed and the events
+        self.holdings = Holdings(local, self.pending.table, self.events, self._invalidate)
         writers = [spec.writer(self._invalidate) for spec in remotes]
         if disk is not None:
             policy = WritePolicy(self.disk_cfg.write_policy)
             pending = self.disk_cfg.max_pending_write_bytes
             writers.insert(0, Writer(disk.name, policy, pending, disk.write, disk.contains, True))
-            disk.on_evict = self._disk_evicted
-            disk.on_found = self._disk_found
-            disk.on_writing = self._disk_writing
         self.propagation = Propagation(
             [w for w in writers if w.policy is not WritePolicy.NONE or w.local],
             self.counters,
@@ -805,15 +805,22 @@ class Service:
         its own (or ``key`` is resident: the body will not be kept). Give it
         back with :meth:`drop_staged` unless a PUT stores it.
 
-        A reservation of ``key`` that holds room gives it up here: the slot
-        the body lands in is that room, so the block is counted once from
-        RESERVE to the last byte of its PUT."""
+        A reservation of ``key`` that holds room gives it up here when the
+        body gets a slot: the slot is that room, so the block is counted once
+        from RESERVE to the last byte of its PUT. A body received into a
+        buffer of its own leaves the reservation its room until it is
+        stored, so it is counted all along too."""
         if self.ram.contains(key):
             return None
         res = self.pending.table.get(key)
-        if res is not None and res.size:
-            self.pending.claim(res)
-        return self.stage_room(length, key)
+        if res is None or not res.size or not self.ram.stages(length):
+            return self.stage_room(length, key)
+        held = res.size
+        self.pending.claim(res)
+        view = self.stage_room(length, key)
+        if view is None and self.pending.table.get(key) is res:
+            self.pending.hold(res, held)  # no slot after all: the room stays the reservation's
+        return view
 
     def stage_room(self, length: int, namespace: bytes) -> memoryview | None:
         """Room in RAM's shared arena for a block of ``length`` bytes, made in
@@ -923,9 +930,6 @@ class Service:
             raise
         if res is not None:
             self.pending.end(res, End.COMPLETED)
-        if stored and self.events.subscriptions:  # (no subscriber: no event)
-            self.events.emit(EventKind.STORED, key, EventTier.RAM)
-        self._invalidate(key)
         self._evicted(evicted)
         local = self.propagation.local
         # A client's block flows down by each tier's policy; a promoted one is
@@ -937,34 +941,9 @@ class Service:
         return PutStatus.STORED if stored else PutStatus.EXISTS
 
     def _evicted(self, evicted: list[tuple[bytes, Buffer]]) -> None:
-        if not evicted:
-            return
-        disk, events = self.disk, self.events
-        for victim, _ in evicted:
-            self._invalidate(victim)
-        if events.subscriptions:  # gone from this node: no local tier holds them
-            gone = [v for v, _ in evicted if disk is None or not disk.contains(v)]
-            events.emit_many(EventKind.EVICTED, gone)
-        self.propagation.evicted(evicted)
-
-    def _disk_writing(self, key: bytes) -> None:
-        """A file write of ``key`` began: the disk holds it from now on (a
-        read waits for the write to land), as a lookup finds it."""
-        if self.events.subscriptions:
-            self.events.emit(EventKind.STORED, key, EventTier.DISK)
-
-    def _disk_found(self, keys: list[bytes]) -> None:
-        """The index rebuild found ``keys`` on the disk: held here (again)."""
-        if self.events.subscriptions:
-            for key in keys:
-                if not self.ram.contains(key):
-                    self.events.emit(EventKind.STORED, key, EventTier.DISK)
-
-    def _disk_evicted(self, keys: list[bytes]) -> None:
-        if self.events.subscriptions:
-            for key in keys:
-                if not self.ram.contains(key):
-                    self.events.emit(EventKind.EVICTED, key)
+        """RAM evicted these (the holdings heard of it): write-back tiers take them."""
+        if evicted:
+            self.propagation.evicted(evicted)
 
     def delete(
         self, keys: Sequence[bytes], *, local: bool = False
@@ -996,10 +975,8 @@ class Service:
         """Delete from RAM and disk only."""
         disk = self.disk
         out = [self.ram.remove(k) | (disk is not None and disk.discard(k)) for k in keys]
-        for key, held in zip(keys, out, strict=True):
+        for key in keys:  # (the held ones were by the holdings; the others' kept verdicts too)
             self._invalidate(key)
-            if held and self.events.subscriptions:
-                self.events.emit(EventKind.DELETED, key)
         return out
 
     # ------------------------------------------------------------ EVENTS
@@ -1027,44 +1004,19 @@ class Service:
     # ------------------------------------------------------------ LOOKUP PROCESS
 
     def feed(self, write: Callable[[Records], None]) -> None:
-        """Start the lookup process's feed (docs/lookup-process.md): a reset
-        and a snapshot of what is held and pending now, then, from now on,
-        every change, through ``write``, as it happens (before any reply
-        that confirms it)."""
-        assert self._feed is None, "one lookup process per daemon"
-        records: Records = [(FeedOp.RESET, b"")]
-        records += [(FeedOp.HELD, e.key) for e in self.snapshot() if e.key]
-        records += [(FeedOp.PENDING, r.key) for r in self.pending.table.all()]
+        """Start the lookup process's feed (docs/lookup-process.md): a
+        snapshot of what is held and pending now, then every change, through
+        ``write``, in the step it is made (:class:`~kvtier.core.holdings.Holdings`)."""
         disk = self.disk
-        scan = disk.scan_done if disk is not None and disk.scanning else None
-        if scan is not None:
-            records.append((FeedOp.SCANNING, b""))
-        write(records)
-        tap = self._feed = FeedTap(write)
-        self.events.add_own(tap)
-
-        def pending(key: bytes, now: bool) -> None:
-            write([(FeedOp.PENDING if now else FeedOp.SETTLED, key)])
-
-        def scanned(_: object) -> None:
-            if self._feed is tap:
-                write([(FeedOp.SCANNED, b"")])
-
-        self.pending.table.watch(pending)
-        if scan is not None:
-            scan.add_done_callback(scanned)
+        self.holdings.feed(write, disk.scan_done if disk is not None else None)
 
     def stop_feed(self) -> None:
         """The lookup process is gone: write no more."""
-        if self._feed is not None:
-            self.events.unsubscribe(self._feed)
-            self.pending.table.unwatch()
-            self._feed = None
+        self.holdings.stop_feed()
 
     def holds(self, key: bytes) -> bool:
         """Whether a local tier (RAM, the disk) holds ``key`` now."""
-        disk = self.disk
-        return self.ram.contains(key) or (disk is not None and disk.contains(key))
+        return self.holdings.holds(key)
 
     def looked_up(self, req: Lookup, states: bytes, count: int = 1) -> None:
         """A lookup the lookup process answered (``count`` times alike): what
@@ -1156,6 +1108,13 @@ class PendingWrites:
         res = self.table.add(key, owner, now + deadline, size, now, asyncio.get_running_loop())
         res.timer = self._scheduler.call_at(res.deadline, lambda: self._expire(res))
         return res
+
+    def hold(self, res: Reservation, size: int) -> None:
+        """``res`` holds ``size`` bytes of RAM again (room given back by
+        :meth:`claim` for a slot that could not be had), without evicting:
+        the bytes were free a moment ago."""
+        self._ram.hold_room(size)
+        res.size = size
 
     def claim(self, res: Reservation) -> None:
         """A store is completing ``res``: the RAM it held is given back now."""

@@ -54,6 +54,8 @@ OP_NAMES = {int(op): op.name.lower() for op in Op}
 ERROR_NAMES = {int(c): c.name.lower() for c in ErrorCode}
 #: the protocol-error label of a frame cut short by the client closing
 TRUNCATED = "truncated_frame"
+#: the protocol-error label of a frame whose bytes stopped arriving (server.body_timeout)
+BODY_TIMEOUT = "body_timeout"
 #: the largest first frame the peer gate reads: a HELLO fits many times over
 _GATE_FRAME = 4096
 #: requests that store blocks: each waits for the end of its loop step, so
@@ -137,6 +139,10 @@ class Connection(asyncio.BufferedProtocol):
         #: whether its handshake deadline (if any) no longer applies
         self._handshaken = server.handshake_timeout is None and server.max_unauthenticated is None
         self._eof = False
+        #: reads so far, and as the last stall check saw them (:meth:`stalled`)
+        self._reads = 0
+        self._reads_seen = 0
+        self._still_checks = 0
         #: waiting lookups, cancelled when the connection goes
         self._waiting: set[asyncio.Task[None]] = set()
         #: resolved when the client has sent EOF
@@ -243,6 +249,7 @@ class Connection(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._reads += 1
         self.server.counters.received_bytes.value += nbytes
         self.server.idle_poll.touch()  # the next request is likely close behind
         try:
@@ -311,6 +318,46 @@ class Connection(asyncio.BufferedProtocol):
         if self.inflight:
             return True  # keep the write side open until they are done
         return None
+
+    def stalled(self, checks: int) -> bool:
+        """Whether this connection has been inside a frame, with nothing of it
+        arriving, for ``checks`` calls in a row (the server calls it
+        periodically)."""
+        if self.reader.idle or self.closed or self._eof:
+            self._still_checks = 0
+            return False
+        if self._reads != self._reads_seen:
+            self._reads_seen = self._reads
+            self._still_checks = 0
+            return False
+        self._still_checks += 1
+        return self._still_checks >= checks
+
+    def body_timed_out(self, timeout: float) -> None:
+        """Nothing of the frame being received came for ``timeout`` seconds:
+        say so, count it, and drop the connection (the room its body held is
+        given back and its reservations end as it goes)."""
+        header = self.reader.partial_header
+        log.warning(
+            "connection #%d closed: %s; nothing of its frame arrived for %.1fs",
+            self.conn_id.value,
+            BODY_TIMEOUT,
+            timeout,
+        )
+        self.server.counters.protocol_errors.inc(BODY_TIMEOUT)
+        if header is not None:
+            message = f"nothing of this frame arrived for {timeout:g}s (server.body_timeout)"
+            self._write(
+                wire.frame_parts(
+                    header.opcode,
+                    header.request_id,
+                    wire.encode_error(message),
+                    flags=FLAG_REPLY,
+                    status=ErrorCode.TIMEOUT,
+                )
+            )
+        if self.transport is not None:
+            self.transport.abort()  # a client that stalls may not read either
 
     def _receive_into(self, header: wire.Header, meta: Buffer | None) -> memoryview | None:
         if not self.admitted:

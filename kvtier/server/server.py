@@ -30,6 +30,10 @@ from kvtier.server.sockets import PeerPolicy
 
 log = logging.getLogger("kvtier.server")
 
+#: checks of stalled frames per ``body_timeout``: a stall is found between
+#: one and (1 + 1/BODY_CHECKS) timeouts after the last byte arrived
+BODY_CHECKS = 4
+
 
 class ServerCounters:
     """What the server counts; metrics reads it at scrape time."""
@@ -78,12 +82,15 @@ class Server:
         access: NamespaceAccess | None = None,
         handshake_timeout: float | None = None,
         max_unauthenticated: int | None = None,
+        body_timeout: float | None = None,
         idle_poll: IdlePoll | None = None,
     ) -> None:
         """``handshake_timeout``: seconds a new connection has to be admitted
         by the gate (or, without one, to send its first frame) before it is
         closed; None: no deadline. ``max_unauthenticated``: connections
         waiting for that at most; past it, the oldest is closed.
+        ``body_timeout``: seconds a connection may stall inside a frame
+        before it is closed (:meth:`_check_bodies`); None: no limit.
         ``idle_poll``: the loop's poller, touched as requests arrive (one per
         loop, shared by its servers); None: the loop sleeps between them."""
         #: runs a request that needs awaiting; the task group's, from :meth:`start`
@@ -104,6 +111,8 @@ class Server:
         self.feed: FeedWriter | None = None
         self.handshake_timeout = handshake_timeout
         self.max_unauthenticated = max_unauthenticated
+        self.body_timeout = body_timeout
+        self._body_timer: asyncio.TimerHandle | None = None
         #: connections not admitted yet, oldest first, and their deadline timers
         self._unauthenticated: dict[Connection, asyncio.TimerHandle | None] = {}
         self.ops = Ops(
@@ -156,6 +165,9 @@ class Server:
         return {
             "connections": len(self.connections),
             "requests_waiting": sum(c.inflight for c in self.connections),
+            # bodies being received into buffers of their own, outside RAM's
+            # capacity (one frame per connection at most: max_frame_bytes)
+            "receiving_bytes": sum(c.reader.own_bytes for c in self.connections),
             "version": self.server_name,
             "lookup_process": self._lookup_process_stats(),
         }
@@ -182,6 +194,7 @@ class Server:
         self.spawn = spawn
         loop = asyncio.get_running_loop()
         self._aserver = await loop.create_unix_server(self._new_connection, sock=sock)
+        self._watch_bodies()
 
     async def start_tcp(
         self, host: str, port: int, tls: ssl.SSLContext | None, spawn: Spawn
@@ -192,8 +205,25 @@ class Server:
         self._aserver = await loop.create_server(
             self._new_connection, host, port, ssl=tls, reuse_address=True
         )
+        self._watch_bodies()
         bound: int = self._aserver.sockets[0].getsockname()[1]
         return bound
+
+    def _watch_bodies(self) -> None:
+        """Check every ``body_timeout / BODY_CHECKS`` seconds for connections
+        stalled inside a frame (until shutdown)."""
+        if self.body_timeout is not None and not self.shutting_down:
+            self._body_timer = asyncio.get_running_loop().call_later(
+                self.body_timeout / BODY_CHECKS, self._check_bodies
+            )
+
+    def _check_bodies(self) -> None:
+        """Close each connection that has received nothing of the frame it is
+        inside for ``BODY_CHECKS`` checks in a row: its frame stalled for
+        ``body_timeout`` seconds at least (and less than one check more)."""
+        for conn in [c for c in self.connections if c.stalled(BODY_CHECKS)]:
+            conn.body_timed_out(self.body_timeout or 0.0)
+        self._watch_bodies()
 
     def _new_connection(self) -> Connection:
         self._next_id += 1
@@ -252,6 +282,8 @@ class Server:
     async def shutdown(self, grace: float) -> None:
         """Stop accepting, let in-flight requests finish within ``grace``, then close."""
         self.shutting_down = True
+        if self._body_timer is not None:
+            self._body_timer.cancel()
         if self._aserver is not None:
             self._aserver.close()
         self._busy_at_shutdown = {c for c in self.connections if not c.reader.idle}

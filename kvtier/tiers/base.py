@@ -131,6 +131,10 @@ class LocalTier(Tier):
     async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
 
+    def indexed(self) -> list[bytes]:
+        """The keys held now (the budget is the index)."""
+        return list(self.budget)
+
     @property
     def capacity(self) -> int:
         return self.budget.capacity

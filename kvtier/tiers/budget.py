@@ -7,17 +7,57 @@ removal it is told to. With namespaces' quotas its policy is a
 :class:`~kvtier.tiers.shares.Shares`, which picks victims by namespace for
 the key that needs the room. Pure; imports the policy and shares modules.
 
+The budget is its tier's index: a key is held by the tier exactly while
+it is admitted here. Every change of that (admitted; removed, evicted) is
+told to the budget's :class:`IndexWatch` in the step it happens, so whoever
+must know what the tier holds (the daemon's holdings: block events, the
+lookup process's feed, kept probe verdicts) hears of every change from the
+one place that makes it; a tier cannot change its index without it.
+
 Invariants: ``used + held <= capacity`` after every admit (``held``: bytes
 promised to blocks still arriving); a pinned key is never chosen; a key is
-admitted at most once (its size is fixed until it is removed).
+admitted at most once (its size is fixed until it is removed); the watch is
+told each admitted key once, and each removed or evicted key once, after
+the index changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, plan_eviction
 from kvtier.tiers.shares import Shares
+
+
+class Gone(enum.Enum):
+    """Why a tier stopped holding a key."""
+
+    EVICTED = "evicted"  # its room was needed
+    DELETED = "deleted"  # a client deleted it
+    LOST = "lost"  # found corrupt or missing, or its write failed
+
+
+class IndexWatch(Protocol):
+    """Told of every change of a tier's index, after it happened."""
+
+    def held(self, keys: Sequence[bytes]) -> None: ...
+
+    def gone(self, keys: Sequence[bytes], why: Gone) -> None: ...
+
+
+class Unwatched:
+    """The null watch: a budget nobody watches (a tier used alone)."""
+
+    def held(self, keys: Sequence[bytes]) -> None:
+        pass
+
+    def gone(self, keys: Sequence[bytes], why: Gone) -> None:
+        pass
+
+
+UNWATCHED = Unwatched()
 
 
 class Budget:
@@ -36,6 +76,8 @@ class Budget:
         self._policy: EvictionPolicy[bytes] = policy if policy is not None else LRUPolicy()
         #: the policy, when it shares the tier among namespaces
         self.shares: Shares | None = None
+        #: told of every change of the index (the daemon's holdings)
+        self.watch: IndexWatch = UNWATCHED
         if isinstance(policy, Shares):
             self.shares = policy
             policy.size_of = self._sizes.__getitem__
@@ -74,6 +116,7 @@ class Budget:
         self._sizes[key] = size
         self.used += size
         self._policy.admit(key, cold)
+        self.watch.held((key,))
 
     def touch(self, key: bytes) -> None:
         self._policy.touch(key)
@@ -81,11 +124,12 @@ class Budget:
     def touch_many(self, keys: Iterable[bytes]) -> None:
         self._policy.touch_many(keys)
 
-    def remove(self, key: bytes) -> int:
+    def remove(self, key: bytes, why: Gone = Gone.DELETED) -> int:
         """Forget ``key``; returns its size (the caller frees the value)."""
         self._policy.remove(key)
         size = self._sizes.pop(key)
         self.used -= size
+        self.watch.gone((key,), why)
         return size
 
     # -- pins
@@ -132,6 +176,8 @@ class Budget:
             policy.evict(victim)
             self.used -= sizes.pop(victim)
         self.evictions += len(victims)
+        if victims:
+            self.watch.gone(victims, Gone.EVICTED)
         return victims
 
     def hold(self, size: int) -> None:

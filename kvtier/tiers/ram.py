@@ -327,7 +327,7 @@ class RamTier(LocalTier):
         for ``key`` when known; None when there is no arena or no contiguous
         room. Returns evicted pairs."""
         slots = self.slots
-        if slots is None or length < self.min_slot or length > self.capacity:
+        if slots is None or not self.stages(length):
             return None, []
         if self._touches:
             self._apply_touches()
@@ -342,6 +342,15 @@ class RamTier(LocalTier):
             return None, evicted
         self.budget.hold(size)
         return view, evicted
+
+    def stages(self, length: int) -> bool:
+        """Whether a body of ``length`` bytes may get arena room (:meth:`stage`)."""
+        return self.slots is not None and self.min_slot <= length <= self.capacity
+
+    def hold_room(self, size: int) -> None:
+        """Hold ``size`` bytes for a block about to arrive, without evicting
+        (room just given back by the same writer)."""
+        self.budget.hold(size)
 
     def drop_staged(self, value: Buffer) -> None:
         """A staged value that was not stored (the PUT failed, or the key was resident)."""

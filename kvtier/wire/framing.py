@@ -138,13 +138,15 @@ _MIN_TAIL = 16 * 1024
 class _Direct:
     """A frame received straight into its destination: meta, then data."""
 
-    __slots__ = ("data", "filled", "header", "meta")
+    __slots__ = ("data", "filled", "header", "meta", "own")
 
-    def __init__(self, header: Header, meta: memoryview, data: memoryview) -> None:
+    def __init__(self, header: Header, meta: memoryview, data: memoryview, own: bool) -> None:
         self.header = header
         self.meta = meta
         self.data = data
         self.filled = 0
+        #: its body is a buffer of the reader's own (not a sink's destination)
+        self.own = own
 
     @property
     def size(self) -> int:
@@ -215,6 +217,22 @@ class FrameReader:
     def idle(self) -> bool:
         """True when no partial frame is buffered."""
         return self._direct is None and self._start == self._end
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of a buffer of its own that the frame being received takes
+        (none when it lands in a sink's destination, or in the ring buffer)."""
+        direct = self._direct
+        return direct.size if direct is not None and direct.own else 0
+
+    @property
+    def partial_header(self) -> Header | None:
+        """The header of the frame being received, once it has arrived."""
+        if self._direct is not None:
+            return self._direct.header
+        if self._end - self._start >= HEADER_SIZE:
+            return unpack_header(self._view, self._start)
+        return None
 
     def discard(self) -> int:
         """Drop a partial frame (its sender went away); returns the bytes dropped."""
@@ -294,10 +312,10 @@ class FrameReader:
                 self._start = frame_end
                 continue
             if dest is not None:
-                direct = _Direct(header, memoryview(bytearray(header.meta_len)), dest)
+                direct = _Direct(header, memoryview(bytearray(header.meta_len)), dest, False)
             elif body_len > self.direct_threshold:
                 body = memoryview(bytearray(body_len))
-                direct = _Direct(header, body[: header.meta_len], body[header.meta_len :])
+                direct = _Direct(header, body[: header.meta_len], body[header.meta_len :], True)
             else:
                 break
             direct.put(view[body_start : self._end])

@@ -34,7 +34,7 @@ import asyncio
 import errno
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -42,7 +42,7 @@ from typing import Literal
 from kvtier.errors import TierError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.base import DiskStats, LocalTier
-from kvtier.tiers.budget import Budget
+from kvtier.tiers.budget import Budget, Gone
 from kvtier.tiers.disk.format import CorruptBlock, block_path, file_size
 from kvtier.tiers.disk.io import (
     read_block,
@@ -77,21 +77,12 @@ class DiskTier(LocalTier):
         self.root = Path(root)
         #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
         self.budget = Budget(capacity, policy)
-        #: told the keys each eviction removes from the index (the service's
-        #: block events)
-        self.on_evict: Callable[[list[bytes]], None] | None = None
-        #: told the keys each bucket of the index rebuild finds
-        self.on_found: Callable[[list[bytes]], None] | None = None
-        #: told a key whose file write begins: from then on the tier holds it
-        #: (a read waits for the write to land); a write that fails is told
-        #: to ``on_evict``
-        self.on_writing: Callable[[bytes], None] | None = None
         self.fsync = fsync
         #: the disk's I/O threads: every blocking file operation runs here
         self.executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
         #: a write or unlink of each key in flight; a second write waits for it
         self._writing: dict[bytes, asyncio.Future[None]] = {}
-        self._file_writes: set[bytes] = set()  # keys whose file write is in flight
+        #: keys deleted while their file write was in flight: unlinked once it lands
         self._deleted_while_writing: set[bytes] = set()
         # counters, exposed through stats()
         self.reads = self.read_bytes = 0
@@ -152,14 +143,10 @@ class DiskTier(LocalTier):
         try:
             for i, scan in enumerate(scans):
                 result = await scan
-                indexed = []
                 for key, size in result.entries:
                     if key not in self.budget and key not in self._writing:
                         self.budget.admit(key, size)
-                        indexed.append(key)
-                found += len(indexed)
-                if indexed and self.on_found is not None:
-                    self.on_found(indexed)
+                        found += 1
                 self.temp_removed += result.temp_removed
                 self.corrupt += result.corrupt_removed
                 self.buckets_scanned = i + 1
@@ -192,12 +179,11 @@ class DiskTier(LocalTier):
     # -- index (synchronous)
 
     def contains(self, key: bytes) -> bool:
-        """Whether the disk holds ``key``, or its file write is in flight and
-        no delete came meanwhile (a block RAM demoted is never absent from
-        both: :meth:`read` waits for the write to land)."""
-        if key in self.budget:
-            return True
-        return key in self._file_writes and key not in self._deleted_while_writing
+        """Whether the disk holds ``key``: indexed, or its file write is in
+        flight (it is indexed, and pinned, from the moment the write begins:
+        a block RAM demoted is never absent from both; :meth:`read` waits
+        for the write to land)."""
+        return key in self.budget
 
     def __len__(self) -> int:
         return len(self.budget)
@@ -206,13 +192,7 @@ class DiskTier(LocalTier):
         """Remove victims from the index (making room for ``key``'s namespace,
         when known); returns their paths to unlink."""
         victims = self.budget.evict_for(need, key)
-        if victims and self.on_evict is not None:
-            self.on_evict(victims)
         return [self.path_of(k) for k in victims]
-
-    def indexed(self) -> list[bytes]:
-        """The keys indexed now."""
-        return list(self.budget)
 
     # -- reads
 
@@ -247,8 +227,10 @@ class DiskTier(LocalTier):
         return value
 
     def _forget(self, key: bytes) -> None:
+        """``key``'s file is missing or corrupt: the disk does not hold it."""
         if key in self.budget:
-            self.budget.remove(key)
+            self.budget.drop_pins(key)
+            self.budget.remove(key, Gone.LOST)
 
     async def _landed(self, key: bytes) -> None:
         """Return once no write (or unlink) of ``key`` is in flight: each that
@@ -259,7 +241,12 @@ class DiskTier(LocalTier):
     # -- writes
 
     async def write(self, key: bytes, value: Buffer, *, durable: bool = False) -> None:
-        """Store ``key`` (idempotent; concurrent writes of one key share one file write)."""
+        """Store ``key`` (idempotent; concurrent writes of one key share one file write).
+
+        The key is indexed (and pinned: never an eviction's victim) from the
+        moment its file write begins, so the disk holds it from then on; a
+        write that fails removes it again (lost), one deleted meanwhile
+        unlinks its file once it lands."""
         loop = asyncio.get_running_loop()
         await self._landed(key)
         if key in self.budget:
@@ -276,36 +263,38 @@ class DiskTier(LocalTier):
                 raise TierError(f"disk: {exc}") from None
             done: asyncio.Future[None] = loop.create_future()
             self._writing[key] = done
-            self._file_writes.add(key)
-            self.budget.hold(size)
-            if self.on_writing is not None:
-                self.on_writing(key)
+            self.budget.admit(key, size)
+            self.budget.pin(key)
             path = self.path_of(key)
+            deleted = False
             try:
                 await loop.run_in_executor(
                     self.executor, write_block, path, key, value, self.fsync == "always", victims
                 )
+                self.writes += 1
+                self.written_bytes += len(value)
+                # Deleted meanwhile: unlinked before a later write of the key starts.
+                deleted = key in self._deleted_while_writing
+                if deleted:
+                    await loop.run_in_executor(self.executor, unlink_all, [path])
             except OSError as exc:
                 self.write_errors += 1
-                if self.on_evict is not None:
-                    self.on_evict([key])  # not held after all
+                self._forget(key)  # not held after all
                 if exc.errno == errno.ENOSPC:
                     self.enospc += 1
                     raise TierError(f"disk full writing {path}: {exc.strerror}") from exc
                 raise TierError(f"disk: writing {path} failed: {exc}") from exc
+            except BaseException:
+                self._forget(key)  # cancelled: whether its file landed is unknown
+                raise
             finally:
-                self.budget.release(size)
-                self._file_writes.discard(key)
+                self._deleted_while_writing.discard(key)
                 del self._writing[key]
                 if not done.done():
                     done.set_result(None)
-            self.writes += 1
-            self.written_bytes += len(value)
-            if key in self._deleted_while_writing:
-                self._deleted_while_writing.discard(key)
-                await loop.run_in_executor(self.executor, unlink_all, [path])
+            if deleted:
                 return
-            self.budget.admit(key, size)
+            self.budget.unpin(key)
             if self.budget.shares is not None:
                 # Writes of one namespace in flight together each found room
                 # within its max; the last to land makes it true again.
@@ -352,14 +341,13 @@ class DiskTier(LocalTier):
         A write of the same key issued meanwhile waits for the unlink, so it
         can never be undone by it.
         """
-        if key in self._file_writes:
-            if key in self._deleted_while_writing:
-                return False
-            self._deleted_while_writing.add(key)  # unlinked once its write lands
-            return True
         if key not in self.budget:
             return False
-        self.budget.remove(key)
+        self.budget.drop_pins(key)
+        self.budget.remove(key, Gone.DELETED)
+        if key in self._writing:  # its file write is in flight
+            self._deleted_while_writing.add(key)  # unlinked once it lands
+            return True
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._writing[key] = done
