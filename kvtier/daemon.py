@@ -308,6 +308,7 @@ class Daemon:
             remotes=bool(self.service.remotes),
             idle_poll=sc.idle_poll,
             slice=sc.lookup_slice,
+            request_state_ttl=self.config.lookup.request_state_ttl,
         )
         try:
             proc = self.lookup_process = await asyncio.create_subprocess_exec(

@@ -63,6 +63,7 @@ def build(settings: Settings) -> tuple[LookupListener, Replica]:
         max_frame=settings.max_frame_bytes,
         max_batch=settings.max_batch,
         idle_poll=IdlePoll(settings.idle_poll),
+        tag_ttl=settings.request_state_ttl,
     )
     return listener, replica
 

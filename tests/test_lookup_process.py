@@ -771,3 +771,30 @@ def test_the_process_is_told_who_may_use_which_namespace_as_the_daemon_checks_it
         told.scope_for("tenant", mine)
     with pytest.raises(ForbiddenError, match="not configured here"):
         told.scope_for("elsewhere", mine)
+
+
+async def test_release_answers_whether_the_tag_had_state_whoever_answered_its_lookups(
+    sock_dir: Path,
+) -> None:
+    """RELEASE answers 1 for a tag whose lookup the lookup process answered
+    just before (its report reached the daemon before that answer), 0 for
+    a tag never seen; either way the tag leaves no state behind."""
+    keys = [b"held-%d" % i for i in range(4)]
+    async with (
+        with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        await c.put_many(keys, [b"v"] * 4)
+        released = []
+        for i in range(40):
+            tag = b"request-%d" % i
+            reply = await c.lookup(
+                keys, mode=LookupMode.PREFIX, max_pending_wait=5.0, request_tag=tag
+            )
+            assert reply.prefix_hits == 4
+            released.append(await c.release(tag))
+        assert released == [True] * 40
+        assert await c.release(b"never-seen") is False
+        await answered(d, 40)
+        assert feed_of(d).referred == 0  # all 40 at the process
+        assert d.service.map_sizes().request_states == 0

@@ -37,7 +37,8 @@ import json
 import logging
 import os
 import socket
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,6 +74,8 @@ FEED_STALL = 10.0
 #: applies a lookup's touches and counts that much later, wakes once for
 #: many lookups, and touches the keys of a lookup asked again meanwhile once
 REPORT_DELAY = 0.002
+#: request tags the process remembers telling the daemon of (the oldest forgotten first)
+MAX_TOLD_TAGS = 65536
 
 Records = list[tuple[FeedOp, bytes]]
 
@@ -104,6 +107,8 @@ class Settings:
     idle_poll: float = 0.0
     #: seconds of the scheduler slice the process asks for (``server.lookup_slice``)
     slice: float = 0.0
+    #: seconds the daemon keeps an idle request tag's state (``lookup.request_state_ttl``)
+    request_state_ttl: float = 60.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -160,7 +165,7 @@ class FeedWriter:
         #: the ring's read count at the last check that the process reads
         self._reads = ring.reads()
         loop = asyncio.get_running_loop()
-        loop.add_reader(sock.fileno(), self._read_reports)
+        loop.add_reader(sock.fileno(), self.read_reports)
         self._watch = loop.call_later(FEED_STALL, self._check_reading)
 
     def __repr__(self) -> str:
@@ -251,17 +256,26 @@ class FeedWriter:
         if not self.ended:
             self.write([(FeedOp.GONE, k) for k in keys if not self._holds(k)])
 
-    def _read_reports(self) -> None:
-        try:
-            chunk = self._sock.recv(_RECV)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self.end(f"the lookup process's reports failed: {exc}")
-            return
-        if not chunk:
-            self.end("the lookup process closed its end")
-            return
+    def read_reports(self) -> None:
+        """Apply every report the process has sent so far (called when the
+        socket is readable, and by RELEASE, which must hear of every lookup
+        of its tag answered before it)."""
+        while not self.ended:
+            try:
+                chunk = self._sock.recv(_RECV)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.end(f"the lookup process's reports failed: {exc}")
+                return
+            if not chunk:
+                self.end("the lookup process closed its end")
+                return
+            self._apply_reports(chunk)
+            if len(chunk) < _RECV:
+                return
+
+    def _apply_reports(self, chunk: bytes) -> None:
         self._reports += chunk
         try:
             reports = decode_reports(self._reports)
@@ -324,10 +338,19 @@ class LookupListener:
         max_frame: int,
         max_batch: int,
         idle_poll: IdlePoll | None = None,
+        tag_ttl: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         sock.setblocking(False)
         self._sock = sock
         self._ring = ring
+        #: request tags whose state the daemon has been told of, and when:
+        #: a lookup of a tag not told within half ``tag_ttl`` (the daemon
+        #: keeps an idle tag's state that long) is reported before its
+        #: answer, so a RELEASE the client sends next finds the state
+        self._told: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
+        self._tell_every = tag_ttl / 2
+        self._clock = clock
         #: keeps the loop polling a while after each request arrives
         self.idle_poll = idle_poll if idle_poll is not None else IdlePoll(0)
         self._apply = apply
@@ -418,8 +441,26 @@ class LookupListener:
             # The same lookup answered alike again is one report, asked twice.
             asked = (scope.prefix, bytes(meta), reply.raw_states)
             self._answered[asked] = self._answered.get(asked, 0) + 1
-            self._report_soon()
+            if req.request_tag and req.max_pending_wait > 0 and self._first_in_a_while(
+                scope.prefix, req.request_tag
+            ):
+                self._send_reports()  # before the answer: the tag has state from now on
+            else:
+                self._report_soon()
         return reply
+
+    def _first_in_a_while(self, prefix: bytes, tag: bytes) -> bool:
+        """Whether ``tag`` (of ``prefix``'s namespace) was not told to the
+        daemon within the last ``tag_ttl / 2`` seconds; it is told now."""
+        told, now = self._told, self._clock()
+        at = told.get((prefix, tag))
+        if at is not None and now - at < self._tell_every:
+            return False
+        told[(prefix, tag)] = now
+        told.move_to_end((prefix, tag))
+        while len(told) > MAX_TOLD_TAGS:
+            told.popitem(last=False)
+        return True
 
     def report(self, kind: ReportKind) -> None:
         """Tell the daemon, within :data:`REPORT_DELAY` (READY at once)."""
@@ -435,6 +476,8 @@ class LookupListener:
             self._report_timer = loop.call_later(REPORT_DELAY, self._send_reports)
 
     def _send_reports(self) -> None:
+        if self._report_timer is not None:
+            self._report_timer.cancel()
         self._report_timer = None
         for (prefix, meta, states), count in self._answered.items():
             self._unsent += encode_report(ReportKind.ANSWERED, meta, states, count, prefix)

@@ -322,6 +322,11 @@ class Ops:
         tag = wire.decode_tag(frame.meta)
         if conn.namespace:  # tags are a namespace's own too
             tag = namespace_tag(namespace_prefix(conn.namespace), tag)
+        feed = conn.server.feed
+        if feed is not None:
+            # A lookup of the tag the lookup process answered before the
+            # client sent this was reported before its answer: hear of it now.
+            feed.read_reports()
         existed = self.service.release(tag)
         return Reply(bytes([int(existed)]))
 
