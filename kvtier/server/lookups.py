@@ -441,8 +441,10 @@ class LookupListener:
             # The same lookup answered alike again is one report, asked twice.
             asked = (scope.prefix, bytes(meta), reply.raw_states)
             self._answered[asked] = self._answered.get(asked, 0) + 1
-            if req.request_tag and req.max_pending_wait > 0 and self._first_in_a_while(
-                scope.prefix, req.request_tag
+            if (
+                req.request_tag
+                and req.max_pending_wait > 0
+                and self._first_in_a_while(scope.prefix, req.request_tag)
             ):
                 self._send_reports()  # before the answer: the tag has state from now on
             else:
