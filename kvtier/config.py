@@ -220,9 +220,12 @@ class DiskConfig(Section):
     #: /readyz answers 503 until the disk index scan at start has finished
     #: (the daemon serves meanwhile; blocks not yet scanned read RETRY)
     ready_after_scan: bool = False
-    #: background writes (write-through, demotions) beyond this many bytes in
-    #: flight are dropped and counted rather than queued without bound; each
-    #: write counts its block plus 8 KiB, what the write itself costs in memory
+    #: bytes of background writes (write-through, demotions) in flight to the
+    #: disk before the writers are slowed: a connection whose store finds
+    #: this many in flight is not read from again until they drain below it,
+    #: so no block is dropped for want of room (past 4 times this, one is,
+    #: counted and logged). Each write counts its block plus 8 KiB, what the
+    #: write itself costs in memory
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     #: eviction policy: "harc" (ARC with a long frequency history, see
     #: docs/eviction.md), "lru", "arc", "s3fifo"

@@ -306,6 +306,11 @@ class CacheService(Protocol):
 
     def connection_closed(self, owner: ConnId) -> None: ...
 
+    def write_room(self) -> asyncio.Future[None] | None:
+        """None while stores can be written down; else what resolves once
+        they can again (the connection that stored pauses until then)."""
+        ...
+
     def stats(self) -> dict[str, Any]: ...
 
 

@@ -359,7 +359,7 @@ DISK_INDEX_PER_BLOCK = 512
 
 
 def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
-    ram, backlog = 16 * MIB, 16 * MIB
+    ram, backlog, n = 4 * MIB, 4 * MIB, 40_000
     proc = DaemonProcess(
         sock_dir,
         "--ram-capacity",
@@ -371,7 +371,7 @@ def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
     try:
         base = peak = rss_bytes(proc.pid)
         with BlockingClient(proc.socket_path, shared=False) as c:
-            for start in range(0, 200_000, 500):
+            for start in range(0, n, 500):
                 keys = [i.to_bytes(32, "big") for i in range(start, start + 500)]
                 c.put_many(keys, [bytes([i % 251]) * 1024 for i in range(500)])
                 peak = max(peak, rss_bytes(proc.pid))
@@ -385,7 +385,8 @@ def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
         dropped = metric_value(
             proc.scrape(), "kvtier_tier_writes_dropped_total", 'cause="backlog",tier="disk"'
         )
-        assert dropped > 0  # past the backlog writes are dropped, never queued
+        assert dropped == 0  # past the backlog the writer is slowed: nothing is dropped
+        assert tiers["disk"]["blocks"] == n  # (a write in flight is indexed)
     finally:
         assert proc.stop() == 0
 
@@ -452,3 +453,38 @@ async def test_a_writer_stalled_inside_a_put_body_is_closed_and_its_room_freed(
         assert await c.ping(b"still") == b"still"
         await c.put(K, b"v")
         assert await c.get(K) == b"v"
+
+
+# ---------------------------------------------------------------- writes kept, not dropped
+
+
+async def test_a_burst_of_puts_is_slowed_to_the_disk_not_dropped(sock_dir: Path) -> None:
+    """3,000 PUTs of 1 KiB through a 256 KiB RAM tier with write-through to
+    a disk whose writes in flight are bounded at 64 KiB: the writer is
+    slowed while the bound is reached instead of its blocks being dropped,
+    so the disk ends with every block (RAM evicted most meanwhile)."""
+    n, value = 3000, b"v" * 1024
+    keys = [b"burst-%05d" % i for i in range(n)]
+    async with (
+        running_daemon(
+            sock_dir,
+            ram={"capacity": "256KiB"},
+            disk={
+                "path": sock_dir / "data",
+                "capacity": "64MiB",
+                "max_pending_write_bytes": "64KiB",
+            },
+        ) as d,
+        await Client.connect(d.socket_path, lookup_process=False) as c,
+    ):
+        for lo in range(0, n, 100):  # 100 single-key PUTs in flight at a time
+            statuses = await asyncio.gather(*(c.put(k, value) for k in keys[lo : lo + 100]))
+            assert set(statuses) == {PutStatus.STORED}
+        await d.settle()
+        stats = await c.stats()
+        assert stats["writes"]["disk"]["dropped_backlog"] == 0
+        assert stats["writes"]["disk"]["in_flight_bytes"] == 0
+        assert stats["tiers"]["disk"]["blocks"] == n
+        assert stats["tiers"]["ram"]["evictions"] > n // 2
+        assert (await c.lookup(keys)).states == [State.HIT] * n
+        assert d.service.write_room() is None

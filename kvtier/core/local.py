@@ -90,5 +90,8 @@ class LocalView:
     def connection_closed(self, owner: ConnId) -> None:
         pass  # a peer owns no reservations
 
+    def write_room(self) -> asyncio.Future[None] | None:
+        return self._service.write_room()
+
     def stats(self) -> dict[str, Any]:
         raise ForbiddenError("peers may not read STATS")

@@ -666,6 +666,11 @@ class Service:
             self.counters.lookup_deferred_seconds.observe(deferred)
         return existed
 
+    def write_room(self) -> asyncio.Future[None] | None:
+        """None while every local tier can queue the writes stores make;
+        else the future that resolves once it can (:meth:`Propagation.room`)."""
+        return self.propagation.room()
+
     def connection_closed(self, owner: ConnId) -> None:
         """A writer went away: its reservations end at once."""
         n = self.pending.end_owned_by(owner, End.RELEASED)
@@ -1066,6 +1071,7 @@ class Service:
                 for s in self.remotes
             },
             "namespaces": {n.name: n.as_dict() for n in self.namespace_stats()},
+            "writes": self.propagation.stats(),
         }
 
 

@@ -206,7 +206,7 @@ class KvtierStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         if not self.zero_copy:
-            return  # the tensor interface stores a page as one block
+            return  # the tensor interface only: a page is one block
         page = torch.arange(mem_pool_host.page_size, dtype=torch.int64)
         ptrs, _ = mem_pool_host.get_page_buffer_meta(page)
         self.parts = len(ptrs)
@@ -328,8 +328,8 @@ class KvtierStorage(HiCacheStorage):
         """Each page received into its target tensor; None where missing."""
         if target_locations is None:
             raise ValueError("kvtier loads into the target tensors SGLang passes")
-        views = [_tensor_bytes(t) for t in target_locations]
-        landed = self._receive(self.names(keys), views, 1)
+        views = self._page_parts(target_locations)
+        landed = self._receive(self.names(keys, self.parts), views, self.parts)
         return [t if ok else None for t, ok in zip(target_locations, landed, strict=True)]
 
     def set(
@@ -350,8 +350,23 @@ class KvtierStorage(HiCacheStorage):
     ) -> bool:
         if values is None:
             raise ValueError("kvtier stores the value tensors SGLang passes")
-        views = [_tensor_bytes(v) for v in values]
-        return all(self._put(self.names(keys), views, len(keys)))
+        views = self._page_parts(values)
+        return all(self._put(self.names(keys, self.parts), views, len(keys)))
+
+    def _page_parts(self, tensors: Any) -> list[memoryview]:
+        """Each page tensor's bytes as the page's ``parts`` blocks, equal
+        pieces in order: a page has the same block names (:meth:`names`)
+        whichever interface stored it, so every lookup agrees on it."""
+        parts, out = self.parts, []
+        for tensor in tensors:
+            view = _tensor_bytes(tensor)
+            size, rest = divmod(view.nbytes, parts)
+            if rest:
+                raise ValueError(
+                    f"kvtier: a page of {view.nbytes} bytes does not split into its {parts} parts"
+                )
+            out.extend(view[i * size : (i + 1) * size] for i in range(parts))
+        return out
 
     def _receive(self, names: list[bytes], views: list[memoryview], parts: int) -> list[bool]:
         """Blocks ``names`` received into ``views``, ``parts`` per page; per

@@ -143,6 +143,9 @@ class Connection(asyncio.BufferedProtocol):
         self._reads = 0
         self._reads_seen = 0
         self._still_checks = 0
+        #: the lower tiers' room for writes this connection's stores wait for
+        #: (reading pauses until it resolves)
+        self._room: asyncio.Future[None] | None = None
         #: waiting lookups, cancelled when the connection goes
         self._waiting: set[asyncio.Task[None]] = set()
         #: resolved when the client has sent EOF
@@ -295,12 +298,17 @@ class Connection(asyncio.BufferedProtocol):
 
     def release_held(self) -> None:
         """Handle the held frames in order; none if the connection has closed
-        meanwhile (a body it received into RAM went with it)."""
+        meanwhile (a body it received into RAM went with it). A store that
+        finds the lower tiers' writes at their bound (:meth:`_wait_for_room`)
+        keeps the frames behind it held until they have room."""
         held, self._held = self._held, deque()
         self.inflight -= len(held)
         if not self.closed:
-            for frame in held:
-                self._dispatch(frame)
+            while held and self._room is None:
+                self._dispatch(held.popleft())
+            if held:  # handed back once there is room
+                self._held = held
+                self.inflight += len(held)
         self._update_reading()
         self._maybe_finish()
 
@@ -409,7 +417,29 @@ class Connection(asyncio.BufferedProtocol):
         """Stop reading requests while replies back up or too many are in flight."""
         if self.transport is None or self.flow is None:
             return
-        self.flow.reading(not self.flow.write_paused and self.inflight < self.server.max_inflight)
+        self.flow.reading(
+            not self.flow.write_paused
+            and self.inflight < self.server.max_inflight
+            and self._room is None
+        )
+
+    def _wait_for_room(self) -> None:
+        """A store was handled while the lower tiers' writes are at their
+        bound: read nothing more until they have room (its writes are queued
+        all the same; the writer is slowed, nothing is dropped)."""
+        if self._room is not None:
+            return
+        room = self.server.ops.service.write_room()
+        if room is not None:
+            self._room = room
+            room.add_done_callback(self._room_back)
+            self._update_reading()
+
+    def _room_back(self, _room: object) -> None:
+        self._room = None
+        if self._held:
+            self.server.hold(self)
+        self._update_reading()
 
     # -- requests
 
@@ -444,6 +474,8 @@ class Connection(asyncio.BufferedProtocol):
                 staged = self._staged.pop(id(frame.data), None)
                 if staged is frame.data:
                     self.server.ops.service.drop_staged(staged)  # no-op when stored
+        if header.opcode in STORES:
+            self._wait_for_room()
         if isinstance(answer, Reply):
             self._reply(header.opcode, header.request_id, answer)
             self.server.observe(op_name, "ok", time.perf_counter() - started)

@@ -332,3 +332,30 @@ def test_a_bad_setting_is_refused_when_sglang_builds_the_backend(daemon: Daemon)
         StorageBackendFactory.create_backend(
             "dynamic", storage_config(daemon.socket_path, timeout=0), None
         )
+
+
+def test_the_plain_calls_agree_with_the_batched_ones_on_a_page(daemon: Daemon) -> None:
+    """On a zero-copy engine (a page is its K and V blocks), a page stored
+    with the plain ``set`` exists for ``exists`` and ``batch_exists`` on this
+    engine and another, and reads back with ``get``: one rule names a page's
+    blocks, whichever call stores or looks."""
+    eng, other = Engine(daemon.socket_path), Engine(daemon.socket_path)
+    storage = eng.storage
+    assert storage.parts == 2
+    key = "ef" * 32
+    value = torch.randint(0, 255, (2 * PART,), dtype=torch.uint8)
+    assert storage.exists(key) is False
+    assert storage.set(key, value) is True
+    assert storage.exists(key) is True
+    assert other.storage.exists(key) is True
+    assert other.storage.batch_exists([key, "00" * 32]) == 1
+    target = torch.zeros(2 * PART, dtype=torch.uint8)
+    assert other.storage.get(key, target) is target
+    assert torch.equal(target, value)
+    # A page stored by the batched zero-copy call is found by the plain one too.
+    keys = hashes(2, base=500)
+    src, _ = eng.fill(2)
+    assert storage.batch_set_v1(keys, src) == [True, True]
+    assert [other.storage.exists(k) for k in keys] == [True, True]
+    eng.close()
+    other.close()
