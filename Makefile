@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -173,6 +173,13 @@ soak: $(STAMP)
 SOAK_SECONDS ?= 600
 soak-fleet: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m benchmarks.soak_fleet
+
+# The lookup process against the daemon itself under random operations and
+# faults (tests/test_lookup_truth.py), seed after seed, for LOOKUP_SOAK_SECONDS
+# (default 600); LOOKUP_SOAK_SEED picks the first seed. Not part of make test.
+LOOKUP_SOAK_SECONDS ?= 600
+soak-lookups: $(STAMP)
+	LOOKUP_SOAK_SECONDS=$(LOOKUP_SOAK_SECONDS) $(BIN)/python -m tests.test_lookup_truth
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(SGLANG_VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -940,9 +940,11 @@ class Service:
         # A client's block flows down by each tier's policy; a promoted one is
         # kept on the local disk when it came from a remote tier, else nowhere.
         if stored and (promoted_from is None or (local and promoted_from not in local)):
+            # (None: its namespace was over its max with it, and it went at
+            # once, demoted with the evicted where the policy says so)
             kept = self.ram.peek(key)
-            assert kept is not None
-            self.propagation.stored(key, kept, promoted_from)
+            if kept is not None:
+                self.propagation.stored(key, kept, promoted_from)
         return PutStatus.STORED if stored else PutStatus.EXISTS
 
     def _evicted(self, evicted: list[tuple[bytes, Buffer]]) -> None:
