@@ -7,16 +7,20 @@ that can add latency or cut every connection. Sixteen clients, spread over
 the nodes, write blocks (some durable) and read them back, verifying every
 byte: a block's bytes follow from its key. A driver injects one fault at a
 time: SIGSTOP then SIGCONT, SIGKILL then a restart over the same data
-directory, latency on a node's peer links, or every peer connection of a
-node cut. The clients of a node pause while their own daemon is stopped
+directory, latency on a node's peer links, every peer connection of a
+node cut, or block files on a node's disk corrupted behind its back (a
+byte of the value flipped). The clients of a node pause while their own daemon is stopped
 or dead (its engine would be down with it); every other request must
 succeed.
 
 The report: operations, wrong bytes (must be 0), client errors other than
 a miss (must be 0), blocks acknowledged durable and then lost (must be 0),
 p99 lookup latency during faults, how long after each fault lookups of the
-affected keys settle (no RETRY or PENDING left), and each daemon's RSS and
-maps once idle (maps 0). Exits non-zero on any failure.
+affected keys settle (no RETRY or PENDING left), lookups that answered HIT
+again, at the same node, for a block whose load had failed there (must be
+0: a failed load is a MISS at once, at the daemon and at its lookup
+process), and each daemon's RSS and maps once idle (maps 0). Exits non-zero
+on any failure.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from benchmarks import soak
 from kvtier import Client, State, loops
 from kvtier.errors import KvtierError
 from kvtier.model import LookupMode
+from kvtier.tiers.disk.format import HEADER
 from kvtier.tiers.rendezvous import owner
 from tests.helpers import DaemonProcess, free_port, rss_bytes
 from tests.s3server import S3Server
@@ -119,6 +124,14 @@ class Report:
     wrong_bytes: int = 0
     client_errors: dict[str, int] = field(default_factory=dict)
     durable_lost: int = 0
+    #: block files corrupted by the driver, and the durable blocks among them
+    #: (lost by the fault, not by the daemon: not counted as lost)
+    corrupted_files: int = 0
+    corrupted_durable: int = 0
+    #: HIT answers whose GET, right after, found nothing
+    hits_not_loaded: int = 0
+    #: ... of a block whose load had already failed at that node: must be 0
+    hits_after_failed_load: int = 0
     faults: list[dict[str, object]] = field(default_factory=list)
     lookup_p99_ms_faults: float = 0.0
     lookup_p99_ms_calm: float = 0.0
@@ -132,6 +145,11 @@ class Report:
             out.append(f"client errors other than a miss: {self.client_errors}")
         if self.durable_lost:
             out.append(f"{self.durable_lost} durable block(s) lost")
+        if self.hits_after_failed_load:
+            out.append(
+                f"{self.hits_after_failed_load} lookup(s) answered HIT for a block whose "
+                "load had failed at that node"
+            )
         for node in self.nodes_after:
             if node.get("disk_evictions"):
                 out.append(
@@ -201,6 +219,10 @@ class Soak:
         self.latencies: list[tuple[bool, float]] = []
         #: durable blocks lost, by the node that acknowledged them
         self.lost_on: dict[int, int] = {}
+        #: (node, key) whose load failed there after a HIT
+        self.failed_loads: set[tuple[int, bytes]] = set()
+        #: keys whose block file the driver corrupted
+        self.corrupted: set[bytes] = set()
 
     def running(self) -> bool:
         return time.monotonic() < self.until
@@ -228,7 +250,7 @@ class Soak:
                 if rng.random() < 0.4 or len(self.keys) < 50:
                     await self._write(client, node, rng)
                 else:
-                    await self._read(client, rng)
+                    await self._read(client, node, rng)
             except KvtierError as exc:
                 self._error(exc)
                 client = None
@@ -252,14 +274,19 @@ class Soak:
         if len(self.keys) > 50_000:
             del self.keys[:25_000]
 
-    async def _read(self, c: Client, rng: random.Random) -> None:
+    async def _read(self, c: Client, node: int, rng: random.Random) -> None:
         chain = [rng.choice(self.keys) for _ in range(rng.randrange(1, 8))]
         started = time.monotonic()
         reply = await c.lookup(chain, mode=LookupMode.PREFIX, wait=rng.choice([0.0, 0.5]))
         self.latencies.append((self.fault_on, time.monotonic() - started))
         self.report.lookups += 1
         values = await c.get_many(chain[: max(1, reply.prefix_hits)])
-        for key, value in zip(chain, values, strict=False):
+        for i, (key, value) in enumerate(zip(chain, values, strict=False)):
+            if value is None and i < reply.prefix_hits:  # HIT, then nothing to load
+                self.report.hits_not_loaded += 1
+                if (node, key) in self.failed_loads:
+                    self.report.hits_after_failed_load += 1
+                self.failed_loads.add((node, key))
             if value is None:
                 self.report.gets_missed += 1
             elif value != value_of(key):
@@ -280,7 +307,7 @@ class Soak:
             if not self.running():
                 break
             node = self.rng.randrange(NODES)
-            kind = self.rng.choice(["sigstop", "sigkill", "latency", "cut"])
+            kind = self.rng.choice(["sigstop", "sigkill", "latency", "cut", "corrupt"])
             affected = [k for k in self.keys[-5000:] if fleet.owner_of(k) == node][:64]
             self.fault_on = True
             started = time.monotonic()
@@ -302,6 +329,8 @@ class Soak:
                 fleet.links[node].delay = self.rng.uniform(0.05, 0.3)
                 await asyncio.sleep(self.rng.uniform(4, 8))  # allow-sleep: the fault's length
                 fleet.links[node].delay = 0.0
+            elif kind == "corrupt":
+                self.corrupt(node, self.rng.randrange(8, 64))
             else:
                 fleet.links[node].cut()
             ended = time.monotonic()
@@ -317,6 +346,23 @@ class Soak:
                     "affected_hits": hits,
                 }
             )
+
+    def corrupt(self, node: int, count: int) -> None:
+        """Flip a byte of the value of ``count`` block files on ``node``'s
+        disk, behind the daemon's back (its checksum must catch each)."""
+        files = [p for p in (self.fleet.root / f"node{node}" / "data").rglob("*.blk")]
+        for path in self.rng.sample(files, min(count, len(files))):
+            try:
+                data = bytearray(path.read_bytes())
+            except FileNotFoundError:
+                continue  # evicted meanwhile
+            if len(data) <= HEADER.size:
+                continue
+            key_len = HEADER.unpack_from(data)[3]
+            data[-1 - self.rng.randrange(64)] ^= 0x5A
+            path.write_bytes(bytes(data))
+            self.corrupted.add(bytes(data[HEADER.size : HEADER.size + key_len]))
+            self.report.corrupted_files += 1
 
     async def _settle(self, node: int, keys: list[bytes]) -> tuple[float, int]:
         """Seconds until another node answers ``keys`` with no RETRY or PENDING."""
@@ -337,6 +383,9 @@ class Soak:
         """Every durable block is still served, with its bytes, by the node that took it."""
         by_node: dict[int, list[bytes]] = {}
         for key, node in self.durable.items():
+            if key in self.corrupted:  # its file was damaged on purpose
+                self.report.corrupted_durable += 1
+                continue
             by_node.setdefault(node, []).append(key)
         for node, keys in by_node.items():
             async with await Client.connect(self.fleet.procs[node].socket_path) as c:
@@ -426,10 +475,15 @@ def main() -> int:
         f"durable blocks lost {report.durable_lost}"
     )
     print(
+        f"{report.corrupted_files} block files corrupted ({report.corrupted_durable} durable, "
+        f"not verified); {report.hits_not_loaded} HIT answers found nothing to load, "
+        f"{report.hits_after_failed_load} of them again after a failed load"
+    )
+    print(
         f"{len(faults)} faults: "
         + ", ".join(
             f"{k} x{sum(1 for f in faults if f['kind'] == k)}"
-            for k in ("sigstop", "sigkill", "latency", "cut")
+            for k in ("sigstop", "sigkill", "latency", "cut", "corrupt")
         )
         + f"; lookup p99 {report.lookup_p99_ms_faults} ms during faults, "
         f"{report.lookup_p99_ms_calm} ms otherwise; affected keys settled after "

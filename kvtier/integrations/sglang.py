@@ -357,7 +357,8 @@ class KvtierStorage(HiCacheStorage):
         """Each page tensor's bytes as the page's ``parts`` blocks, equal
         pieces in order: a page has the same block names (:meth:`names`)
         whichever interface stored it, so every lookup agrees on it."""
-        parts, out = self.parts, []
+        parts = self.parts
+        out: list[memoryview] = []
         for tensor in tensors:
             view = _tensor_bytes(tensor)
             size, rest = divmod(view.nbytes, parts)
