@@ -383,7 +383,13 @@ class Connection(asyncio.BufferedProtocol):
     def _discard_partial_frame(self) -> None:
         if self.reader.idle:
             return
-        self._drop_staged()
+        # Only the partial frame's room: complete frames held behind a store
+        # are still handled, with theirs.
+        partial = self.reader.partial_data
+        if partial is not None:
+            staged = self._staged.pop(id(partial), None)
+            if staged is not None:
+                self.server.ops.service.drop_staged(staged)
         dropped = self.reader.discard()
         self.server.counters.protocol_errors.inc(TRUNCATED)
         log.info(

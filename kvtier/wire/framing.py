@@ -219,6 +219,12 @@ class FrameReader:
         return self._direct is None and self._start == self._end
 
     @property
+    def partial_data(self) -> memoryview | None:
+        """The data part of the frame being received, while it is received
+        outside the ring buffer (a sink's destination, or a buffer of its own)."""
+        return self._direct.data if self._direct is not None else None
+
+    @property
     def own_bytes(self) -> int:
         """Bytes of a buffer of its own that the frame being received takes
         (none when it lands in a sink's destination, or in the ring buffer)."""
