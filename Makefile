@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -158,6 +158,13 @@ bench: bench-deps
 	$(BIN)/python -m benchmarks.sealed_memfd
 	$(BIN)/python -m benchmarks.kv_events
 	$(BIN)/python -m benchmarks.tenancy
+
+# Same-run A/B of this checkout's daemon against another checkout's
+# (BASELINE=path), on the lookup and 1 MiB GET/PUT rows of make bench.
+ROUNDS ?= 5
+bench-ab: bench-deps
+	@test -n "$(BASELINE)" || { echo "make bench-ab BASELINE=/path/to/other/checkout" >&2; exit 2; }
+	$(BIN)/python -m benchmarks.ab --baseline $(BASELINE) --rounds $(ROUNDS)
 
 # A long mixed workload with misbehaving clients and S3 outages that verifies
 # every byte, then checks the daemon drained and shuts down promptly.
