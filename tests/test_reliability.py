@@ -488,3 +488,44 @@ async def test_a_burst_of_puts_is_slowed_to_the_disk_not_dropped(sock_dir: Path)
         assert stats["tiers"]["ram"]["evictions"] > n // 2
         assert (await c.lookup(keys)).states == [State.HIT] * n
         assert d.service.write_room() is None
+
+
+# ---------------------------------------------------------------- EOF closes
+
+
+async def test_a_half_closed_connection_closes_once_its_replies_are_out(sock_dir: Path) -> None:
+    """The histories the protocol fuzzer left open after a half-close: every
+    request is answered, then the daemon closes at once, and the
+    connection's reservation ends with it."""
+    async with (
+        running_daemon(
+            sock_dir,
+            disk={"enabled": False},
+            server={"max_frame_bytes": "4MiB", "max_block_bytes": "1MiB"},
+        ) as d,
+        await Client.connect(d.socket_path, lookup_process=False) as other,
+    ):
+        keys = [b"a", b"b"]
+        lookup = wire.encode_lookup(Lookup(keys, wait=5.0, request_tag=b"t"))
+        first = Raw(*await asyncio.open_unix_connection(str(d.socket_path)))
+        first.send(Op.PING, 1, b"ping")
+        first.send(Op.RESERVE, 2, wire.encode_reserve(Reserve(keys, [4096, 0], 60.0)))
+        first.send(Op.LOOKUP, 3, lookup)  # waits on its own reservations
+        first.send(Op.LOOKUP, 4, wire.encode_lookup(Lookup(keys)))
+        values = [bytes([i]) * (1 << 20) for i in range(3)]
+        meta, parts = wire.encode_put([b"x", b"y", b"z"], values)
+        data = b"".join(bytes(p) for p in parts)
+        second = Raw(*await asyncio.open_unix_connection(str(d.socket_path)))
+        second.send(Op.PUT, 1, meta, data)  # near the maximum frame size
+        second.send(Op.PUT, 2, *wire.encode_put([b"w"], [b"v"])[:1], b"v")
+        for raw, rids in ((first, {1, 2, 3, 4}), (second, {1, 2})):
+            await raw.writer.drain()
+            raw.half_close()
+            async with asyncio.timeout(10):
+                answered = {(await raw.recv()).header.request_id for _ in rids}
+                assert answered == rids
+                assert await raw.at_eof()  # closed, not left open
+            await raw.close()
+        await wait_until(lambda: d.server is not None and len(d.server.connections) == 1)
+        assert (await other.stats())["maps"]["reservations"] == 0
+        assert (await other.lookup([b"x", b"y", b"z", b"w"])).states == [State.HIT] * 4

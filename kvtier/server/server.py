@@ -159,7 +159,13 @@ class Server:
     def _release_held(self) -> None:
         holding, self._holding = self._holding, {}
         for conn in holding:
-            conn.release_held()
+            try:
+                conn.release_held()
+            except Exception:
+                # One connection's fault never leaves the others' frames held
+                # (unanswered, and their connections never closing at EOF).
+                log.exception("connection #%d: handling its held frames failed", conn.conn_id.value)
+                conn.abort()
 
     def stats(self) -> dict[str, Any]:
         return {
