@@ -529,3 +529,22 @@ async def test_a_half_closed_connection_closes_once_its_replies_are_out(sock_dir
         await wait_until(lambda: d.server is not None and len(d.server.connections) == 1)
         assert (await other.stats())["maps"]["reservations"] == 0
         assert (await other.lookup([b"x", b"y", b"z", b"w"])).states == [State.HIT] * 4
+
+
+async def test_a_half_closed_subscriber_is_closed(sock_dir: Path) -> None:
+    """A SUBSCRIBE stream lasts as long as its connection: once the client
+    half-closes (it can ask for nothing more), the stream ends and the
+    daemon closes the connection instead of keeping it open for ever."""
+    async with running_daemon(sock_dir, disk={"enabled": False}) as d:
+        raw = await Raw.open(d.socket_path)
+        raw.send(Op.PING, 1, b"ping")
+        raw.send(Op.SUBSCRIBE, 2, wire.encode_subscribe(True, 0))
+        assert (await raw.recv()).header.request_id == 1
+        first = await raw.recv()  # the snapshot
+        assert first.header.request_id == 2 and first.header.flags & wire.FLAG_MORE
+        raw.half_close()
+        async with asyncio.timeout(10):
+            while not await raw.at_eof():
+                pass  # (any events still on the way)
+        await raw.close()
+        await wait_until(lambda: d.server is not None and not d.server.connections)

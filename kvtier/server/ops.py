@@ -459,7 +459,8 @@ class Ops:
     def subscribe(self, conn: Connection, frame: Frame) -> Later:
         """The connection becomes a stream of block events (replies flagged
         MORE), after a snapshot of what is held if asked; it ends when the
-        connection closes, or with a last empty batch at shutdown."""
+        connection closes, or with a last empty batch once the client has
+        half-closed (then the connection closes) or at shutdown."""
         if self.events is None:
             raise ForbiddenError("block events are not served here")
         if frame.data:
@@ -476,6 +477,12 @@ class Ops:
     ) -> None:
         sub = source.subscribe(limit)  # before the snapshot: nothing falls between
         scope = conn.scope
+
+        def half_closed(_: object) -> None:  # the client asks for nothing more
+            sub.closed = True
+            sub.ready.set()
+
+        conn.eof.add_done_callback(half_closed)
         try:
             if snapshot:
                 held = source.snapshot()
@@ -495,6 +502,7 @@ class Ops:
                 if events:
                     await conn.push(Op.SUBSCRIBE, request_id, wire.encode_events(events))
         finally:
+            conn.eof.remove_done_callback(half_closed)
             source.unsubscribe(sub)
 
     def _only_keys(self, conn: Connection, frame: Frame, op: str) -> list[bytes]:
