@@ -152,6 +152,10 @@ class FeedOp(enum.IntEnum):
     RESET = 7  # forget everything: a snapshot follows (no key)
 
 
+#: records of the feed, in order
+FeedRecords = list[tuple[FeedOp, bytes]]
+
+
 class ReportKind(enum.IntEnum):
     """What the lookup process reports to the daemon."""
 

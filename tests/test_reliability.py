@@ -51,6 +51,11 @@ class Raw:
         data = await self.reader.readexactly(header.data_len)
         return wire.Frame(header, meta, data)
 
+    async def send_ping(self) -> None:
+        """A PING, answered: the daemon has taken the connection."""
+        self.send(Op.PING, 999, b"p")
+        assert (await self.recv()).header.request_id == 999
+
     def half_close(self) -> None:
         sock = self.writer.get_extra_info("socket")
         sock.shutdown(socket.SHUT_WR)
@@ -548,3 +553,40 @@ async def test_a_half_closed_subscriber_is_closed(sock_dir: Path) -> None:
                 pass  # (any events still on the way)
         await raw.close()
         await wait_until(lambda: d.server is not None and not d.server.connections)
+
+
+async def test_a_writer_the_daemon_stopped_reading_is_not_timed_out(sock_dir: Path) -> None:
+    """``body_timeout`` is for clients that stall, not for the daemon's own
+    flow control: a client whose replies back up is not read from, so its
+    half-sent PUT receives nothing for a while; it is not closed for that,
+    and its PUT lands once it reads its replies."""
+    async with (
+        running_daemon(sock_dir, disk={"enabled": False}, server={"body_timeout": 0.4}) as d,
+        await Client.connect(d.socket_path, lookup_process=False) as c,
+    ):
+        assert d.server is not None
+        await c.put(OTHER, bytes(MIB))
+        raw = await Raw.open(d.socket_path)
+        await raw.send_ping()
+        conn = max(d.server.connections, key=lambda x: x.conn_id.value)  # raw's, the newest
+        assert conn.flow is not None
+        # A GET whose 1 MiB reply backs up, and in the same write the first
+        # half of a PUT: the daemon stops reading inside the PUT's frame.
+        meta, data = wire.encode_put([K], [b"p" * MIB])
+        frame = wire.pack_header(Op.PUT, 1, len(meta), MIB) + meta + b"".join(map(bytes, data))
+        get = wire.encode_keys([OTHER])
+        raw.writer.write(
+            wire.pack_header(Op.GET, 100, len(get), 0) + get + frame[: len(frame) // 2]
+        )
+        await wait_until(lambda: conn.flow is not None and conn.flow.read_paused)
+        assert not conn.reader.idle
+        await asyncio.sleep(2.0)  # allow-sleep: five body timeouts pass with reading paused
+        assert protocol_errors(d, "body_timeout") == 0
+        raw.writer.write(frame[len(frame) // 2 :])
+        answered = set()
+        async with asyncio.timeout(30):
+            while 1 not in answered:
+                answered.add((await raw.recv()).header.request_id)
+        assert answered == {100, 1}
+        assert await c.get(K) == b"p" * MIB
+        await raw.close()

@@ -35,11 +35,9 @@ from collections.abc import Callable, Sequence
 
 from kvtier.core.events import EventLog
 from kvtier.core.writes import ReservationTable
-from kvtier.model import EventKind, EventTier, FeedOp
+from kvtier.model import EventKind, EventTier, FeedOp, FeedRecords
 from kvtier.tiers.base import LocalTier
 from kvtier.tiers.budget import Gone
-
-Records = list[tuple[FeedOp, bytes]]
 
 #: the event a key's going makes, once no local tier holds it
 _GONE_EVENTS = {Gone.EVICTED: EventKind.EVICTED, Gone.DELETED: EventKind.DELETED}
@@ -87,7 +85,7 @@ class Holdings:
             tier.budget.watch = watch
             self.watches.append(watch)
         #: the lookup process's feed, while it runs
-        self._write: Callable[[Records], None] | None = None
+        self._write: Callable[[FeedRecords], None] | None = None
         #: the disk index rebuild the feed waits for, while it runs
         self._scan: asyncio.Future[None] | None = None
 
@@ -133,12 +131,12 @@ class Holdings:
 
     # -- the lookup process's feed
 
-    def feed(self, write: Callable[[Records], None], scan: asyncio.Future[None] | None) -> None:
+    def feed(self, write: Callable[[FeedRecords], None], scan: asyncio.Future[None] | None) -> None:
         """Start the feed: a reset and a snapshot of what is held and pending
         now (``scan``: the disk index rebuild, while it runs), then every
         change, through ``write``, in the step it is made."""
         assert self._write is None, "one lookup process per daemon"
-        records: Records = [(FeedOp.RESET, b"")]
+        records: FeedRecords = [(FeedOp.RESET, b"")]
         seen: set[bytes] = set()
         for tier in self._tiers:
             for key in tier.indexed():

@@ -42,7 +42,7 @@ from kvtier.core.counts import (
 )
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.events import EventLog, Subscription
-from kvtier.core.holdings import Holdings, Records
+from kvtier.core.holdings import Holdings
 from kvtier.core.lookup import (
     Location,
     Locator,
@@ -79,6 +79,7 @@ from kvtier.model import (
     ConnId,
     EventKind,
     EventTier,
+    FeedRecords,
     Limits,
     Lookup,
     LookupMode,
@@ -1010,7 +1011,7 @@ class Service:
 
     # ------------------------------------------------------------ LOOKUP PROCESS
 
-    def feed(self, write: Callable[[Records], None]) -> None:
+    def feed(self, write: Callable[[FeedRecords], None]) -> None:
         """Start the lookup process's feed (docs/lookup-process.md): a
         snapshot of what is held and pending now, then every change, through
         ``write``, in the step it is made (:class:`~kvtier.core.holdings.Holdings`)."""

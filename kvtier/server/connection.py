@@ -330,8 +330,10 @@ class Connection(asyncio.BufferedProtocol):
     def stalled(self, checks: int) -> bool:
         """Whether this connection has been inside a frame, with nothing of it
         arriving, for ``checks`` calls in a row (the server calls it
-        periodically)."""
-        if self.reader.idle or self.closed or self._eof:
+        periodically). A connection the daemon is not reading from (its own
+        flow control) is never stalled: nothing can arrive."""
+        paused = self.flow is not None and self.flow.read_paused
+        if self.reader.idle or self.closed or self._eof or paused:
             self._still_checks = 0
             return False
         if self._reads != self._reads_seen:

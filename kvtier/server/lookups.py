@@ -47,7 +47,7 @@ from typing import cast
 from kvtier import wire
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.loops import IdlePoll
-from kvtier.model import Buffer, FeedOp, Lookup, LookupReply, ReportKind
+from kvtier.model import Buffer, FeedOp, FeedRecords, Lookup, LookupReply, ReportKind
 from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import Peer, PeerPolicy, bind_unix_socket, peer_of
 from kvtier.wire.codecs import DEFAULT_SCOPE, NO_KEYS, KeyScope
@@ -76,8 +76,6 @@ FEED_STALL = 10.0
 REPORT_DELAY = 0.002
 #: request tags the process remembers telling the daemon of (the oldest forgotten first)
 MAX_TOLD_TAGS = 65536
-
-Records = list[tuple[FeedOp, bytes]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -142,7 +140,7 @@ class FeedWriter:
         #: records written, in all
         self.written = 0
         #: records the ring had no room for, in order, and how many
-        self._backlog: deque[Records] = deque()
+        self._backlog: deque[FeedRecords] = deque()
         self.backlogged = 0
         #: records the backlog may hold before the feed ends: FEED_BACKLOG,
         #: plus the first write (the snapshot of all a daemon holds, which
@@ -195,7 +193,7 @@ class FeedWriter:
             "feed_reads": self.reads,
         }
 
-    def write(self, records: Records) -> None:
+    def write(self, records: FeedRecords) -> None:
         """Publish ``records`` to the process now, or (the ring full) as soon
         as it has room, the process referring every lookup meanwhile."""
         if self.ended:
@@ -309,7 +307,7 @@ class FeedWriter:
         self.decided.set()
 
 
-def _chunks(records: Records, most: int) -> Iterator[Records]:
+def _chunks(records: FeedRecords, most: int) -> Iterator[FeedRecords]:
     """``records`` in parts of about ``most`` bytes of the ring at most (a
     snapshot is written in parts, each of which fits once the reader reads)."""
     start, size = 0, 0
@@ -330,7 +328,7 @@ class LookupListener:
         sock: socket.socket,
         ring: FeedRing,
         *,
-        apply: Callable[[Records], None],
+        apply: Callable[[FeedRecords], None],
         answer: Callable[[Lookup], LookupReply | None],
         hello: Callable[[wire.Hello], wire.HelloReply],
         peers: PeerPolicy,
