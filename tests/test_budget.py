@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
-from kvtier.tiers.budget import Budget
+from kvtier.tiers.budget import Budget, Gone
 from kvtier.tiers.policy import NoRoom
 
 
@@ -79,3 +80,51 @@ def test_capacity_holds_under_random_load() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         Budget(0)
+
+
+class Recorder:
+    """An index watch that writes down what it is told, and checks it is
+    told of each change once, after it happened."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        #: the keys it was told are held
+        self.keys: set[bytes] = set()
+        self.told: set[tuple[str, Gone | None]] = set()
+
+    def held(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            assert key not in self.keys and key in self.budget  # once, and after
+            self.keys.add(key)
+        self.told.add(("held", None))
+
+    def gone(self, keys: Sequence[bytes], why: Gone) -> None:
+        for key in keys:
+            assert key in self.keys and key not in self.budget  # once, and after
+            self.keys.discard(key)
+        self.told.add(("gone", why))
+
+
+def test_the_watch_hears_of_every_change_of_the_index_once() -> None:
+    """Whatever changes the index (admit, remove, evict), its watch is told,
+    once per key, after the change: the watch's copy equals the index."""
+    rng = random.Random(5)
+    b = Budget(300)
+    rec = b.watch = Recorder(b)
+    for step in range(2000):
+        key = bytes([rng.randrange(40)])
+        roll = rng.random()
+        if key not in b and roll < 0.5:
+            try:
+                b.evict_for(50, key)
+            except NoRoom:
+                continue
+            b.admit(key, rng.randrange(1, 50))
+        elif key in b and roll < 0.7:
+            b.remove(key, Gone.LOST if step % 2 else Gone.DELETED)
+        elif key in b and roll < 0.8:
+            b.pin(key)
+        else:
+            b.unpin(key)
+        assert rec.keys == set(b)
+    assert rec.told == {("held", None), *(("gone", why) for why in Gone)}  # every kind seen
