@@ -364,7 +364,7 @@ DISK_INDEX_PER_BLOCK = 512
 
 
 def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
-    ram, backlog, n = 4 * MIB, 4 * MIB, 40_000
+    ram, backlog, n = 4 * MIB, 4 * MIB, 20_000
     proc = DaemonProcess(
         sock_dir,
         "--ram-capacity",
@@ -399,11 +399,11 @@ def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
 # ---------------------------------------------------------------- what RAM has promised
 
 
-async def _half_put(path: Path, key: bytes, size: int) -> Raw:
-    """A raw connection that RESERVEs ``key`` (``size`` bytes, 1 s) and sends
-    half of its PUT frame."""
+async def _half_put(path: Path, key: bytes, size: int, deadline: float = 1.0) -> Raw:
+    """A raw connection that RESERVEs ``key`` (``size`` bytes, for
+    ``deadline`` seconds) and sends half of its PUT frame."""
     raw = await Raw.open(path)
-    raw.send(Op.RESERVE, 1, wire.encode_reserve(Reserve([key], [size], 1.0)))
+    raw.send(Op.RESERVE, 1, wire.encode_reserve(Reserve([key], [size], deadline)))
     assert wire.decode_status_bytes((await raw.recv()).meta) == [ReserveStatus.GRANTED]
     meta, data = wire.encode_put([key], [bytes([7]) * size])
     frame = wire.pack_header(Op.PUT, 2, len(meta), size) + meta + b"".join(map(bytes, data))
@@ -434,15 +434,15 @@ async def test_every_body_being_received_is_counted(daemon: Daemon) -> None:
 async def test_a_writer_stalled_inside_a_put_body_is_closed_and_its_room_freed(
     sock_dir: Path,
 ) -> None:
-    """RESERVE with a 1 s deadline, half a 1 MiB PUT, then silence with the
+    """RESERVE with a short deadline, half a 1 MiB PUT, then silence with the
     connection open: readers read MISS at the deadline, and at
     ``server.body_timeout`` the daemon says why, closes the connection and
     gives back the room; a bystander is served throughout."""
     async with (
-        running_daemon(sock_dir, disk={"enabled": False}, server={"body_timeout": 1.5}) as d,
+        running_daemon(sock_dir, disk={"enabled": False}, server={"body_timeout": 0.6}) as d,
         await Client.connect(d.socket_path, lookup_process=False) as c,
     ):
-        raw = await _half_put(d.socket_path, K, MIB)
+        raw = await _half_put(d.socket_path, K, MIB, deadline=0.3)
         assert ram_bytes(d) == (MIB, 0)
         assert (await c.lookup([K], wait=30.0)).states == [M]  # the write deadline
         async with asyncio.timeout(30):
@@ -468,7 +468,7 @@ async def test_a_burst_of_puts_is_slowed_to_the_disk_not_dropped(sock_dir: Path)
     a disk whose writes in flight are bounded at 64 KiB: the writer is
     slowed while the bound is reached instead of its blocks being dropped,
     so the disk ends with every block (RAM evicted most meanwhile)."""
-    n, value = 3000, b"v" * 1024
+    n, value = 1500, b"v" * 1024
     keys = [b"burst-%05d" % i for i in range(n)]
     async with (
         running_daemon(
@@ -490,7 +490,7 @@ async def test_a_burst_of_puts_is_slowed_to_the_disk_not_dropped(sock_dir: Path)
         assert stats["writes"]["disk"]["dropped_backlog"] == 0
         assert stats["writes"]["disk"]["in_flight_bytes"] == 0
         assert stats["tiers"]["disk"]["blocks"] == n
-        assert stats["tiers"]["ram"]["evictions"] > n // 2
+        assert stats["tiers"]["ram"]["evictions"] > n // 3
         assert (await c.lookup(keys)).states == [State.HIT] * n
         assert d.service.write_room() is None
 
@@ -561,7 +561,7 @@ async def test_a_writer_the_daemon_stopped_reading_is_not_timed_out(sock_dir: Pa
     half-sent PUT receives nothing for a while; it is not closed for that,
     and its PUT lands once it reads its replies."""
     async with (
-        running_daemon(sock_dir, disk={"enabled": False}, server={"body_timeout": 0.4}) as d,
+        running_daemon(sock_dir, disk={"enabled": False}, server={"body_timeout": 0.2}) as d,
         await Client.connect(d.socket_path, lookup_process=False) as c,
     ):
         assert d.server is not None
@@ -580,7 +580,7 @@ async def test_a_writer_the_daemon_stopped_reading_is_not_timed_out(sock_dir: Pa
         )
         await wait_until(lambda: conn.flow is not None and conn.flow.read_paused)
         assert not conn.reader.idle
-        await asyncio.sleep(2.0)  # allow-sleep: five body timeouts pass with reading paused
+        await asyncio.sleep(1.0)  # allow-sleep: five body timeouts pass with reading paused
         assert protocol_errors(d, "body_timeout") == 0
         raw.writer.write(frame[len(frame) // 2 :])
         answered = set()
