@@ -9,7 +9,8 @@ removed behind the daemon's back, two namespaces and reloads that change
 their quotas or their users (which starts the lookup process again). After
 every step, every key it has touched is looked up at the lookup process and
 at the daemon itself (``lookup_process=False``), in each namespace: the
-answers are equal. A block whose load failed is never answered HIT again.
+answers are equal. A block whose load failed is never answered HIT again,
+and what RAM holds and has promised stays within its capacity.
 
 ``make test`` runs a few hundred steps on two daemons (with a disk tier and
 without); ``make soak-lookups`` runs the same machine for
@@ -241,6 +242,13 @@ class Truth(RuleBasedStateMachine):
             for k, state in zip(keys, seen, strict=True):
                 if k in self.failed[ns]:
                     assert state is not State.HIT, (ns, k)
+
+    @invariant()
+    def ram_within_capacity(self) -> None:
+        """What RAM holds and has promised (blocks, reserved room, bodies
+        being received into its arena) never exceeds its capacity."""
+        ram = self.fleet.direct[""].stats()["tiers"]["ram"]
+        assert ram["used_bytes"] + ram["reserved_bytes"] <= ram["capacity_bytes"], ram
 
     def teardown(self) -> None:
         for raw in self.writers:
