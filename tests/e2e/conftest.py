@@ -1,0 +1,131 @@
+"""Fixtures for the end-to-end engine tests: a tiny model made here, a real
+kvtier daemon, and vLLM engines each in a process of their own.
+
+These tests run in .venv-e2e (``make test-e2e``), where vLLM's CPU build is
+installed and kvtier only as a client; the daemon is the main venv's
+``kvtier serve`` (``KVTIER_SERVE``). Nothing is downloaded: the model is a
+2-layer Llama made with transformers from a fixed seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.engine import MARK
+from tests.enginedaemon import EngineDaemon, start
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_model(path: Path, *, layers: int = 2, hidden: int = 128) -> Path:
+    """A Llama of random weights from a fixed seed, saved to ``path``: heads
+    of dimension 32 (the CPU attention backend's smallest), float32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model() -> Iterator[Path]:
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-model-", dir="/tmp"))
+    yield make_model(tmp / "tiny-llama")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Answer:
+    tokens: list[int]
+    #: prompt tokens vLLM did not compute (its own caches or kvtier)
+    cached: int
+
+
+class Engine:
+    """A vLLM engine process (tests/e2e/engine.py) running ``prompts``."""
+
+    def __init__(self, model: Path, socket: Path | None, prompts: list[list[int]], **spec: Any):
+        # (closed in finish, or with the object: the engine reads it first)
+        self.spec = tempfile.NamedTemporaryFile("w", prefix="kvt-engine-", suffix=".json")  # noqa: SIM115
+        json.dump(
+            {"model": str(model), "socket": str(socket) if socket else None, "prompts": prompts}
+            | spec,
+            self.spec,
+        )
+        self.spec.flush()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.e2e.engine", self.spec.name],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if not os.environ.get("E2E_VERBOSE") else None,
+            text=True,
+        )
+        self.answers: list[Answer] = []
+
+    def read(self) -> dict[str, Any] | None:
+        """The engine's next line of JSON; None once it has ended."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                break
+        else:
+            return None
+        out: dict[str, Any] = json.loads(line[len(MARK) :])
+        if "tokens" in out:
+            self.answers.append(Answer(out["tokens"], out["cached"]))
+        return out
+
+    def go_on(self) -> None:
+        """Past a pause (``pause_after``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> list[Answer]:
+        while self.read() is not None:
+            pass
+        assert self.proc.wait(120) == 0, "the engine failed (E2E_VERBOSE=1 shows its log)"
+        self.spec.close()
+        return self.answers
+
+
+def run(model: Path, socket: Path | None, prompts: list[list[int]]) -> list[Answer]:
+    """Each prompt's answer from one fresh engine process."""
+    return Engine(model, socket, prompts).finish()
+
+
+@pytest.fixture
+def kvtier() -> Iterator[EngineDaemon]:
+    """A daemon with 256 MiB of RAM, no disk, stopped after the test."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-e2e-", dir="/tmp"))
+    d = start(tmp, "--no-disk", "--ram-capacity", "256MiB")
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""vLLM generates on the CPU with kvtier under it: the same tokens as
+without, and a returning prompt's blocks come from kvtier.
+
+Each engine is a real vLLM process (tests/e2e/engine.py) running a tiny
+Llama made in the test, greedy; the offload path is vLLM's OffloadingConnector,
+tiering manager and CPU primary tier, with kvtier's tier as its secondary
+tier (tests/e2e/offload.py is the test's own part: block copies without CUDA).
+A prompt of 300 tokens is 9 full blocks of 32; 30 other prompts of 300
+tokens push it out of the engine's KV cache (128 blocks) and its CPU tier
+(64 blocks)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from tests.e2e.conftest import Answer, Engine, run
+from tests.enginedaemon import EngineDaemon, start
+
+BLOCK = 32
+A = list(range(3, 303))
+#: shares only A's first 4 blocks
+SHARES_4 = A[: 4 * BLOCK] + [7] * (len(A) - 4 * BLOCK)
+
+
+def others(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(300)] for _ in range(n)]
+
+
+def hits(d: EngineDaemon, at_least: float = 0) -> float:
+    """Keys kvtier's lookups answered HIT, once it has counted ``at_least``."""
+    return d.total_reaching("kvtier_lookup_keys_total", at_least, state="hit")
+
+
+def test_vllm_generates_the_same_tokens_with_prefixes_served_from_kvtier(
+    model: Path, kvtier: EngineDaemon
+) -> None:
+    # 5. The control: the same sequence without kvtier gets nothing back.
+    control = run(model, None, [A, *others(30), A, SHARES_4])
+    assert control[-2].tokens == control[0].tokens
+    assert control[-2].cached == 0  # pushed out of vLLM's own cache
+    # 1. With kvtier: A's 9 full blocks come back from it, the same tokens.
+    served = run(model, kvtier.socket_path, [A, *others(30), A])
+    assert [a.tokens for a in served] == [a.tokens for a in control[:-1]]
+    assert served[0].cached == 0
+    assert served[-1].cached == 9 * BLOCK
+    before = hits(kvtier, 9)
+    assert before >= 9
+    # 2. A fresh engine process: A's prefix is what the first one stored.
+    fresh = run(model, kvtier.socket_path, [A])
+    assert fresh == [Answer(control[0].tokens, 9 * BLOCK)]
+    assert hits(kvtier, before + 9) >= before + 9
+    # 3. Another fresh one, with a prompt sharing only A's first 4 blocks.
+    partial = run(model, kvtier.socket_path, [SHARES_4])
+    assert partial == [Answer(control[-1].tokens, 4 * BLOCK)]
+    # 6. The engines are gone: the daemon holds no request state,
+    #    reservation or lease for them.
+    maps = kvtier.stats()["maps"]
+    assert (maps["request_states"], maps["reservations"]) == (0, 0), maps
+
+
+def test_an_engine_keeps_generating_while_kvtier_is_down(model: Path, tmp_path: Path) -> None:
+    """4. The daemon killed after the engine's first prompt: the engine
+    keeps generating, recomputing what it cannot load, the same tokens; with
+    the daemon started again, it stores and loads through kvtier again."""
+    C = list(range(100, 400))
+    control = run(model, None, [A, C])
+    d = start(tmp_path, "--no-disk", "--ram-capacity", "256MiB")
+    prompts = [A, *others(30, seed=2), A, C, *others(30, seed=3), C, *others(30, seed=4), C]
+    engine = Engine(model, d.socket_path, prompts, pause_after=[0, 31])
+    try:
+        assert engine.read() is not None and engine.read() == {"paused": 0}
+        d.proc.kill()
+        d.proc.wait()
+        engine.go_on()
+        for _ in range(31):  # the others, then A, with no daemon to ask
+            assert engine.read() is not None
+        assert engine.answers[-1] == Answer(control[0].tokens, 0)  # recomputed, the same
+        assert engine.read() == {"paused": 31}
+        d = start(tmp_path, "--no-disk", "--ram-capacity", "256MiB")
+        engine.go_on()
+        answers = engine.finish()
+    finally:
+        engine.proc.kill()
+        d.stop()
+    assert all(a.tokens == control[1].tokens for a in answers[-63::31])
+    # (the first C may be computed before the engine has dialled again; by
+    # the last, it had stored C's blocks and loads them)
+    assert answers[-1] == Answer(control[1].tokens, 9 * BLOCK)
