@@ -481,6 +481,13 @@ def format_ratios(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def engine_section() -> str:
+    """``make bench-e2e``'s table (docs/bench-e2e.md), if it was run: what an
+    engine feels comes first."""
+    path = ROOT / "docs" / "bench-e2e.md"
+    return path.read_text() + "\n" if path.exists() else ""
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -709,7 +716,10 @@ def report(args: argparse.Namespace, figures: list[Figure], runs: int) -> None:
             "length. Rates are medians of "
             f"{runs} runs after a warm-up; p50/p99 are per operation. Every ratio compares two "
             "figures of the same run.\n\n"
-            "## kvtier against the alternatives\n\n" + format_ratios(rows) + "\n\n"
+            + engine_section()
+            + "## kvtier against the alternatives\n\n"
+            + format_ratios(rows)
+            + "\n\n"
             "![throughput by block size](benchmarks.png)\n\n" + NOTES + "\n"
             "## All figures\n\n```\n" + table + "\n```\n"
         )

@@ -16,39 +16,17 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.engine import MARK
+from tests.e2e.model import make_model
 from tests.enginedaemon import EngineDaemon, start
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def make_model(path: Path, *, layers: int = 2, hidden: int = 128) -> Path:
-    """A Llama of random weights from a fixed seed, saved to ``path``: heads
-    of dimension 32 (the CPU attention backend's smallest), float32."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=hidden // 32,
-        head_dim=32,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +41,8 @@ class Answer:
     tokens: list[int]
     #: prompt tokens vLLM did not compute (its own caches or kvtier)
     cached: int
+    #: seconds its ``generate`` took (not compared)
+    seconds: float = field(default=0.0, compare=False)
 
 
 class Engine:
@@ -97,7 +77,7 @@ class Engine:
             return None
         out: dict[str, Any] = json.loads(line[len(MARK) :])
         if "tokens" in out:
-            self.answers.append(Answer(out["tokens"], out["cached"]))
+            self.answers.append(Answer(out["tokens"], out["cached"], out["seconds"]))
         return out
 
     def go_on(self) -> None:

