@@ -199,3 +199,18 @@ def s3_server() -> Iterator[S3Server]:
         yield server
     finally:
         server.close()
+
+
+if __name__ == "__main__":
+    # For processes without moto (the engine benchmarks' venvs): an S3 server
+    # and a bucket, its tier config printed as one line of JSON; it stops
+    # when its standard input closes.
+    import json
+    import sys
+
+    s3 = S3Server()
+    try:
+        print(json.dumps(s3.tier_config(s3.new_bucket())), flush=True)
+        sys.stdin.read()
+    finally:
+        s3.close()
