@@ -396,3 +396,19 @@ async def test_a_namespace_at_its_max_writing_large_blocks_evicts_only_its_own(
         held = (await capped.lookup(mine, mode=LookupMode.KEYS)).states
         assert held.count(H) == kept and held[-kept:] == [H] * kept
         assert (await other.lookup(theirs, mode=LookupMode.KEYS)).states == [H] * len(theirs)
+
+
+async def test_a_block_larger_than_its_namespaces_max_is_refused_saying_so(
+    sock_dir: Path,
+) -> None:
+    from kvtier.errors import NoCapacityError
+
+    async with (
+        running_daemon(sock_dir, disk=RAM_ONLY, namespaces={"small": {"ram_max": "512KiB"}}) as d,
+        await Client.connect(d.socket_path, namespace="small", shared=False) as c,
+    ):
+        with pytest.raises(NoCapacityError) as refused:
+            await c.put(b"big", b"x" * (600 * 1024))
+        assert "larger than the ram_max of namespace 'small'" in refused.value.message
+        assert "pinned" not in refused.value.message  # nothing is pinned: it is the max
+        assert (await c.lookup([b"big"])).states == [State.MISS]

@@ -302,7 +302,8 @@ class RamTier(LocalTier):
         try:
             victims = self.budget.evict_for(size, key)
         except NoRoom as exc:
-            raise NoCapacityError(f"RAM tier: {exc} (every other block is pinned)") from None
+            why = "" if self.budget.shares is not None else " (every other block is pinned)"
+            raise NoCapacityError(f"RAM tier: {exc}{why}") from None
         values = self._values
         if self.slots is None:
             return [(victim, values.pop(victim)) for victim in victims]

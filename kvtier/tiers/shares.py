@@ -168,8 +168,8 @@ class Shares:
             if limit is not None:
                 if need > limit:
                     raise NoRoom(
-                        f"a block of {need} bytes is larger than namespace "
-                        f"{namespace_name(asking)!r}'s ram_max ({limit})"
+                        f"a block of {need} bytes is larger than the ram_max of namespace "
+                        f"{namespace_name(asking)!r} ({limit})"
                     )
                 while used.get(asking, 0) + need > limit:
                     freed = take(asking)
