@@ -86,8 +86,6 @@ class Holdings:
             self.watches.append(watch)
         #: the lookup process's feed, while it runs
         self._write: Callable[[FeedRecords], None] | None = None
-        #: the disk index rebuild the feed waits for, while it runs
-        self._scan: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         feed = " feeding" if self._write is not None else ""
@@ -151,11 +149,9 @@ class Holdings:
         self._write = write
         self.pending.watch(self._pending)
         if scan is not None and scanning:
-            self._scan = scan
 
             def scanned(_: object) -> None:
-                if self._write is write and self._scan is scan:
-                    self._scan = None
+                if self._write is write:  # (the same feed, still running)
                     write([(FeedOp.SCANNED, b"")])
 
             scan.add_done_callback(scanned)
@@ -165,4 +161,3 @@ class Holdings:
         if self._write is not None:
             self.pending.unwatch()
             self._write = None
-            self._scan = None

@@ -218,9 +218,7 @@ class Propagation:
             if why is WriteReason.DEMOTION:
                 self._counters.demotions.inc(w.name, outcome.value)
             room = self._room
-            if room is not None and all(
-                x.pending <= x.max_pending for x in self.writers if x.local
-            ):
+            if room is not None and all(x.pending <= x.max_pending for x in self._local):
                 self._room = None
                 room.set_result(None)
 
