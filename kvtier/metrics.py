@@ -26,8 +26,8 @@ from kvtier.core.counts import CoreCounters, MapSizes, NamespaceStats
 from kvtier.core.events import EventStats
 from kvtier.core.shared.blocks import SharedStats
 from kvtier.counters import Counts, HistogramCell, Histograms
+from kvtier.server.counters import ServerCounters
 from kvtier.server.kv_events import PublisherStats
-from kvtier.server.server import ServerCounters
 from kvtier.tiers.base import DiskStats, TierStats
 from kvtier.tiers.peer import PeerTier
 from kvtier.tiers.s3 import S3Tier

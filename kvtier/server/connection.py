@@ -14,7 +14,9 @@ holds views of them, not copies); a PUT body received into RAM's arena is
 stored or given back, whatever happens to the frame; ``done`` is set in
 ``connection_lost`` whatever happened.
 
-Imports the wire, the shared records and the errors; never the core.
+A connection knows its server only as a :class:`Host` (and its op table as
+an :class:`OpTable`): what it needs of them, and no more. Imports the wire,
+the shared records and the errors; never the core, the server or the ops.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from kvtier import wire
 from kvtier.errors import (
@@ -38,15 +40,14 @@ from kvtier.errors import (
     UnknownOpcodeError,
     UnsupportedVersionError,
 )
-from kvtier.model import Buffer, ConnId
-from kvtier.server.gate import Refusal
-from kvtier.server.sockets import Peer, peer_of
+from kvtier.loops import IdlePoll
+from kvtier.model import Buffer, CacheService, ConnId, Spawn
+from kvtier.server.counters import ServerCounters
+from kvtier.server.gate import PeerGate, Refusal
+from kvtier.server.sockets import Peer, PeerPolicy, peer_of
 from kvtier.tasks import LASTING_TASK
 from kvtier.wire import FLAG_REPLY, Frame, Op
 from kvtier.wire.flow_control import FlowControl
-
-if TYPE_CHECKING:
-    from kvtier.server.server import Server
 
 log = logging.getLogger("kvtier.server")
 
@@ -94,6 +95,98 @@ class Later:
     lasting: bool = False
 
 
+#: what answers one opcode: a reply now, or one to await
+Handler = Callable[["Connection", Frame], "Reply | Later"]
+
+
+class Scopes(Protocol):
+    """Which keys a new connection may name before its HELLO."""
+
+    def first_scope(self, peer: Peer | None) -> wire.KeyScope: ...
+
+
+class Feed(Protocol):
+    """The lookup process's feed: told of stores that replies confirm, and
+    read for its reports before a RELEASE."""
+
+    def read_reports(self) -> None: ...
+
+    def announce(self, keys: Sequence[bytes]) -> None: ...
+
+    def settle(self, keys: Sequence[bytes]) -> None: ...
+
+
+class OpTable(Protocol):
+    """The handlers a connection calls, and where PUT bodies land."""
+
+    @property
+    def handlers(self) -> Mapping[int, Handler]: ...
+
+    @property
+    def access(self) -> Scopes | None: ...
+
+    @property
+    def service(self) -> CacheService: ...
+
+    def receive_into(
+        self, conn: Connection, header: wire.Header, meta: Buffer | None
+    ) -> memoryview | None: ...
+
+
+class Host(Protocol):
+    """What a connection needs of the server that accepted it."""
+
+    @property
+    def ops(self) -> OpTable: ...
+
+    @property
+    def counters(self) -> ServerCounters: ...
+
+    @property
+    def peers(self) -> PeerPolicy: ...
+
+    @property
+    def gate(self) -> PeerGate | None: ...
+
+    @property
+    def feed(self) -> Feed | None: ...
+
+    @property
+    def idle_poll(self) -> IdlePoll: ...
+
+    @property
+    def spawn(self) -> Spawn: ...
+
+    @property
+    def max_frame(self) -> int: ...
+
+    @property
+    def max_inflight(self) -> int: ...
+
+    @property
+    def handshake_timeout(self) -> float | None: ...
+
+    @property
+    def max_unauthenticated(self) -> int | None: ...
+
+    @property
+    def shutting_down(self) -> bool: ...
+
+    def connection_opened(self, conn: Connection) -> None: ...
+
+    def authenticated(self, conn: Connection) -> None: ...
+
+    def connection_ended(self, conn: Connection) -> None: ...
+
+    def connection_closed(self, conn: Connection) -> None: ...
+
+    def admits_during_shutdown(self, conn: Connection) -> bool: ...
+
+    def hold(self, conn: Connection) -> None: ...
+
+    def observe(self, op: str, outcome: str, seconds: float) -> None: ...
+
+
 def _close_if_unstarted(answer: Awaitable[Any], _task: asyncio.Task[None]) -> None:
     """A task cancelled before it ran never awaited the verb: close its
     coroutine, so it is not reported as never awaited."""
@@ -104,7 +197,7 @@ def _close_if_unstarted(answer: Awaitable[Any], _task: asyncio.Task[None]) -> No
 class Connection(asyncio.BufferedProtocol):
     """One client connection."""
 
-    def __init__(self, server: Server, conn_id: int) -> None:
+    def __init__(self, server: Host, conn_id: int) -> None:
         self.server = server
         self.conn_id = ConnId(conn_id)
         #: the connecting process's credentials (Unix socket), once connected

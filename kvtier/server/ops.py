@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier import blockcopy, wire
 from kvtier.errors import BadArgumentError, ForbiddenError, UnsupportedVersionError
@@ -34,14 +34,9 @@ from kvtier.model import (
     namespace_name,
     namespace_prefix,
 )
-from kvtier.server.connection import Later, Reply
+from kvtier.server.connection import Connection, Handler, Later, Reply
+from kvtier.server.sockets import Peer
 from kvtier.wire import DEFAULT_SCOPE, NO_KEYS, Frame, KeyScope, Op
-
-if TYPE_CHECKING:
-    from kvtier.server.connection import Connection
-    from kvtier.server.sockets import Peer
-
-Handler = Callable[["Connection", Frame], "Reply | Later"]
 
 #: events one subscriber may have queued by default, and at most (past it:
 #: a gap, and the subscriber resyncs from a snapshot)

@@ -19,10 +19,10 @@ from typing import Any
 
 from kvtier import wire
 from kvtier._version import __version__
-from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.loops import IdlePoll
 from kvtier.model import CacheService, EventSource, SharedService, Spawn
 from kvtier.server.connection import Connection
+from kvtier.server.counters import ServerCounters
 from kvtier.server.gate import PeerGate, Refusal
 from kvtier.server.lookups import FeedWriter
 from kvtier.server.ops import NamespaceAccess, Ops
@@ -33,29 +33,6 @@ log = logging.getLogger("kvtier.server")
 #: checks of stalled frames per ``body_timeout``: a stall is found between
 #: one and (1 + 1/BODY_CHECKS) timeouts after the last byte arrived
 BODY_CHECKS = 4
-
-
-class ServerCounters:
-    """What the server counts; metrics reads it at scrape time."""
-
-    def __init__(self) -> None:
-        self.requests = Counts("op", "outcome")
-        self.request_seconds = Histograms(LATENCY_BUCKETS, "op")
-        self.protocol_errors = Counts("code")
-        self.connections = Counts().bind()
-        self.connections_refused = Counts("reason")
-        self.received_bytes = Counts().bind()
-        self.sent_bytes = Counts().bind()
-        #: lookups the lookup process answered and referred to the daemon
-        self.lookup_process = Counts("outcome")
-        #: times the lookup process was started again after it went
-        self.lookup_restarts = Counts().bind()
-
-    def __repr__(self) -> str:
-        return (
-            f"<ServerCounters requests={self.requests.total():g} "
-            f"connections={self.connections.value:g}>"
-        )
 
 
 def _not_started(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
