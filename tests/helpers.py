@@ -49,9 +49,14 @@ async def running_daemon(
     **sections: dict[str, Any],
 ) -> AsyncIterator[Daemon]:
     """An in-process daemon on the test's event loop; ``reread`` is its
-    configuration source for SIGHUP (:meth:`Daemon.reload`)."""
+    configuration source for SIGHUP (:meth:`Daemon.reload`).
+
+    Without the lookup process unless a test asks for it
+    (``server={"lookup_process": True}``): clients then ask the daemon
+    itself, which answers as the lookup process does (tests/test_lookup_truth.py
+    compares the two), and a daemon starts and stops in a third of the time."""
     overrides: dict[str, dict[str, Any]] = {
-        "server": {"socket_path": sock_dir / "d.sock"},
+        "server": {"socket_path": sock_dir / "d.sock", "lookup_process": False},
         "metrics": {"port": 0},
         "ram": {"capacity": "64MiB"},
         "disk": {"path": sock_dir / "data", "capacity": "256MiB"},

@@ -212,7 +212,11 @@ async def test_quotas_change_on_sighup(sock_dir: Path, tmp_path: Path) -> None:
 async def test_per_namespace_series_are_capped_and_the_rest_summed(sock_dir: Path) -> None:
     quotas = {"a": {"ram_max": "1MiB", "ram_min": "64KiB"}}
     async with running_daemon(
-        sock_dir, disk=RAM_ONLY, namespaces=quotas, metrics={"port": 0, "max_namespaces": 2}
+        sock_dir,
+        disk=RAM_ONLY,
+        namespaces=quotas,
+        metrics={"port": 0, "max_namespaces": 2},
+        server={"lookup_process": True},
     ) as d:
         for ns in ("a", "b", "c", "d"):
             async with await Client.connect(d.socket_path, namespace=ns) as c:
