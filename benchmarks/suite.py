@@ -467,6 +467,62 @@ def ratios(figures: list[Figure]) -> list[dict[str, Any]]:
     return rows
 
 
+#: the summary's rows: the operations engines use, each system side by side
+#: (lookups: Redis's faster way to ask)
+SUMMARY = (
+    "get 256KiB x1",
+    "put 256KiB x1",
+    "get 1MiB x1",
+    "put 1MiB x1",
+    "get 2MiB x1",
+    "put 2MiB x1",
+    "get 1MiB x8",
+    "put 1MiB x8",
+    "get 1MiB batch16 x1",
+    "put 1MiB batch16 x1",
+    "steady put 1MiB x1",
+    "lookup 1000 keys (50% hit)",
+    "prefix lookup 512-block chain",
+)
+#: the summary's columns: (heading, the systems whose best figure fills it)
+SUMMARY_COLUMNS = (
+    ("kvtier", ("kvtier",)),
+    ("kvtier, socket only", ("kvtier-socket",)),
+    ("Redis", ("redis", "redis SMISMEMBER", "redis pipelined EXISTS")),
+    ("raw stream", ("raw",)),
+    ("memcpy", ("memcpy",)),
+)
+
+
+def summary(figures: list[Figure]) -> str:
+    """At most 15 rows: kvtier's default path, the same over the socket
+    only, Redis, a raw stream and memcpy on the operations engines use, with
+    kvtier's ratio to Redis and to memcpy (the full grid follows)."""
+    by_workload: dict[str, dict[str, Figure]] = {}
+    for f in figures:
+        by_workload.setdefault(f.workload, {})[f.system] = f
+    heads = [name for name, _ in SUMMARY_COLUMNS]
+    lines = [
+        "| operation | unit | " + " | ".join(heads) + " | kvtier / Redis | kvtier / memcpy |",
+        "|---|---|" + "---:|" * (len(heads) + 2),
+    ]
+    for workload in SUMMARY:
+        systems = by_workload.get(workload)
+        if not systems or "kvtier" not in systems:
+            continue
+        cells: list[float | None] = []
+        for _, names in SUMMARY_COLUMNS:
+            rates = [systems[n].rate for n in names if n in systems]
+            cells.append(max(rates) if rates else None)
+        kv, redis, memcpy = cells[0], cells[2], cells[4]
+        shown = ["—" if c is None else f"{c:,.2f}" if c < 100 else f"{c:,.0f}" for c in cells]
+        by_redis = f"**{kv / redis:.2f}x**" if kv and redis else "—"
+        by_memcpy = f"{kv / memcpy:.2f}x" if kv and memcpy else "—"
+        unit = systems["kvtier"].unit
+        lines.append(f"| {workload} | {unit} | " + " | ".join(shown) + f" | {by_redis} | {by_memcpy} |")
+    return "\n".join(lines)
+
+
 def format_ratios(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | path | rate | compared with | their figure | path / them |",
@@ -693,7 +749,11 @@ NOTES = """## Reading the figures
 """
 
 
-def report(args: argparse.Namespace, figures: list[Figure], runs: int) -> None:
+def report(
+    args: argparse.Namespace, figures: list[Figure], runs: int, measured: dict[str, str]
+) -> None:
+    """Print the figures and write the outputs asked for; ``measured``: the
+    run's date and machine."""
     table = format_table(figures)
     rows = ratios(figures)
     print(table)
@@ -701,7 +761,10 @@ def report(args: argparse.Namespace, figures: list[Figure], runs: int) -> None:
     print(format_ratios(rows))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"figures": [f.as_dict() for f in figures], "ratios": rows}, indent=2)
+            json.dumps(
+                {"measured": measured, "figures": [f.as_dict() for f in figures], "ratios": rows},
+                indent=2,
+            )
         )
     if args.chart:
         chart(figures, Path(args.chart))
@@ -709,7 +772,7 @@ def report(args: argparse.Namespace, figures: list[Figure], runs: int) -> None:
         command = "make bench" + (" BENCH_ARGS=--quick" if args.quick else "")
         Path(args.markdown).write_text(
             "# Benchmarks\n\n"
-            f"Measured with `{command}` on {time.strftime('%Y-%m-%d')}: {machine()}.\n\n"
+            f"Measured with `{command}` on {measured['date']}: {measured['machine']}.\n\n"
             "All systems run on this machine over Unix sockets, driven by one client process "
             "(Python, uvloop). kvtier serves from RAM (`--no-disk`); Redis runs with persistence "
             "off; *raw* is a minimal uvloop `BufferedProtocol` stream with no protocol but a "
@@ -717,7 +780,14 @@ def report(args: argparse.Namespace, figures: list[Figure], runs: int) -> None:
             f"{runs} runs after a warm-up; p50/p99 are per operation. Every ratio compares two "
             "figures of the same run.\n\n"
             + engine_section()
-            + "## kvtier against the alternatives\n\n"
+            + "## Summary\n\n"
+            + "Rates of the operations engines use (medians; lookups in keys or chains a "
+            + "second, Redis's faster way to ask), on kvtier's default path (shared memory "
+            + "where the client is on the same host), over its socket only, on Redis, a raw "
+            + "stream and memcpy. Every figure is in the grid below and in "
+            + "[benchmarks.json](benchmarks.json).\n\n"
+            + summary(figures)
+            + "\n\n## kvtier against the alternatives\n\n"
             + format_ratios(rows)
             + "\n\n"
             "![throughput by block size](benchmarks.png)\n\n" + NOTES + "\n"
@@ -737,9 +807,11 @@ def cli() -> int:
         saved = json.loads(Path(args.from_json).read_text())
         figures = [Figure(**f) for f in saved["figures"]]
         runs = len(figures[0].runs) if figures else 0
+        measured = saved["measured"]
     else:
         figures, runs = loops.run(main(args))
-    report(args, figures, runs)
+        measured = {"date": time.strftime("%Y-%m-%d"), "machine": machine()}
+    report(args, figures, runs, measured)
     return 0
 
 
