@@ -518,8 +518,8 @@ def summary(figures: list[Figure]) -> str:
         shown = ["—" if c is None else f"{c:,.2f}" if c < 100 else f"{c:,.0f}" for c in cells]
         by_redis = f"**{kv / redis:.2f}x**" if kv and redis else "—"
         by_memcpy = f"{kv / memcpy:.2f}x" if kv and memcpy else "—"
-        unit = systems["kvtier"].unit
-        lines.append(f"| {workload} | {unit} | " + " | ".join(shown) + f" | {by_redis} | {by_memcpy} |")
+        row = [workload, systems["kvtier"].unit, *shown, by_redis, by_memcpy]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
