@@ -5,11 +5,9 @@ steady state an engine produces); a 512-block chain stays resident (each
 lookup touches it). In one run: p50/p99/max of a prefix LOOKUP of the chain
 from this process, idle, then while another process streams fresh 1 MiB
 blocks from 8 concurrent writers, once over the socket (one block per PUT),
-once through staging (one block per PUT), once written in place (one block
-per PUT, the client's default for a large block; each writer a fresh
-process, so it faults the arena's pages in as it goes) and once in batches
-of 4 that the daemon copies out of the writer's memory (cross-memory
-attach, docs/shared-memory.md). Each lookup path in turn: through the
+once through staging (one block per PUT) and once written in place (one
+block per PUT, the client's default for a large block; each writer a fresh
+process, so it faults the arena's pages in as it goes). Each lookup path in turn: through the
 lookup process (the default; docs/lookup-process.md), the same with this
 process's thread asking for a scheduler slice of 0.1 ms as the lookup
 process does (``kvtier.schedule``: woken by the reply, it runs before a
@@ -46,7 +44,7 @@ RAM = 512 * MiB
 CHAIN = 512
 IDLE_LOOKUPS = 1000
 ROUNDS = 5
-MODES = ("socket", "staged", "in-place", "cross-memory")
+MODES = ("socket", "staged", "in-place")
 #: lookup paths: the client option that picks each, and the scheduler slice
 #: the measuring thread asks for (0: the kernel's default; kvtier.schedule)
 PATHS = {
@@ -61,21 +59,19 @@ from kvtier import loops
 from kvtier.client.aio import Client
 
 async def main(path, mode, blocks):
-    batch = 4 if mode == "cross-memory" else 1
     value = os.urandom(1 << 20)
     clients = [
         await Client.connect(
             path, stage_writes=None if mode in ("staged", "in-place") else False,
-            cross_memory=mode == "cross-memory", write_in_place=mode == "in-place",
+            write_in_place=mode == "in-place",
         )
         for _ in range(8)
     ]
     print("go", flush=True)
     started = time.perf_counter()
     async def write(w, c):
-        for n in range(0, blocks // 8, batch):
-            keys = [f"s-{mode}-{w}-{n + i}".encode() for i in range(batch)]
-            await c.put_many(keys, [value] * batch)
+        for n in range(blocks // 8):
+            await c.put(f"s-{mode}-{w}-{n}".encode(), value)
     await asyncio.gather(*(write(w, c) for w, c in enumerate(clients)))
     print(f"{blocks * (1 << 20) / (time.perf_counter() - started) / 1e9:.2f}", flush=True)
 

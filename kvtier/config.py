@@ -175,7 +175,7 @@ class SharedConfig(Section):
     #: and all clients when off, write through the staging region
     write_in_place: bool = True
     #: threads the daemon copies blocks of clients' regions in (PUT_REGION,
-    #: GET_REGION, cross-memory writes), 0 to 64; 0 copies them on the event loop,
+    #: GET_REGION), 0 to 64; 0 copies them on the event loop,
     #: 256 KiB a loop step; "auto": 0 where the daemon may run on 2 CPUs or
     #: fewer, else half of them, up to 8
     copy_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"

@@ -394,10 +394,6 @@ class SharedService(Protocol):
 
     def open_region(self, owner: ConnId) -> tuple[int, bytes]: ...
 
-    def open_process_region(
-        self, owner: ConnId, pid: int, probe: tuple[int, int, int]
-    ) -> tuple[int, bytes]: ...
-
     def attach_region(self, token: bytes, fd: int) -> int: ...
 
     def check_region(

@@ -10,7 +10,7 @@ import platform
 
 import pytest
 
-from kvtier import blockcopy, cma
+from kvtier import addresses, blockcopy
 
 MiB = 1024 * 1024
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -84,7 +84,7 @@ def test_a_copy_into_a_shared_mapping_is_seen_through_another_mapping(built: str
 
 def mapped_pages(view: memoryview) -> list[bool]:
     """Whether each page of ``view`` is mapped in this process (/proc/self/pagemap)."""
-    start = cma.address_of(view)[0]
+    start = addresses.address_of(view)[0]
     first, last = start // PAGE, (start + view.nbytes - 1) // PAGE
     with open("/proc/self/pagemap", "rb") as f:
         f.seek(first * 8)

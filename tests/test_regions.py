@@ -134,6 +134,11 @@ async def test_bad_region_requests_are_refused_and_others_carry_on(
         malformed = struct.pack("<IB", region, 0) + wire.encode_keys([b"k"]) + b"\x00" * 4
         with pytest.raises(ProtocolError, match=r"one \(offset, length\) per key"):
             await c.request(wire.Op.PUT_REGION, malformed)
+        # A REGION naming memory of the client's own (as cross-memory attach
+        # once did) is refused: regions are memory files, handed over
+        with pytest.raises(BadArgumentError, match="carries nothing"):
+            await c.request(wire.Op.REGION, b"\x01" + bytes(24))
+        assert await c.ping(b"y") == b"y"
         assert await other.ping(b"x") == b"x"
         got = await other.get(b"big")
         assert got is not None and bytes(got) == pattern(1, MiB)

@@ -105,9 +105,7 @@ async def test_by_default_a_lone_large_block_is_written_in_place_and_a_small_one
 async def test_without_staging_reads_use_shared_memory_and_writes_the_socket(
     daemon: Daemon,
 ) -> None:
-    async with await Client.connect(
-        daemon.socket_path, stage_writes=False, cross_memory=False
-    ) as c:
+    async with await Client.connect(daemon.socket_path, stage_writes=False) as c:
         assert c.shared
         before = received_bytes(daemon)
         await c.put(b"k", block(7))  # over the socket, into its arena slot

@@ -15,25 +15,21 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
-import socket
-import struct
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
-from kvtier import cma, wire
+from kvtier import wire
 from kvtier._version import __version__
 from kvtier.client.batching import (
-    CROSS_MEMORY_BYTES,
-    CROSS_MEMORY_REQUEST_BYTES,
+    SHARED_WRITE_BYTES,
     SOLO_VALUE_BYTES,
     put_batches,
 )
 from kvtier.client.protocol import ClientProtocol, expire
-from kvtier.client.shared import SharedSession, attach, checksum, hand_region
+from kvtier.client.shared import SharedSession, attach, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL, default_socket_path
 from kvtier.errors import (
     BadArgumentError,
@@ -115,17 +111,10 @@ class Client:
         self._shm: SharedSession | None = None
         #: large blocks are written through staging rooms (with shared memory)
         #: large writes through staging: True all, None (auto) a lone block
-        #: of CROSS_MEMORY_BYTES or more, False none
+        #: of SHARED_WRITE_BYTES or more, False none
         self._stage_writes: bool | None = None
         #: large blocks are written straight into their RAM slots when allowed
         self._write_in_place = True
-        #: large blocks are read by the daemon out of this process's memory
-        #: (cross-memory attach): asked for, and the region once attached
-        #: (None: not tried yet; 0: not available, the socket it is)
-        self._cross_memory = False
-        self._process_region: int | None = None
-        #: bytes the daemon reads to prove it can read this process's memory
-        self._probe = os.urandom(64)
         #: the namespace named at HELLO, and what the daemon expects before
         #: every key of it (docs/tenancy.md); empty: the default namespace
         self.namespace = ""
@@ -159,13 +148,6 @@ class Client:
         """Whether blocks travel through shared memory on this connection."""
         return self._shm is not None
 
-    @property
-    def process_region(self) -> int | None:
-        """The daemon's region id of this process's memory, once the first
-        ``put_many`` of several large blocks attached it (cross-memory attach);
-        0 where that is not possible; None before."""
-        return self._process_region
-
     @classmethod
     async def connect(
         cls,
@@ -175,7 +157,6 @@ class Client:
         name: str = f"kvtier-python/{__version__}",
         shared: bool = True,
         stage_writes: bool | None = None,
-        cross_memory: bool = True,
         write_in_place: bool = True,
         namespace: str = "",
         idle_poll: float = IDLE_POLL,
@@ -194,21 +175,14 @@ class Client:
         ``stage_writes``: how large blocks are written when shared memory is
         on. ``None`` (the default): a block of 512 KiB or more through
         shared memory: written in place (``write_in_place``) or else staged
-        (a memcpy into the staging region, then COMMIT), except that
-        without writing in place several such blocks of a ``put_many`` are
-        read by the daemon out of this process (``cross_memory``); with
-        writing in place, every block of 64 KiB or more of a ``put_many``
+        (a memcpy into the staging region, then COMMIT); with writing in
+        place, every block of 64 KiB or more of a ``put_many``
         of such blocks goes in place too. The rest go over the socket, which
         the daemon receives straight into the block's place. ``True``: every
         block of 64 KiB or more through shared memory; ``False``: none.
         ``write_in_place``: where the daemon allows it (a client of its own
         user), write each large block straight into its RAM slot, one memcpy
         and no copy in the daemon; ``False``: through staging.
-        ``cross_memory``: with shared memory and without
-        ``stage_writes=True``, let the daemon copy the large blocks of a
-        ``put_many`` of several straight out of this process's memory
-        (process_vm_readv; see docs/shared-memory.md), falling back to the
-        socket where it cannot.
         ``idle_poll``: seconds this client's event loop keeps polling for a
         reply after each request, instead of sleeping until the kernel wakes
         it (docs/client.md); it stops as soon as no reply is awaited. 0: sleep
@@ -232,7 +206,6 @@ class Client:
         client = cls(protocol, path, timeout, name, idle_poll=idle_poll)
         client._want_shared = shared
         client._stage_writes = stage_writes
-        client._cross_memory = cross_memory
         client._write_in_place = write_in_place
         client.namespace = namespace
         if namespace and namespace != DEFAULT_NAMESPACE_NAME:
@@ -641,7 +614,7 @@ class Client:
         """Store one block; EXISTS if it was already there (PUT is idempotent).
         ``hint``: what the writer knows of its reuse (docs/eviction.md)."""
         if self._stage_writes is None:
-            staged = self._shm is not None and len(value) >= CROSS_MEMORY_BYTES
+            staged = self._shm is not None and len(value) >= SHARED_WRITE_BYTES
         else:
             staged = self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES
         if staged and not hint:
@@ -670,7 +643,7 @@ class Client:
             raise ValueError("put_many needs one value (and one hint) per key")
         if hints is not None and not any(hints):
             hints = None
-        large = [i for i, v in enumerate(values) if len(v) >= CROSS_MEMORY_BYTES]
+        large = [i for i, v in enumerate(values) if len(v) >= SHARED_WRITE_BYTES]
         if self._stage_writes is None:  # a lone large block: staged (see connect)
             staged = len(large) == 1 or bool(large and self._shm is not None and self._shm.in_place)
         else:
@@ -683,75 +656,7 @@ class Client:
             return await self._shm.put_many(
                 keys, values, durable, self._timeout(timeout), over_socket
             )
-        # Several large blocks in one call: the daemon reads them out of this
-        # process's memory, a few MiB per request, which measured faster than
-        # the socket (one block alone is not: the request's worker-thread
-        # round trip costs about what the socket's copies do).
-        direct = hints is None and not durable and len(large) > 1 and not self._stage_writes
-        if direct and await self._process_region_id():
-            return await self._put_cross_memory(keys, values, large, timeout)
         return await self._put_socket(keys, values, hints, durable, timeout)
-
-    async def _process_region_id(self) -> int:
-        """This process's memory as a region of the daemon's (attached once per
-        connection); 0 when cross-memory copies are off or not possible."""
-        if self._process_region is None:
-            self._process_region = 0
-            offer = self.server.shared if self.server is not None else None
-            if self._cross_memory and offer is not None and cma.AVAILABLE:
-                self._process_region = await self._attach_process()
-        return self._process_region
-
-    async def _attach_process(self) -> int:
-        transport = self._protocol.transport
-        sock = transport.get_extra_info("socket") if transport is not None else None
-        daemon_pid = _peer_pid(sock)
-        if daemon_pid:
-            cma.allow_tracer(daemon_pid)
-        address, length = cma.address_of(self._probe)
-        probe = wire.ProcessProbe(address, length, checksum(self._probe))
-        try:
-            frame = await self._call(Op.REGION, wire.encode_process_region(probe))
-        except (ForbiddenError, BadArgumentError, ProtocolError) as exc:
-            log.info("cross-memory copies not possible (%s); blocks go over the socket", exc)
-            return 0
-        return wire.decode_region_reply(frame.meta)[0]
-
-    async def _put_cross_memory(
-        self, keys: Sequence[bytes], values: Sequence[Buffer], large: list[int], timeout: Timeout
-    ) -> list[PutStatus]:
-        """The large blocks read by the daemon out of this process's memory (one
-        PUT_REGION per batch, checksummed); the small ones over the socket."""
-        out = [PutStatus.STORED] * len(keys)
-        region = self._process_region or 0
-        chosen = set(large)
-        small = [i for i in range(len(keys)) if i not in chosen]
-        calls: list[Awaitable[list[PutStatus]]] = []
-        batches: list[list[int]] = []
-        # A few MiB per request: the daemon copies one while this loop
-        # checksums the next, and two requests may copy at once.
-        step = max(1, min(self._max_batch(), CROSS_MEMORY_REQUEST_BYTES // len(values[large[0]])))
-        for lo in range(0, len(large), step):
-            batch = large[lo : lo + step]
-            io = wire.RegionIO(
-                region,
-                [keys[i] for i in batch],
-                [cma.address_of(values[i]) for i in batch],
-                [checksum(values[i]) for i in batch],
-            )
-            calls.append(self._region_put(io, timeout))
-            batches.append(batch)
-        if small:
-            calls.append(
-                self._put_socket(
-                    [keys[i] for i in small], [values[i] for i in small], None, False, timeout
-                )
-            )
-            batches.append(small)
-        for batch, statuses in zip(batches, await asyncio.gather(*calls), strict=True):
-            for i, status in zip(batch, statuses, strict=True):
-                out[i] = status
-        return out
 
     async def _region_put(self, io: wire.RegionIO, timeout: Timeout) -> list[PutStatus]:
         frame = await self._call(
@@ -964,13 +869,3 @@ def _landed(key: bytes, view: memoryview, frame: Frame) -> int | None:
             f"block {key.hex()} is {len(value)} bytes; its destination holds {len(view)}"
         )
     return len(value)
-
-
-def _peer_pid(sock: object) -> int:
-    """The pid at the other end of a Unix socket (the daemon), or 0."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        return 0
-    pid: int = struct.unpack("<iII", raw)[0]
-    return pid

@@ -15,14 +15,10 @@ from kvtier.model import Buffer
 
 #: values at least this large travel one per frame (or through staging)
 SOLO_VALUE_BYTES = 64 * 1024
-#: values at least this large, several to a ``put_many``, are read by the
-#: daemon out of the writer's own memory when it can (cross-memory attach);
-#: below it the request's round trip to a worker thread costs more than the
-#: socket's copies
-CROSS_MEMORY_BYTES = 512 * 1024
-#: bytes of blocks one such request names: small enough that the daemon
-#: copies one while the writer checksums the next
-CROSS_MEMORY_REQUEST_BYTES = 4 * 1024 * 1024
+#: values at least this large go through shared memory by default (written
+#: in place, or staged); below it the socket, which the daemon receives
+#: straight into the block's place, costs no more
+SHARED_WRITE_BYTES = 512 * 1024
 
 #: the positions, in the caller's lists, of the blocks one frame carries
 Batch = list[int]

@@ -52,7 +52,6 @@ class BlockingClient:
         name: str = f"kvtier-python-blocking/{__version__}",
         shared: bool = True,
         stage_writes: bool | None = None,
-        cross_memory: bool = True,
         write_in_place: bool = True,
         namespace: str = "",
         idle_poll: float = IDLE_POLL,
@@ -66,7 +65,6 @@ class BlockingClient:
                 name=name,
                 shared=shared,
                 stage_writes=stage_writes,
-                cross_memory=cross_memory,
                 write_in_place=write_in_place,
                 namespace=namespace,
                 idle_poll=idle_poll,
@@ -95,7 +93,6 @@ class BlockingClient:
         name: str = f"kvtier-python-blocking/{__version__}",
         shared: bool = True,
         stage_writes: bool | None = None,
-        cross_memory: bool = True,
         write_in_place: bool = True,
         namespace: str = "",
         idle_poll: float = IDLE_POLL,
@@ -108,7 +105,6 @@ class BlockingClient:
             name=name,
             shared=shared,
             stage_writes=stage_writes,
-            cross_memory=cross_memory,
             write_in_place=write_in_place,
             namespace=namespace,
             idle_poll=idle_poll,
@@ -198,10 +194,6 @@ class BlockingClient:
     @property
     def closed(self) -> bool:
         return self._client.closed
-
-    @property
-    def process_region(self) -> int | None:
-        return self._client.process_region
 
     @property
     def shared(self) -> bool:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvtier import cma, loops
+from kvtier import addresses, loops
 from kvtier.client import Client
 from kvtier.client.redial import Backoff, Redial
 from kvtier.errors import ForbiddenError, KvtierError
@@ -402,7 +402,7 @@ class EngineTier:
         #: are read by the daemon from the file itself (a region): off, or
         #: the file, once the first store has found it (None: not known yet)
         self._regions = regions
-        self._file: cma.MappedFile | None = None
+        self._file: addresses.MappedFile | None = None
         #: the file as a region of the daemon's, per connection
         self._region = Regions()
 
@@ -610,7 +610,7 @@ class EngineTier:
         if not self._regions or not rows:
             return None
         if self._file is None:
-            found = cma.mapped_file(cma.address_of(rows[0])[0])
+            found = addresses.mapped_file(addresses.address_of(rows[0])[0])
             if found is None:
                 self._regions = False  # process memory: the socket, from now on
                 return None

@@ -414,14 +414,9 @@ class Ops:
         shared = self._shared_of(conn)
         if frame.data:
             raise wire.CodecError("REGION carries no data")
-        probe = wire.decode_region(frame.meta)
-        if probe is None:  # a memory file, handed over the handoff socket
-            return Reply(wire.encode_region_reply(*shared.open_region(conn.conn_id)))
-        pid = conn.peer.pid if conn.peer is not None else 0
-        opened = shared.open_process_region(
-            conn.conn_id, pid, (probe.address, probe.length, probe.checksum)
-        )
-        return Reply(wire.encode_region_reply(*opened))
+        if frame.meta:  # (a process region's probe, which is not served)
+            raise BadArgumentError("REGION carries nothing: its file comes over the handoff socket")
+        return Reply(wire.encode_region_reply(*shared.open_region(conn.conn_id)))
 
     def put_region(self, conn: Connection, frame: Frame) -> Later:
         shared = self._shared_of(conn)

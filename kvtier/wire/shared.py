@@ -60,10 +60,6 @@ REGION_TAG = b"KVREG1\0\0"
 REGION_ATTACHED = struct.Struct("<BQH")
 #: REGION's reply: the region id, then its token
 _REGION = struct.Struct("<I16s")
-#: REGION's request for the caller's own memory (cross-memory attach): the
-#: kind, then a probe the daemon reads to prove it can (address, length, XXH3-64)
-_PROCESS_REGION = struct.Struct("<BQQQ")
-REGION_PROCESS = 1
 #: PUT_REGION / GET_REGION head: the region id and flags
 _REGION_IO = struct.Struct("<IB")
 REGION_CHECKSUMS = 0x01  # PUT_REGION: one XXH3-64 per block follows the spans
@@ -262,40 +258,14 @@ def decode_commit_reply(buf: Buffer) -> tuple[PutStatus, int | None]:
 class RegionIO:
     """Blocks to copy between a region and RAM: ``spans[i]`` is key i's
     (offset, length) in the region: the block's length for PUT_REGION, the
-    room it may fill for GET_REGION. In a process region an offset is an
-    address. ``checksums`` (PUT_REGION): each block's XXH3-64, checked by the
-    daemon after its copy (a block that changed meanwhile stores nothing)."""
+    room it may fill for GET_REGION. ``checksums`` (PUT_REGION): each
+    block's XXH3-64, checked by the daemon after its copy (a block that
+    changed meanwhile stores nothing)."""
 
     region: int
     keys: list[bytes]
     spans: list[tuple[int, int]]
     checksums: list[int] | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class ProcessProbe:
-    """A few bytes of the client's memory the daemon must read to prove it can."""
-
-    address: int
-    length: int
-    checksum: int
-
-
-def encode_process_region(probe: ProcessProbe) -> bytes:
-    return _PROCESS_REGION.pack(REGION_PROCESS, probe.address, probe.length, probe.checksum)
-
-
-def decode_region(buf: Buffer) -> ProcessProbe | None:
-    """REGION's request: None for a memory file (handed over the handoff
-    socket), or the probe of a process region."""
-    if not buf:
-        return None
-    if len(buf) != _PROCESS_REGION.size:
-        raise CodecError("REGION carries nothing, or a process region's probe")
-    kind, address, length, checksum = _PROCESS_REGION.unpack(buf)
-    if kind != REGION_PROCESS:
-        raise CodecError(f"unknown region kind {kind}")
-    return ProcessProbe(address, length, checksum)
 
 
 def encode_region_reply(region: int, token: bytes) -> bytes:

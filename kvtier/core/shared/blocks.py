@@ -61,7 +61,7 @@ from typing import Any, TypeVar
 import anyio.lowlevel
 import xxhash
 
-from kvtier import blockcopy, cma
+from kvtier import addresses, blockcopy
 from kvtier.core.lookup import check_keys
 from kvtier.core.service import check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
@@ -118,9 +118,6 @@ class Region:
     token: bytes = field(repr=False)
     #: the client's descriptor, once handed over the handoff socket; -1 before
     fd: int = -1
-    #: a process region: the client's pid, whose memory the daemon reads and
-    #: writes by address (cross-memory attach); 0 for a memory file
-    pid: int = 0
     #: the file's size when it was handed over: every block must lie inside it
     size: int = 0
     #: the daemon's own mapping of the file, when it may map it (see
@@ -586,41 +583,15 @@ class SharedBlocks:
                 log.info("region %d: not mapped (%s); copied with pread", region.region_id, exc)
             else:
                 with memoryview(region.mapping) as whole:  # (released: it may close)
-                    region.base = cma.address_of(whole)[0]
+                    region.base = addresses.address_of(whole)[0]
                 region.writable = writable
         return region.size
-
-    def open_process_region(
-        self, owner: ConnId, pid: int, probe: tuple[int, int, int]
-    ) -> tuple[int, bytes]:
-        """A region over the memory of ``owner``'s process (``pid``, from its
-        socket's credentials: a client can only name its own memory). The
-        daemon reads ``probe`` (address, length, XXH3-64) first, to prove it
-        may: this is where a missing permission, a seccomp profile or a PID
-        namespace that hides the client shows, and the client falls back."""
-        address, length, checksum = probe
-        if pid <= 0 or not cma.AVAILABLE:
-            raise ForbiddenError("cross-memory attach: the client's process is not visible here")
-        if not 0 < length <= 4096:
-            raise BadArgumentError("a cross-memory probe is 1 to 4096 bytes")
-        seen = bytearray(length)
-        try:
-            cma.read_from(pid, address, memoryview(seen))
-        except OSError as exc:
-            raise ForbiddenError(f"cross-memory attach refused: {exc}") from None
-        if xxhash.xxh3_64_intdigest(seen) != checksum:
-            raise BadArgumentError("cross-memory probe: the bytes read do not match")
-        region_id, token = self.open_region(owner)
-        region = self._regions[region_id]
-        del self._tokens[token]
-        region.pid, region.size = pid, 1 << 64
-        return region_id, bytes(16)
 
     def _region_of(self, owner: ConnId, region_id: int, spans: Sequence[tuple[int, int]]) -> Region:
         region = self._regions.get(region_id)
         if region is None or region.owner != owner:
             raise BadArgumentError(f"no region {region_id} belongs to this connection")
-        if region.fd < 0 and region.pid == 0:
+        if region.fd < 0:
             raise BadArgumentError(f"region {region_id} has no descriptor yet")
         for i, (offset, length) in enumerate(spans):
             if offset + length > region.size:
@@ -983,10 +954,6 @@ def _read_into(
 ) -> None:
     """Fill each view from the region at its offset (a copy's step),
     a mapped region's copies ``streamed`` past the caches (kvtier.blockcopy)."""
-    if region.pid:
-        for view, address in zip(views, offsets, strict=True):
-            cma.read_from(region.pid, address, view)
-        return
     if region.base:
         _check_size(region, offsets, [len(v) for v in views])
         for view, offset in zip(views, offsets, strict=True):
@@ -994,7 +961,7 @@ def _read_into(
                 source = (ctypes.c_char * len(view)).from_address(region.base + offset)
                 blockcopy.copy_into(view, memoryview(source))
             else:
-                ctypes.memmove(cma.address_of(view)[0], region.base + offset, len(view))
+                ctypes.memmove(addresses.address_of(view)[0], region.base + offset, len(view))
         return
     fd = region.fd
     for view, offset in zip(views, offsets, strict=True):
@@ -1008,14 +975,10 @@ def _read_into(
 
 def _write_from(region: Region, blocks: Sequence[tuple[Buffer, int]]) -> None:
     """Write each block into the region at its offset (a copy's step)."""
-    if region.pid:
-        for value, address in blocks:
-            cma.write_to(region.pid, address, value)
-        return
     if region.base and region.writable:
         _check_size(region, [o for _, o in blocks], [len(v) for v, _ in blocks])
         for value, offset in blocks:
-            address, length = cma.address_of(value)
+            address, length = addresses.address_of(value)
             ctypes.memmove(region.base + offset, address, length)
         return
     fd = region.fd
