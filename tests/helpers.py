@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,17 @@ async def wait_until(predicate: Callable[[], bool], limit: int = 10_000) -> None
             return
         await asyncio.sleep(0)  # allow-sleep: one loop turn, no wait
     raise AssertionError("condition never became true")
+
+
+async def wait_on_timers(predicate: Callable[[], bool], seconds: float = 30.0) -> None:
+    """Until ``predicate()`` holds, for what real timers bring about (another
+    process's polls, a restart's backoff, a reader thread): checked every
+    5 ms instead of spinning the loop, for ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not true within {seconds}s")
+        await asyncio.sleep(0.005)  # allow-sleep: what is awaited runs on real timers
 
 
 class DaemonProcess:

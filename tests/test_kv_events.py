@@ -16,7 +16,7 @@ from kvtier.client.aio import Client
 from kvtier.daemon import Daemon
 from kvtier.model import LookupMode
 from kvtier.tiers.rendezvous import owner
-from tests.helpers import free_port, running_daemon, wait_until
+from tests.helpers import free_port, running_daemon, wait_on_timers
 from tests.s3server import S3Server, s3_server
 
 RAM_ONLY = {"enabled": False}
@@ -230,7 +230,7 @@ async def test_a_slow_subscriber_misses_batches_and_fills_them_from_replay(
             for lo in range(0, len(keys), per_batch):
                 await c.put_many(keys[lo : lo + per_batch], [b"v"] * per_batch)
             stats = d.publisher.stats
-            await wait_until(lambda: stats.stored >= len(keys), limit=1_000_000)
+            await wait_on_timers(lambda: stats.stored >= len(keys))
             last = d.publisher.stats.batches
             # Only now does the subscriber read: what the pipes kept.
             seen: dict[int, list[Any]] = {}

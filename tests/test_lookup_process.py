@@ -54,7 +54,7 @@ from kvtier.tiers.ram import RamTier
 from kvtier.wire import DEFAULT_SCOPE, CodecError, encode_lookup
 from kvtier.wire.framing import Op
 from kvtier.wire.replica import RING_HEADER, FeedRing, Report, decode_reports, encode_report
-from tests.helpers import running_daemon, wait_until
+from tests.helpers import running_daemon, wait_on_timers
 
 RAM_ONLY = {"enabled": False}
 ON = {"lookup_process": True}
@@ -269,12 +269,12 @@ async def answered(d: Daemon, n: int, referred: int = 0) -> None:
     """Until the daemon has heard of ``n`` lookups answered at the process
     (and ``referred`` referred): it reports within a few milliseconds."""
     feed = feed_of(d)
-    await wait_until(lambda: (feed.answered, feed.referred) >= (n, referred), limit=1_000_000)
+    await wait_on_timers(lambda: (feed.answered, feed.referred) >= (n, referred))
 
 
 async def restarted(d: Daemon, first: FeedWriter) -> FeedWriter:
     """Until a lookup process started after ``first``'s listens; its feed."""
-    await wait_until(lambda: feed_of(d) is not first and feed_of(d).listening.is_set(), limit=10**7)
+    await wait_on_timers(lambda: feed_of(d) is not first and feed_of(d).listening.is_set())
     return feed_of(d)
 
 
@@ -392,7 +392,7 @@ async def test_a_process_that_stops_reading_its_feed_is_killed_and_started_again
         # Idle, it reads every FEED_POLL: more than a stall period passes,
         # and it stays.
         reads = first.reads
-        await wait_until(lambda: first.reads >= reads + 30, limit=10**8)
+        await wait_on_timers(lambda: first.reads >= reads + 30)
         assert not first.ended and d.server.counters.lookup_restarts.value == 0
         await c.put(b"k", b"v")
         proc.send_signal(signal.SIGSTOP)  # alive, and reading nothing
@@ -429,7 +429,7 @@ async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(
         assert proc is not None
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
-        await wait_until(lambda: first.ended, limit=1_000_000)  # its end closed
+        await wait_on_timers(lambda: first.ended)  # its end closed
         assert (await c.lookup([b"k"])).prefix_hits == 1  # asked the daemon
         await c.put(b"j", b"w")  # while none runs: in the next one's snapshot
         again = await restarted(d, first)
@@ -455,7 +455,7 @@ async def test_a_process_that_keeps_going_is_started_again_ever_later(
     deep = _unbindable(sock_dir)  # each one exits at once: it cannot listen
     with caplog.at_level(logging.WARNING, logger="kvtier.daemon"):
         async with running_daemon(deep, server={"lookup_process": True}, disk=RAM_ONLY) as d:
-            await wait_until(lambda: d.server.counters.lookup_restarts.value >= 4, limit=10**7)
+            await wait_on_timers(lambda: d.server.counters.lookup_restarts.value >= 4)
             async with await Client.connect(d.socket_path) as c:
                 await c.put(b"k", b"v")
                 assert (await c.lookup([b"k"])).prefix_hits == 1  # the daemon answers
@@ -592,7 +592,7 @@ async def test_a_full_ring_keeps_the_rest_and_the_process_refers_until_it_is_in(
         listener.catch_up()
         return not listener.behind
 
-    await wait_until(caught_up, limit=1_000_000)
+    await wait_on_timers(caught_up)
     assert writer.backlogged == 0 and writer.written == len(keys)
     reply = listener.lookup(meta)
     assert reply is not None and reply.prefix_hits == len(keys)
@@ -713,7 +713,7 @@ async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
         sources.append(default_users(d, [me]))
         d.reload()
         again = await restarted(d, first)
-        await wait_until(lambda: again.backlogged == 0 or again.ended, limit=10**7)
+        await wait_on_timers(lambda: again.backlogged == 0 or again.ended)
         assert not again.ended and again.written >= len(keys)
         async with await Client.connect(d.socket_path, shared=False) as later:
             assert later.lookups_process
