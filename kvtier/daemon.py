@@ -13,12 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,36 +30,24 @@ from kvtier.build import (
     access_of,
     build,
     handoff_path,
-    lookups_path,
     quotas_of,
 )
 from kvtier.config import Config, split_address
 from kvtier.core.propagation import RemoteSpec
 from kvtier.endpoint import start_metrics_server
 from kvtier.errors import ConfigError
-from kvtier.model import ReportKind, Spawn
+from kvtier.model import Spawn
 from kvtier.reload import Live, apply
 from kvtier.server.handoff import Handoff
-from kvtier.server.lookups import FEED_RING_BYTES, FeedWriter, Settings
-from kvtier.server.ops import NamespaceAccess, scoped_tag
 from kvtier.server.sockets import bind_unix_socket
+from kvtier.supervisors.lookup_process import TIMING, LookupSupervisor, Timing
 from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Tier
 from kvtier.tiers.peers import RendezvousPicker
-from kvtier.wire.replica import RING_HEADER, FeedRing, Report
 
 log = logging.getLogger("kvtier.daemon")
 
 READY_MESSAGE = "kvtier ready"
-
-#: seconds the daemon waits for its lookup process to listen before it serves
-LOOKUP_PROCESS_START = 10.0
-#: seconds the lookup process gets to stop once its feed ends
-LOOKUP_PROCESS_STOP = 5.0
-#: seconds before a lookup process that went unasked is started again,
-#: doubling after each one that goes before it listens, up to the most
-LOOKUP_RESTART_FIRST = 1.0
-LOOKUP_RESTART_MOST = 60.0
 
 __all__ = ["PEER_TIER", "READY_MESSAGE", "Daemon", "install_signal_handlers", "run", "serve"]
 
@@ -76,10 +61,12 @@ class Daemon:
         *,
         remote_tiers: Sequence[Tier | RemoteSpec] | None = None,
         reread: Callable[[], Config] | None = None,
+        lookup_timing: Timing = TIMING,
     ) -> None:
         """``remote_tiers`` replaces the configured remote tiers (see
         :func:`~kvtier.build.build`). ``reread`` builds the configuration
-        again from its sources, for :meth:`reload`."""
+        again from its sources, for :meth:`reload`. ``lookup_timing``: the
+        lookup process supervisor's seconds."""
         parts = build(config, remote_tiers=remote_tiers)
         #: everything this daemon runs, built and wired
         self.parts: Parts = parts
@@ -97,10 +84,9 @@ class Daemon:
         self.publisher = parts.publisher
         self.server, self.peer_server = parts.server, parts.peer_server
         self.handoff: Handoff | None = None
-        #: the lookup process (``server.lookup_process``), once started
-        self.lookup_process: asyncio.subprocess.Process | None = None
-        #: the daemon itself ended the lookup process: start it again at once
-        self._lookups_again = False
+        #: the lookup process's supervisor (``server.lookup_process``), once started
+        self.lookups: LookupSupervisor | None = None
+        self._lookup_timing = lookup_timing
         #: every background task: waiting requests, probes, loads, writes
         self.background = TaskSet()
         #: the peer port bound (``peer.listen`` may ask for port 0)
@@ -114,6 +100,11 @@ class Daemon:
     def __repr__(self) -> str:
         state = "stopping" if self._stop.is_set() else ("serving" if self.ready.is_set() else "new")
         return f"<Daemon {state} socket={self.socket_path} {self.service!r}>"
+
+    @property
+    def lookup_process(self) -> asyncio.subprocess.Process | None:
+        """The lookup process running now (or the last one), once started."""
+        return self.lookups.process if self.lookups is not None else None
 
     async def settle(self) -> None:
         """Wait until the background work started so far (writes, loads, probes) is done."""
@@ -186,12 +177,10 @@ class Daemon:
             if budget.shares is not None:
                 budget.shares.quotas = quotas
         access = access_of(new)
-        feed = self.server.feed
-        if feed is not None and access != self.server.ops.access:
+        if self.lookups is not None and access != self.server.ops.access:
             # The lookup process checks who may use which namespace as it
             # started: a new one is started at once, told the new users.
-            self._lookups_again = True
-            feed.end("who may use which namespace changed; starting it again")
+            self.lookups.restart("who may use which namespace changed; starting it again")
         self.server.ops.access = access
         return True
 
@@ -262,15 +251,13 @@ class Daemon:
         publishing = None
         if self.publisher is not None:
             publishing = tasks.create_task(self.publisher.serve(), name="kvtier-kv-events")
-        feed = None
         if self.config.server.lookup_process:
-            started = await self._start_lookup_process()
-            if started is not None:
-                proc, feed = started
-                tasks.create_task(
-                    self._supervise_lookup_process(proc, feed), name="kvtier-lookup-process"
-                )
-                await _decided(feed)
+            lookups = LookupSupervisor(
+                self.config, self.service, self.server, self._stop, self._lookup_timing
+            )
+            if await lookups.start():
+                self.lookups = lookups
+                tasks.create_task(lookups.run(), name="kvtier-lookup-process")
         try:
             await self.server.start(sock, spawn)
             await self._start_peer_listener(spawn)
@@ -280,134 +267,8 @@ class Daemon:
             for task in (handoff_task, publishing):
                 if task is not None:
                     task.cancel()
-            if self.server.feed is not None:
-                self.server.feed.end()  # its task sees the lookup process stop, then ends
-
-    async def _start_lookup_process(self) -> tuple[asyncio.subprocess.Process, FeedWriter] | None:
-        """Start the lookup process (docs/lookup-process.md) and its feed;
-        None (logged) where it cannot start."""
-        sc, limits = self.config.server, self.service.limits
-        peers = self.server.peers  # (the main socket's, as the handoff's)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        ring_fd = os.memfd_create("kvtier-feed", os.MFD_CLOEXEC)
-        os.ftruncate(ring_fd, RING_HEADER + FEED_RING_BYTES)
-        ring = FeedRing(memoryview(mmap.mmap(ring_fd, 0)))
-        settings = Settings(
-            report_fd=theirs.fileno(),
-            ring_fd=ring_fd,
-            path=lookups_path(self.config),
-            mode=sc.socket_mode,
-            uids=None if peers.uids is None else sorted(peers.uids),
-            gids=sorted(peers.gids),
-            access=(self.server.ops.access or NamespaceAccess()).to_json(),
-            max_key_bytes=limits.max_key_bytes,
-            max_batch=limits.max_batch,
-            max_block_bytes=limits.max_block_bytes,
-            max_frame_bytes=sc.max_frame_bytes,
-            server_name=self.server.server_name,
-            remotes=bool(self.service.remotes),
-            idle_poll=sc.idle_poll,
-            slice=sc.lookup_slice,
-            request_state_ttl=self.config.lookup.request_state_ttl,
-        )
-        try:
-            proc = self.lookup_process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "kvtier.lookup_process",
-                settings.to_json(),
-                pass_fds=(theirs.fileno(), ring_fd),
-                stdin=subprocess.DEVNULL,
-            )
-        except OSError as exc:
-            log.error("the lookup process did not start (%s); the daemon answers every lookup", exc)
-            ours.close()
-            return None
-        finally:
-            theirs.close()
-            os.close(ring_fd)  # (the mapping stays)
-        feed = FeedWriter(ours, ring, self.service.holds, self._lookup_report)
-        self.service.feed(feed.write)
-        self.server.feed = feed
-        return proc, feed
-
-    async def _supervise_lookup_process(
-        self, proc: asyncio.subprocess.Process, feed: FeedWriter
-    ) -> None:
-        """Feed the lookup process until the daemon stops, starting it again
-        whenever it goes before: at once when the daemon ended it (a reload),
-        else after a delay that doubles while it keeps going before it
-        listens. Meanwhile the daemon answers every lookup."""
-        delay = LOOKUP_RESTART_FIRST
-        while True:
-            await self._feed_lookup_process(proc, feed)
-            if self._stop.is_set():
-                return
-            if feed.listening.is_set():
-                delay = LOOKUP_RESTART_FIRST  # it served: this is a new failure
-            wait = 0.0 if self._lookups_again else delay
-            self._lookups_again = False
-            if wait:
-                log.warning(
-                    "the lookup process went (exit status %s); starting it again in %.3gs",
-                    proc.returncode,
-                    wait,
-                )
-            started = None
-            while started is None:  # (None, logged: it could not even be run)
-                if wait:
-                    if await self._stopping_within(wait):
-                        return
-                    delay = min(delay * 2, LOOKUP_RESTART_MOST)
-                started = await self._start_lookup_process()
-                wait = delay
-            proc, feed = started
-            self.server.counters.lookup_restarts.inc()
-            if self._stop.is_set():  # (it stopped while this one started)
-                feed.end()
-
-    async def _stopping_within(self, seconds: float) -> bool:
-        """Wait ``seconds`` unless the daemon stops first; whether it does."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stop.wait()
-        return self._stop.is_set()
-
-    async def _feed_lookup_process(
-        self, proc: asyncio.subprocess.Process, feed: FeedWriter
-    ) -> None:
-        """Feed the lookup process until it or the daemon stops; then see it end."""
-        try:
-            await feed.done.wait()
-        finally:
-            self.service.stop_feed()
-            feed.end()  # the process sees its feed end, and stops
-            if feed.stalled:  # (it would not see it)
-                with contextlib.suppress(ProcessLookupError):  # (it went meanwhile)
-                    proc.kill()
-            try:
-                async with asyncio.timeout(LOOKUP_PROCESS_STOP):
-                    await proc.wait()
-            except TimeoutError:
-                log.warning("the lookup process did not stop; killing it")
-                proc.kill()
-                await proc.wait()
-            # Gone: its socket goes too (it removes it itself, unless killed),
-            # so that no client tries it.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lookups_path(self.config))
-
-    def _lookup_report(self, report: Report) -> None:
-        kind = report.kind
-        if kind is ReportKind.ANSWERED:
-            assert report.lookup is not None
-            req = scoped_tag(report.lookup, report.prefix)
-            self.service.looked_up(req, report.states, report.times)
-            self.server.counters.lookup_process.inc("answered", n=report.times)
-        elif kind is ReportKind.REFERRED:
-            self.server.counters.lookup_process.inc("referred")
-        else:
-            log.info("lookup process: listening on %s", lookups_path(self.config))
+            if self.lookups is not None:
+                self.lookups.end()  # its task sees the lookup process stop, then ends
 
     def _bind_handoff(self) -> None:
         """The socket that hands the arena to same-host clients, beside the main one."""
@@ -511,19 +372,6 @@ class Daemon:
         with contextlib.suppress(FileNotFoundError):
             if os.stat(self.socket_path).st_ino == self._socket_ino:
                 os.unlink(self.socket_path)
-
-
-async def _decided(feed: FeedWriter) -> None:
-    """Until the lookup process listens (or will not), so that a client that
-    connects once the daemon is ready finds it; bounded."""
-    try:
-        async with asyncio.timeout(LOOKUP_PROCESS_START):
-            await feed.decided.wait()
-    except TimeoutError:
-        log.warning(
-            "the lookup process does not listen after %.0fs; serving meanwhile",
-            LOOKUP_PROCESS_START,
-        )
 
 
 def install_signal_handlers(daemon: Daemon) -> None:

@@ -23,6 +23,7 @@ from kvtier import wire
 from kvtier.config import Config, load_config
 from kvtier.core.propagation import RemoteSpec
 from kvtier.daemon import READY_MESSAGE, Daemon
+from kvtier.supervisors.lookup_process import TIMING, Timing
 from kvtier.tiers.base import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +48,7 @@ async def running_daemon(
     remote_tiers: Sequence[Tier | RemoteSpec] | None = None,
     remote_tier_configs: list[dict[str, Any]] | None = None,
     reread: Callable[[], Config] | None = None,
+    lookup_timing: Timing = TIMING,
     **sections: dict[str, Any],
 ) -> AsyncIterator[Daemon]:
     """An in-process daemon on the test's event loop; ``reread`` is its
@@ -67,7 +69,12 @@ async def running_daemon(
     config_overrides: dict[str, Any] = dict(overrides)
     if remote_tier_configs is not None:
         config_overrides["remote_tiers"] = remote_tier_configs
-    daemon = Daemon(load_config(None, config_overrides), remote_tiers=remote_tiers, reread=reread)
+    daemon = Daemon(
+        load_config(None, config_overrides),
+        remote_tiers=remote_tiers,
+        reread=reread,
+        lookup_timing=lookup_timing,
+    )
     task = asyncio.create_task(daemon.run())
     ready = asyncio.create_task(daemon.ready.wait())
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
-from kvtier.client.redial import Backoff, Redial
+from kvtier.backoff import Backoff
+from kvtier.client.redial import Redial
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadKeyError,

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from kvtier import daemon as daemon_module
 from kvtier.client import aio
 from kvtier.client.aio import Client
 from kvtier.config import Config, load_config
@@ -47,6 +46,8 @@ from kvtier.server import lookups as lookups_module
 from kvtier.server.lookups import FeedWriter, LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import Peer, PeerPolicy
+from kvtier.supervisors import lookup_process as supervisor_module
+from kvtier.supervisors.lookup_process import Timing
 from kvtier.tiers.base import Tier
 from kvtier.tiers.budget import Gone
 from kvtier.tiers.memory import MemoryRemoteTier
@@ -58,6 +59,8 @@ from tests.helpers import running_daemon, wait_on_timers
 
 RAM_ONLY = {"enabled": False}
 ON = {"lookup_process": True}
+#: a lookup process that went is started again after 10 ms
+SOON = Timing(restart_first=0.01)
 
 
 def replica_of(held: list[bytes], pending: list[bytes] = (), **kw: bool) -> Replica:  # type: ignore[assignment]
@@ -380,11 +383,10 @@ async def test_a_process_that_stops_reading_its_feed_is_killed_and_started_again
     # (a stall period of 1 s: on a loaded machine an idle process can wait
     # a few hundred ms for a CPU, and a shorter one would kill it here)
     monkeypatch.setattr(lookups_module, "FEED_STALL", 1.0)
-    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 0.01)
     monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
     monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
     async with (
-        with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
+        with_lookup_process(sock_dir, lookup_timing=SOON, disk=RAM_ONLY) as d,
         await Client.connect(d.socket_path, shared=False, timeout=60) as c,
     ):
         first, proc = feed_of(d), d.lookup_process
@@ -417,10 +419,9 @@ async def test_a_process_that_stops_reading_its_feed_is_killed_and_started_again
 async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(
     sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 0.01)
     monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
     async with (
-        with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
+        with_lookup_process(sock_dir, lookup_timing=SOON, disk=RAM_ONLY) as d,
         await Client.connect(d.socket_path, shared=False) as c,
     ):
         await c.put(b"k", b"v")
@@ -450,11 +451,12 @@ async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(
 async def test_a_process_that_keeps_going_is_started_again_ever_later(
     sock_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 0.01)
-    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_MOST", 0.04)
     deep = _unbindable(sock_dir)  # each one exits at once: it cannot listen
+    quick = Timing(restart_first=0.01, restart_most=0.04)
     with caplog.at_level(logging.WARNING, logger="kvtier.daemon"):
-        async with running_daemon(deep, server={"lookup_process": True}, disk=RAM_ONLY) as d:
+        async with running_daemon(
+            deep, server={"lookup_process": True}, lookup_timing=quick, disk=RAM_ONLY
+        ) as d:
             await wait_on_timers(lambda: d.server.counters.lookup_restarts.value >= 4)
             async with await Client.connect(d.socket_path) as c:
                 await c.put(b"k", b"v")
@@ -614,9 +616,11 @@ def _unbindable(sock_dir: Path) -> Path:
 async def test_a_lookup_process_that_cannot_listen_leaves_the_daemon_answering(
     sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(daemon_module, "LOOKUP_RESTART_FIRST", 3600.0)  # (not in this test)
     deep = _unbindable(sock_dir)
-    async with running_daemon(deep, server={"lookup_process": True}, disk=RAM_ONLY) as d:
+    never = Timing(restart_first=3600.0, restart_most=3600.0)  # (not in this test)
+    async with running_daemon(
+        deep, server={"lookup_process": True}, lookup_timing=never, disk=RAM_ONLY
+    ) as d:
         feed = feed_of(d)
         async with asyncio.timeout(60):
             await feed.decided.wait()  # (the daemon waited for it before serving)
@@ -709,7 +713,7 @@ async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
         assert not first.ended
         # The next one's ring holds about 100 changes: its snapshot of 3000
         # keys waits for room, past the backlog's bound for later changes.
-        monkeypatch.setattr(daemon_module, "FEED_RING_BYTES", 4096)
+        monkeypatch.setattr(supervisor_module, "FEED_RING_BYTES", 4096)
         sources.append(default_users(d, [me]))
         d.reload()
         again = await restarted(d, first)

@@ -3,8 +3,9 @@
 Every long-lived user of a daemon (an engine's tier, a peer) needs the same
 three things: share one connection, share one attempt to open it, and after
 a failed attempt wait out an exponential backoff before the next one
-instead of hammering a daemon that is down. :class:`Backoff` is the pure
-half (when the next attempt may start); :class:`Redial` does the dialling.
+instead of hammering a daemon that is down. :class:`~kvtier.backoff.Backoff`
+is the pure half (when the next attempt may start); :class:`Redial` does the
+dialling.
 
 Invariants: concurrent callers make one attempt between them; after a failed
 attempt no other starts before its delay has passed on the injected clock
@@ -21,39 +22,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from kvtier.backoff import Backoff
 from kvtier.client.aio import Client
 from kvtier.errors import DaemonUnavailableError
 
 log = logging.getLogger("kvtier.client")
-
-
-class Backoff:
-    """When the next connection attempt may start. Pure."""
-
-    __slots__ = ("_delay", "first", "most", "not_before")
-
-    def __init__(self, first: float = 0.05, most: float = 5.0) -> None:
-        if not 0 <= first <= most:
-            raise ValueError(f"backoff needs 0 <= first <= most, got {first}, {most}")
-        self.first = first
-        self.most = most
-        self._delay = first
-        #: no attempt before this time (0: at once)
-        self.not_before = 0.0
-
-    def __repr__(self) -> str:
-        return f"<Backoff next_delay={self._delay:g} not_before={self.not_before:g}>"
-
-    def failed(self, now: float) -> float:
-        """An attempt failed at ``now``: returns how long until the next may start."""
-        delay = self._delay
-        self.not_before = now + delay
-        self._delay = min(delay * 2, self.most)
-        return delay
-
-    def succeeded(self) -> None:
-        self._delay = self.first
-        self.not_before = 0.0
 
 
 class Redial:

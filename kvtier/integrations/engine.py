@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvtier import addresses, loops
+from kvtier.backoff import Backoff
 from kvtier.client import Client
-from kvtier.client.redial import Backoff, Redial
+from kvtier.client.redial import Redial
 from kvtier.errors import ForbiddenError, KvtierError
 from kvtier.model import HIT, MISS, BlockEvent, Buffer, EventKind, LookupMode
 

@@ -39,8 +39,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.backoff import Backoff
 from kvtier.client.aio import Client
-from kvtier.client.redial import Backoff, Redial
+from kvtier.client.redial import Redial
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.errors import KvtierError, TierError
 from kvtier.model import Buffer, LookupMode, State
