@@ -7,13 +7,13 @@ measured, once the daemon has served one request of the same kind for
 another key (so first-use set-up, such as a counter's first label, is not
 counted). The
 request is sent from the main thread, so the client's own
-calls are not counted. Counted: the op table and everything below it (core,
-tiers, codecs, the scheduler loop, background tasks the request starts).
-Not counted: the transport layer every op shares (the connection's frame
-reader and writer, flow control, framing) and what it calls besides the op
-table (its request counters, task spawning); the daemon's task set, as
-asyncio's own task machinery is not counted; a coroutine resuming after an
-await (it is one call, however often it waits); a list, dict or set
+calls are not counted. Counted: everything of kvtier's the request runs in
+the daemon, from the connection's receipt of its bytes to the reply's
+write: the transport (connection, framing, flow control, the request's
+counters and task), the op table and everything below it (core, tiers,
+codecs, the scheduler loop, background tasks the request starts). Not
+counted: a coroutine resuming after an await (it is one call, however
+often it waits); a list, dict or set
 comprehension, an expression of the function it sits in (Python 3.12 runs
 it inline, PEP 709); and the measurement's own wait for the daemon to be
 idle (``Daemon.settle``).
@@ -51,20 +51,6 @@ from tests.helpers import short_tmpdir
 T = TypeVar("T")
 
 PACKAGE = str(Path(kvtier.__file__).resolve().parent) + "/"
-
-#: the transport every op shares, and the daemon's task set (a thin wrapper
-#: of asyncio's create_task, which is not counted either): not part of any
-#: one verb's path
-TRANSPORT = frozenset(
-    {
-        "server/connection.py",
-        "server/server.py",
-        "wire/framing.py",
-        "wire/flow_control.py",
-        "loops.py",
-        "tasks.py",
-    }
-)
 
 #: comprehensions are expressions of the function they sit in: Python 3.12
 #: inlines them (PEP 709), 3.11 still runs each in a frame of its own
@@ -140,15 +126,11 @@ class ThreadedDaemon:
         if not filename.startswith(PACKAGE):
             return
         rel = filename[len(PACKAGE) :]
-        if rel in TRANSPORT or code in self._helpers or code.co_name in COMPREHENSIONS:
+        if code in self._helpers or code.co_name in COMPREHENSIONS:
             return
         caller = frame.f_back
-        if caller is not None:
-            if caller.f_code in self._helpers:
-                return
-            called_from = caller.f_code.co_filename[len(PACKAGE) :]
-            if called_from in TRANSPORT and rel != "server/ops.py":
-                return  # the transport's own bookkeeping (request counters, spawning)
+        if caller is not None and caller.f_code in self._helpers:
+            return
         if code.co_flags & _SUSPENDABLE:
             if id(frame) in count.frames:
                 return  # a coroutine resumed after an await is not a new call
