@@ -11,9 +11,9 @@ done (``lookup``, ``get``, ``delete``). ``put``, ``reserve``, ``abort`` and
 Every verb asks :class:`~kvtier.core.lookup.Locator` where a key is and acts
 on the answer; no other code decides the order of the tiers. The pure halves
 decide (:mod:`~kvtier.core.lookup`, :mod:`~kvtier.core.writes`,
-:mod:`~kvtier.core.probes`); their acting halves live below the verbs:
-:class:`PendingWrites` (nothing is pending forever) and
-:class:`RemoteProbes` (probes are shared and always end).
+:mod:`~kvtier.core.probes`); their acting halves have modules of their own:
+:class:`~kvtier.core.writing.PendingWrites` (nothing is pending forever) and
+:class:`~kvtier.core.probing.RemoteProbes` (probes are shared and always end).
 
 Imports the core, the tiers, the shared records and the errors; never the
 wire, the server or metrics.
@@ -22,7 +22,6 @@ wire, the server or metrics.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -36,8 +35,6 @@ from kvtier.core.counts import (
     MapSizes,
     NamespaceCounts,
     NamespaceStats,
-    ProbeFailure,
-    ProbeUse,
     Promoted,
 )
 from kvtier.core.deferral import DeferralTracker
@@ -56,10 +53,12 @@ from kvtier.core.lookup import (
     prefix_answer,
     waits_for,
 )
-from kvtier.core.probes import Probe, ProbeMap, Verdict
+from kvtier.core.probes import Verdict
+from kvtier.core.probing import RemoteProbes, RemoteSlot
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
 from kvtier.core.timers import Scheduler
-from kvtier.core.writes import End, Owner, Promotion, Reservation, ReservationTable
+from kvtier.core.writes import End, Promotion, Reservation
+from kvtier.core.writing import PendingWrites
 from kvtier.errors import (
     KvtierError,
     NoCapacityError,
@@ -1084,269 +1083,3 @@ class Service:
 def _blocks(shares: Shares | None, ns: bytes) -> int:
     policy = shares.policies.get(ns) if shares is not None else None
     return len(policy) if policy is not None else 0
-
-
-class PendingWrites:
-    """Pending writes in motion: the acting half of
-    :class:`~kvtier.core.writes.ReservationTable`.
-
-    It arms one scheduler timer per pending key and gives back the RAM a
-    reservation holds. Invariants (the second seed lesson):
-
-    * every reservation it creates has a deadline timer; however it ends, the
-      timer is cancelled, the RAM held for it is given back and its waiters
-      are woken (``done`` resolved) - nothing is pending forever;
-    * at the deadline the write is aborted, counted
-      (``pending_deadline_expired``) and logged with the key and the writer;
-      a promotion's task is cancelled with it.
-    """
-
-    def __init__(self, ram: RamTier, scheduler: Scheduler, counters: CoreCounters) -> None:
-        self.table = ReservationTable()
-        self._ram = ram
-        self._scheduler = scheduler
-        self._counters = counters
-
-    def __repr__(self) -> str:
-        return f"<PendingWrites {self.table!r} timers={self._scheduler.timer_count}>"
-
-    def reserve(
-        self, key: bytes, owner: Owner, deadline: float, size: int, now: float
-    ) -> Reservation:
-        """A pending write of ``key`` for ``deadline`` seconds, holding ``size`` bytes of RAM."""
-        res = self.table.add(key, owner, now + deadline, size, now, asyncio.get_running_loop())
-        res.timer = self._scheduler.call_at(res.deadline, lambda: self._expire(res))
-        return res
-
-    def hold(self, res: Reservation, size: int) -> None:
-        """``res`` holds ``size`` bytes of RAM again (room given back by
-        :meth:`claim` for a slot that could not be had), without evicting:
-        the bytes were free a moment ago."""
-        self._ram.hold_room(size)
-        res.size = size
-
-    def claim(self, res: Reservation) -> None:
-        """A store is completing ``res``: the RAM it held is given back now."""
-        if res.size:
-            self._ram.release(res.size)
-            res.size = 0
-
-    def end(self, res: Reservation, how: End) -> bool:
-        """End ``res`` (resolving its waiters); False if it had already ended."""
-        if not self.table.end(res, how):
-            return False
-        self._scheduler.cancel(res.timer)
-        if res.size:
-            self._ram.release(res.size)
-        if isinstance(res.owner, ConnId):
-            self._counters.reservations.inc(how.value)
-        return True
-
-    def end_owned_by(self, owner: ConnId, how: End) -> int:
-        owned = self.table.owned_by(owner)
-        for res in owned:
-            self.end(res, how)
-        return len(owned)
-
-    def end_all(self) -> None:
-        for res in self.table.all():
-            self.end(res, End.ABORTED)
-
-    def _expire(self, res: Reservation) -> None:
-        if not self.end(res, End.EXPIRED):
-            return
-        self._counters.pending_deadline_expired.inc()
-        log.warning(
-            "pending write of key %s by %s missed its deadline after %.3fs; aborted",
-            res.key.hex(),
-            res.owner,
-            res.deadline - res.started,
-        )
-        if res.task is not None:
-            res.task.cancel()
-
-
-# ---------------------------------------------------------------- remote probes
-
-
-class RemoteSlot:
-    """A remote tier, its probe map and its probe counters (bound once)."""
-
-    def __init__(self, index: int, tier: Tier, probes: ProbeMap, counters: CoreCounters) -> None:
-        self.index = index
-        self.tier = tier
-        self.probes = probes
-        self.name = tier.name
-        self.started = counters.probes.bind(tier.name, ProbeUse.STARTED.value)
-        self.joined = counters.probes.bind(tier.name, ProbeUse.JOINED.value)
-        self.cached = counters.probes.bind(tier.name, ProbeUse.CACHED.value)
-        self.verdicts = {v: counters.probe_verdicts.bind(tier.name, v.value) for v in Verdict}
-        self.batch_size = counters.probe_batch_size.bind(tier.name)
-
-    def __repr__(self) -> str:
-        return f"<RemoteSlot {self.name} {self.probes!r}>"
-
-
-class RemoteProbes:
-    """The remote tiers' existence probes in motion: begin, batch, run, resolve;
-    the acting half of :class:`~kvtier.core.probes.ProbeMap`.
-
-    A probe begins as a future in its tier's map plus a key queued on the
-    scheduler, which flushes each tick's keys into one ``batch_lookup`` task
-    per tier. Invariants (the first seed lesson):
-
-    * callers wait on a probe's future, never on its task, so a caller going
-      away cannot cancel it;
-    * the task resolves every probe it covered in ``finally``, whatever the
-      backend did (raised, hung past ``probe_timeout``, answered short);
-    * a result for a probe superseded meanwhile is dropped and counted;
-    * the deadline resolves a probe even when the backend call ignores
-      cancellation; at most ``len(keys) + 1`` answers are read, and only
-      booleans count as answers (anything else fails the batch as bad_result).
-
-    A PRESENT verdict is handed to ``on_present`` (the service decides
-    whether to promote).
-    """
-
-    def __init__(
-        self,
-        tiers: Sequence[Tier],
-        *,
-        verdict_ttl: float,
-        error_ttl: float,
-        max_verdicts: int,
-        probe_timeout: float,
-        scheduler: Scheduler,
-        counters: CoreCounters,
-        task: Callable[[Coroutine[Any, Any, None]], object],
-        on_present: Callable[[RemoteSlot, bytes, float], None],
-    ) -> None:
-        self.slots = [
-            RemoteSlot(
-                i,
-                tier,
-                ProbeMap(
-                    tier.name,
-                    verdict_ttl=verdict_ttl,
-                    error_ttl=error_ttl,
-                    max_verdicts=max_verdicts,
-                ),
-                counters,
-            )
-            for i, tier in enumerate(tiers)
-        ]
-        self._timeout = probe_timeout
-        self._scheduler = scheduler
-        self._counters = counters
-        self._task = task
-        self._on_present = on_present
-        for slot in self.slots:
-            scheduler.add_prober(slot.name, self._dispatcher(slot))
-
-    def __repr__(self) -> str:
-        return f"<RemoteProbes {self.slots!r}>"
-
-    def begin(self, slot: RemoteSlot, key: bytes) -> Probe:
-        probe = slot.probes.begin(key, asyncio.get_running_loop())
-        slot.started.value += 1
-        self._scheduler.enqueue_probe(slot.name, key)
-        return probe
-
-    def expire(self, now: float) -> None:
-        for slot in self.slots:
-            slot.probes.expire(now)
-
-    def abandon_all(self) -> None:
-        for slot in self.slots:
-            slot.probes.abandon_all()
-
-    def _dispatcher(self, slot: RemoteSlot) -> Callable[[list[bytes]], None]:
-        def dispatch(keys: list[bytes]) -> None:
-            probes = [p for p in map(slot.probes.inflight, keys) if p is not None]
-            if not probes:
-                return  # every key was invalidated before its batch left
-            slot.batch_size.observe(len(probes))
-            self._task(self._run(slot, probes))
-
-        return dispatch
-
-    async def _run(self, slot: RemoteSlot, probes: list[Probe]) -> None:
-        """One ``batch_lookup`` for ``probes``; every probe is resolved by its deadline.
-
-        ``asyncio.timeout`` ends a backend call that honours cancellation; a
-        scheduler timer at the same deadline resolves the probes of one that
-        does not (its answer, if it ever comes, is dropped and counted late).
-        """
-        keys = [p.key for p in probes]
-        batch = _ProbeBatch(slot, probes)
-        deadline = self._scheduler.now() + self._timeout
-        backstop = self._scheduler.call_at(deadline, lambda: self._expire(batch))
-        verdicts: list[Verdict] | None = None
-        failure = ProbeFailure.ERROR
-        try:
-            async with asyncio.timeout(self._timeout):
-                answers = await slot.tier.batch_lookup(keys)
-                # At most one answer too many is read: an endless iterable ends here.
-                found = list(itertools.islice(answers, len(keys) + 1))
-            if len(found) != len(keys) or not all(type(a) is bool for a in found):
-                failure = ProbeFailure.BAD_RESULT
-                raise TierError(
-                    f"{slot.name}: batch_lookup answered {len(found)} result(s) for "
-                    f"{len(keys)} key(s), or not all of them booleans"
-                )
-            verdicts = [Verdict.PRESENT if f else Verdict.ABSENT for f in found]
-        except TimeoutError:
-            failure = ProbeFailure.TIMEOUT
-            log.warning(
-                "%s: probe of %d key(s) timed out after %.3fs", slot.name, len(keys), self._timeout
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("%s: probe of %d key(s) failed: %s", slot.name, len(keys), exc)
-        finally:
-            self._scheduler.cancel(backstop)
-            if batch.resolved and verdicts is not None:
-                self._counters.probe_late.inc(slot.name, n=len(keys))
-            self._resolve(batch, verdicts, failure)
-
-    def _expire(self, batch: _ProbeBatch) -> None:
-        if not batch.resolved:
-            log.warning(
-                "%s: probe of %d key(s) still unanswered after %.3fs; resolved as timed out",
-                batch.slot.name,
-                len(batch.probes),
-                self._timeout,
-            )
-            self._resolve(batch, None, ProbeFailure.TIMEOUT)
-
-    def _resolve(
-        self, batch: _ProbeBatch, verdicts: list[Verdict] | None, failure: ProbeFailure
-    ) -> None:
-        """Resolve every probe of ``batch`` once: with ``verdicts``, or as errors."""
-        if batch.resolved:
-            return
-        batch.resolved = True
-        slot, counters = batch.slot, self._counters
-        now = self._scheduler.now()
-        if verdicts is None:
-            counters.probe_failures.inc(slot.name, failure.value, n=len(batch.probes))
-        for i, probe in enumerate(batch.probes):
-            verdict = verdicts[i] if verdicts is not None else Verdict.ERROR
-            owned = slot.probes.complete(probe, verdict, now)
-            slot.verdicts[verdict].value += 1
-            if not owned:
-                counters.probe_superseded.inc(slot.name)
-            elif verdict is Verdict.PRESENT:
-                self._on_present(slot, probe.key, now)
-
-
-class _ProbeBatch:
-    """One batch_lookup call's probes; resolved once, by the answer or the deadline."""
-
-    __slots__ = ("probes", "resolved", "slot")
-
-    def __init__(self, slot: RemoteSlot, probes: list[Probe]) -> None:
-        self.slot = slot
-        self.probes = probes
-        self.resolved = False

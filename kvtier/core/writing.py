@@ -1,0 +1,100 @@
+"""Pending writes in motion: the acting half of :mod:`kvtier.core.writes`.
+
+:mod:`kvtier.core.writes` decides (the table of pending writes, one a key,
+its owner and its ``done``); :class:`PendingWrites` acts: a deadline timer
+for each, the RAM each holds, ending them. Imports the pure table, the
+scheduler, the RAM tier and the counters; the service owns one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvtier.core.counts import CoreCounters
+from kvtier.core.timers import Scheduler
+from kvtier.core.writes import End, Owner, Reservation, ReservationTable
+from kvtier.model import ConnId
+from kvtier.tiers.ram import RamTier
+
+log = logging.getLogger("kvtier.service")
+
+
+class PendingWrites:
+    """Pending writes in motion: the acting half of
+    :class:`~kvtier.core.writes.ReservationTable`.
+
+    It arms one scheduler timer per pending key and gives back the RAM a
+    reservation holds. Invariants (the second seed lesson):
+
+    * every reservation it creates has a deadline timer; however it ends, the
+      timer is cancelled, the RAM held for it is given back and its waiters
+      are woken (``done`` resolved) - nothing is pending forever;
+    * at the deadline the write is aborted, counted
+      (``pending_deadline_expired``) and logged with the key and the writer;
+      a promotion's task is cancelled with it.
+    """
+
+    def __init__(self, ram: RamTier, scheduler: Scheduler, counters: CoreCounters) -> None:
+        self.table = ReservationTable()
+        self._ram = ram
+        self._scheduler = scheduler
+        self._counters = counters
+
+    def __repr__(self) -> str:
+        return f"<PendingWrites {self.table!r} timers={self._scheduler.timer_count}>"
+
+    def reserve(
+        self, key: bytes, owner: Owner, deadline: float, size: int, now: float
+    ) -> Reservation:
+        """A pending write of ``key`` for ``deadline`` seconds, holding ``size`` bytes of RAM."""
+        res = self.table.add(key, owner, now + deadline, size, now, asyncio.get_running_loop())
+        res.timer = self._scheduler.call_at(res.deadline, lambda: self._expire(res))
+        return res
+
+    def hold(self, res: Reservation, size: int) -> None:
+        """``res`` holds ``size`` bytes of RAM again (room given back by
+        :meth:`claim` for a slot that could not be had), without evicting:
+        the bytes were free a moment ago."""
+        self._ram.hold_room(size)
+        res.size = size
+
+    def claim(self, res: Reservation) -> None:
+        """A store is completing ``res``: the RAM it held is given back now."""
+        if res.size:
+            self._ram.release(res.size)
+            res.size = 0
+
+    def end(self, res: Reservation, how: End) -> bool:
+        """End ``res`` (resolving its waiters); False if it had already ended."""
+        if not self.table.end(res, how):
+            return False
+        self._scheduler.cancel(res.timer)
+        if res.size:
+            self._ram.release(res.size)
+        if isinstance(res.owner, ConnId):
+            self._counters.reservations.inc(how.value)
+        return True
+
+    def end_owned_by(self, owner: ConnId, how: End) -> int:
+        owned = self.table.owned_by(owner)
+        for res in owned:
+            self.end(res, how)
+        return len(owned)
+
+    def end_all(self) -> None:
+        for res in self.table.all():
+            self.end(res, End.ABORTED)
+
+    def _expire(self, res: Reservation) -> None:
+        if not self.end(res, End.EXPIRED):
+            return
+        self._counters.pending_deadline_expired.inc()
+        log.warning(
+            "pending write of key %s by %s missed its deadline after %.3fs; aborted",
+            res.key.hex(),
+            res.owner,
+            res.deadline - res.started,
+        )
+        if res.task is not None:
+            res.task.cancel()
