@@ -7,11 +7,15 @@ run by ``make test``); these check what the contracts cannot say.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import grimp
 
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvtier"
 HEAVY = ("pydantic", "pydantic_settings", "aiobotocore", "botocore", "prometheus_client", "aiohttp")
 
 
@@ -52,3 +56,34 @@ def test_import_kvtier_for_the_client_loads_no_daemon_stack() -> None:
 def test_config_still_loads_on_first_use() -> None:
     loaded = _modules_loaded_by("import kvtier\nkvtier.load_config")
     assert "pydantic" in loaded and "kvtier.config" in loaded
+
+
+def _layout() -> str:
+    """The README's map of the code (its "Layout" block)."""
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(r"^## Layout\n.*?```\n(.*?)```", readme, re.S | re.M)
+    assert found is not None, "README.md has no Layout block"
+    return found.group(1)
+
+
+def test_the_readme_map_names_every_module_and_only_files_that_exist() -> None:
+    block = _layout()
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", block))
+    folders = set(re.findall(r"\b([a-z_]+)/", block))
+    files = {p.name for p in PACKAGE.rglob("*.py")} | {
+        p.name for p in (ROOT / "benchmarks").glob("*.py")
+    }
+    assert named <= files, f"the map names files that do not exist: {sorted(named - files)}"
+    plumbing = {"__init__.py", "__main__.py", "_version.py"}
+    for where in (PACKAGE, PACKAGE / "core"):
+        modules = {p.name for p in where.glob("*.py")} - plumbing
+        assert modules <= named, f"not in the README's map: {sorted(modules - named)}"
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= folders, f"not in the README's map: {sorted(packages - folders)}"
+
+
+def test_the_docs_name_only_modules_that_exist() -> None:
+    wings = "core|server|tiers|wire|client|supervisors|integrations"
+    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for path in re.findall(rf"`((?:{wings})/[a-z_/]+\.py)`", doc.read_text()):
+            assert (PACKAGE / path).exists(), f"{doc.name} names {path}, which does not exist"
