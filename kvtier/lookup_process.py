@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from kvtier import loops, wire
-from kvtier.core.lookup import check_lookup
+from kvtier.core.checks import check_lookup
 from kvtier.core.replica import Replica
 from kvtier.loops import IdlePoll
 from kvtier.model import Limits, Lookup, LookupReply

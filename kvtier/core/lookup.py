@@ -28,68 +28,21 @@ set for every PENDING or RETRY key whose settling is already known (a
 write, a probe in flight, the index scan) and left None where the planned
 work will supply it; :func:`prefix_answer` reads only the states (a prefix
 counts HITs alone, and defers only while a PENDING or RETRY key could
-lengthen it); the argument checks of the reads (:func:`check_lookup`,
-:func:`check_keys`) raise before any state is touched. Imports only the
-core's pure maps, the errors and the shared records.
+lengthen it). Imports only the core's pure maps, the errors and the
+shared records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import math
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.core.probes import ProbeMap, Verdict
 from kvtier.core.writes import Reservation, ReservationTable
-from kvtier.errors import BadArgumentError, BadKeyError, BatchTooLargeError
-from kvtier.model import HIT, MISS, NAMESPACE_MARK, PENDING, RETRY, Limits, Lookup, LookupMode
-
-# Every verb checks its arguments against the configured limits before it
-# touches any state, so a refused request changes nothing; the lookup
-# process checks a lookup with the same check_lookup. O(batch), allocating
-# nothing.
-
-
-def check_keys(limits: Limits, keys: Sequence[bytes], uniform_len: int = 0) -> None:
-    """Batch size and key lengths; ``uniform_len`` (all keys that long) checks once."""
-    if len(keys) > limits.max_batch:
-        raise BatchTooLargeError(
-            f"batch of {len(keys)} keys exceeds the maximum of {limits.max_batch}"
-        )
-    limit = limits.max_key_bytes
-    if uniform_len and 0 < uniform_len <= limit:
-        return
-    if uniform_len and 0 < uniform_len <= limit + _prefix_len(keys[0]):
-        return  # a namespace's keys: their prefix is not theirs to count
-    for i, key in enumerate(keys):
-        if not 0 < len(key) - _prefix_len(key) <= limit:
-            raise BadKeyError(
-                f"key {i} is {len(key) - _prefix_len(key)} bytes; keys must be 1..{limit} bytes"
-            )
-
-
-def _prefix_len(key: bytes) -> int:
-    """The length of the namespace prefix (or escape) a stored key starts with."""
-    return 2 + key[1] if len(key) > 1 and key[0] == NAMESPACE_MARK else 0
-
-
-def check_seconds(name: str, value: float) -> None:
-    if not 0 <= value < math.inf:  # NaN compares false
-        raise BadArgumentError(f"{name} must be a finite number >= 0, got {value}")
-
-
-def check_lookup(limits: Limits, req: Lookup) -> None:
-    check_keys(limits, req.keys, req.key_len)
-    if not (0 <= req.wait < math.inf and 0 <= req.max_pending_wait < math.inf):
-        check_seconds("wait", req.wait)
-        check_seconds("max_pending_wait", req.max_pending_wait)
-    if req.max_pending_wait > 0 and not req.request_tag:
-        raise BadArgumentError("max_pending_wait needs a request tag to accrue against")
-    if req.mode == LookupMode.SLIDING_WINDOW and req.window <= 0:
-        raise BadArgumentError("sliding-window lookup needs a window of at least 1")
+from kvtier.model import HIT, MISS, PENDING, RETRY, LookupMode
 
 
 class Where(enum.Enum):

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
+from kvtier.core.checks import check_keys, check_lookup, check_seconds, check_sizes, check_values
 from kvtier.core.counts import (
     MAX_COUNTED_NAMESPACES,
     OTHER_NAMESPACE,
@@ -46,9 +47,6 @@ from kvtier.core.lookup import (
     LookupPlan,
     SeenProbes,
     Where,
-    check_keys,
-    check_lookup,
-    check_seconds,
     plan_lookup,
     prefix_answer,
     waits_for,
@@ -101,28 +99,6 @@ log = logging.getLogger("kvtier.service")
 #: a GET gives up on a key after this many rounds of waiting on writes that
 #: ended without the block (each round is bounded by a write deadline)
 MAX_READ_ROUNDS = 8
-
-
-# Every write checks its values as reads check their keys (core/lookup.py).
-
-
-def check_sizes(limits: Limits, sizes: Sequence[int], what: str = "size") -> None:
-    limit = limits.max_block_bytes
-    for i, size in enumerate(sizes):
-        if size > limit:
-            raise ValueTooLargeError(
-                f"{what} {i} is {size} bytes; the maximum block size is {limit}"
-            )
-
-
-def check_values(limits: Limits, values: Sequence[Buffer], room: int) -> None:
-    """Each value within the block limit and within ``room`` (the RAM tier's capacity)."""
-    check_sizes(limits, [len(v) for v in values], "value")
-    for i, value in enumerate(values):
-        if len(value) > room:
-            raise ValueTooLargeError(
-                f"value {i} is {len(value)} bytes, larger than the RAM tier ({room} bytes)"
-            )
 
 
 class Service:

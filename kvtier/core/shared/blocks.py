@@ -36,7 +36,7 @@ cancelled (a copy on the loop takes no step after that, one in a thread
 ends first), and a region's descriptor is closed (and its mapping
 unmapped) only once no copy uses it; a copy on the loop holds it for one
 step of at most :data:`~kvtier.model.LOOP_STEP` bytes at a time;
-``stats`` shows what is live. Imports the core's service and lease table
+``stats`` shows what is live. Imports the core's argument checks and lease table
 and the tiers' arena; no sockets.
 """
 
@@ -62,8 +62,7 @@ import anyio.lowlevel
 import xxhash
 
 from kvtier import addresses, blockcopy
-from kvtier.core.lookup import check_keys
-from kvtier.core.service import check_sizes
+from kvtier.core.checks import check_keys, check_sizes
 from kvtier.core.shared.leases import Lease, LeaseEnd, LeaseTable
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
 from kvtier.model import (
