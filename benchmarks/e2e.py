@@ -189,6 +189,7 @@ def main() -> int:
             rows.append({"mode": mode, "seconds": values, "median": s, "cached": cached[mode]})
             out(f"| {mode} | {s * 1000:,.0f} ms | {recompute / s:.2f}x | {tokens:.0f} | {rate} |")
         print("\n".join(lines))
+        s3_rate = kv_bytes / statistics.median(seconds["kvtier S3"])
         if args.markdown:
             Path(args.markdown).write_text(
                 "## What an engine feels: time to first token\n\n"
@@ -201,7 +202,8 @@ def main() -> int:
                 f"{args.runs}, one run; every engine generated the same token.\n\n"
                 + "\n".join(lines)
                 + "\n\nThe S3 row is a bucket on this machine's loopback, served by the tests' "
-                "S3-compatible server (moto, in Python), at about 80 MB/s: loading from it "
+                f"S3-compatible server (moto, in Python), at {s3_rate / 1e6:.0f} MB/s: loading "
+                "from it "
                 "can cost more than recomputing the prompt, which is what a lookup that "
                 "knows what a load costs must see.\n"
             )
