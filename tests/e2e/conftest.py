@@ -117,6 +117,37 @@ def run(model: Path, socket: Path | None, prompts: list[list[int]], **spec: Any)
     return Engine(model, socket, prompts, **spec).finish()
 
 
+def keeps_generating_through_a_daemon_restart(model: Path, tmp: Path, **spec: Any) -> None:
+    """The daemon killed after an engine's first prompt: the engine keeps
+    generating, recomputing what it cannot load, the same tokens as without
+    kvtier; with the daemon started again, a returning prompt's blocks come
+    from kvtier again. ``spec``: the engine's (the way to kvtier)."""
+    C = list(range(100, 400))
+    control = run(model, None, [A, C])
+    d = start(tmp, "--no-disk", "--ram-capacity", "256MiB")
+    prompts = [A, *others(30, seed=2), A, C, *others(30, seed=3), C, *others(30, seed=4), C]
+    engine = Engine(model, d.socket_path, prompts, pause_after=[0, 31], **spec)
+    try:
+        assert engine.read() is not None and engine.read() == {"paused": 0}
+        d.proc.kill()
+        d.proc.wait()
+        engine.go_on()
+        for _ in range(31):  # the others, then A, with no daemon to ask
+            assert engine.read() is not None
+        assert engine.answers[-1] == Answer(control[0].tokens, 0)  # recomputed, the same
+        assert engine.read() == {"paused": 31}
+        d = start(tmp, "--no-disk", "--ram-capacity", "256MiB")
+        engine.go_on()
+        answers = engine.finish()
+    finally:
+        engine.proc.kill()
+        d.stop()
+    assert all(a.tokens == control[1].tokens for a in answers[-63::31])
+    # (the first C may be computed before the engine has dialled again; by
+    # the last, it had stored C's blocks and loads them)
+    assert answers[-1] == Answer(control[1].tokens, 9 * BLOCK)
+
+
 @pytest.fixture
 def kvtier() -> Iterator[EngineDaemon]:
     """A daemon with 256 MiB of RAM, no disk, stopped after the test."""

@@ -12,9 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.e2e.conftest import SHARES_4, A, Answer, Engine, hits, others, run
+from tests.e2e.conftest import (
+    SHARES_4,
+    A,
+    Answer,
+    hits,
+    keeps_generating_through_a_daemon_restart,
+    others,
+    run,
+)
 from tests.e2e.engine import BLOCK
-from tests.enginedaemon import EngineDaemon, start
+from tests.enginedaemon import EngineDaemon
 
 LMCACHE = {"via": "lmcache"}
 
@@ -45,25 +53,4 @@ def test_lmcache_keeps_generating_while_kvtier_is_down(model: Path, tmp_path: Pa
     """The daemon killed after the first prompt: LMCache's lookups answer
     nothing, the engine recomputes, the same tokens; with the daemon back,
     a returning prompt's chunks come from kvtier again."""
-    C = list(range(100, 400))
-    control = run(model, None, [A, C])
-    d = start(tmp_path, "--no-disk", "--ram-capacity", "256MiB")
-    prompts = [A, *others(30, seed=2), A, C, *others(30, seed=3), C, *others(30, seed=4), C]
-    engine = Engine(model, d.socket_path, prompts, pause_after=[0, 31], **LMCACHE)
-    try:
-        assert engine.read() is not None and engine.read() == {"paused": 0}
-        d.proc.kill()
-        d.proc.wait()
-        engine.go_on()
-        for _ in range(31):  # the others, then A, with no daemon to ask
-            assert engine.read() is not None
-        assert engine.answers[-1] == Answer(control[0].tokens, 0)  # recomputed, the same
-        assert engine.read() == {"paused": 31}
-        d = start(tmp_path, "--no-disk", "--ram-capacity", "256MiB")
-        engine.go_on()
-        answers = engine.finish()
-    finally:
-        engine.proc.kill()
-        d.stop()
-    assert all(a.tokens == control[1].tokens for a in answers[-63::31])
-    assert answers[-1] == Answer(control[1].tokens, 9 * BLOCK)
+    keeps_generating_through_a_daemon_restart(model, tmp_path, **LMCACHE)

@@ -12,9 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.e2e.conftest import SHARES_4, A, Answer, Engine, hits, others, run
+from tests.e2e.conftest import (
+    SHARES_4,
+    A,
+    Answer,
+    hits,
+    keeps_generating_through_a_daemon_restart,
+    others,
+    run,
+)
 from tests.e2e.engine import BLOCK
-from tests.enginedaemon import EngineDaemon, start
+from tests.enginedaemon import EngineDaemon
 
 
 def test_vllm_generates_the_same_tokens_with_prefixes_served_from_kvtier(
@@ -48,27 +56,4 @@ def test_an_engine_keeps_generating_while_kvtier_is_down(model: Path, tmp_path: 
     """4. The daemon killed after the engine's first prompt: the engine
     keeps generating, recomputing what it cannot load, the same tokens; with
     the daemon started again, it stores and loads through kvtier again."""
-    C = list(range(100, 400))
-    control = run(model, None, [A, C])
-    d = start(tmp_path, "--no-disk", "--ram-capacity", "256MiB")
-    prompts = [A, *others(30, seed=2), A, C, *others(30, seed=3), C, *others(30, seed=4), C]
-    engine = Engine(model, d.socket_path, prompts, pause_after=[0, 31])
-    try:
-        assert engine.read() is not None and engine.read() == {"paused": 0}
-        d.proc.kill()
-        d.proc.wait()
-        engine.go_on()
-        for _ in range(31):  # the others, then A, with no daemon to ask
-            assert engine.read() is not None
-        assert engine.answers[-1] == Answer(control[0].tokens, 0)  # recomputed, the same
-        assert engine.read() == {"paused": 31}
-        d = start(tmp_path, "--no-disk", "--ram-capacity", "256MiB")
-        engine.go_on()
-        answers = engine.finish()
-    finally:
-        engine.proc.kill()
-        d.stop()
-    assert all(a.tokens == control[1].tokens for a in answers[-63::31])
-    # (the first C may be computed before the engine has dialled again; by
-    # the last, it had stored C's blocks and loads them)
-    assert answers[-1] == Answer(control[1].tokens, 9 * BLOCK)
+    keeps_generating_through_a_daemon_restart(model, tmp_path)
