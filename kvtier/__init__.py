@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtier._version import __version__
-from kvtier.client import BlockingClient, Client
+from kvtier.client import BlockingClient, Client, ClientOptions
 from kvtier.errors import ErrorCode, KvtierError
 from kvtier.model import LookupMode, LookupReply, PutHint, PutStatus, ReserveStatus, State
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BlockingClient",
     "Client",
+    "ClientOptions",
     "Config",
     "ErrorCode",
     "KvtierError",

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
 from kvtier.backoff import Backoff
+from kvtier.client.options import ClientOptions, OptionChanges
 from kvtier.client.redial import Redial
 from kvtier.daemon import Daemon
 from kvtier.errors import (
+    BadArgumentError,
     BadKeyError,
     ConnectionClosedError,
     DaemonUnavailableError,
@@ -268,6 +273,19 @@ def _parameters(fn: object) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in params if p.name not in ("self", "cls")]
 
 
+def _unnamed(params: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Parameters with the default client name left out (of a ``name``
+    parameter, or of the default options)."""
+    out = []
+    for p in params:
+        if p[0] == "name":
+            p = (*p[:2], None)
+        elif isinstance(p[2], ClientOptions):
+            p = (*p[:2], dataclasses.replace(p[2], name=""))
+        out.append(p)
+    return out
+
+
 def test_every_public_method_of_the_client_has_a_blocking_twin() -> None:
     aio, blocking = _public(Client), _public(BlockingClient)
     instance_attrs = {"path", "timeout", "name", "server"}  # set by the async client's __init__
@@ -288,8 +306,7 @@ def test_every_public_method_of_the_client_has_a_blocking_twin() -> None:
         twin_fn = twin.__func__ if isinstance(twin, classmethod | staticmethod) else twin
         ours, theirs = _parameters(twin_fn), _parameters(fn)
         if name in ("connect", "connect_tcp"):  # only the default client name differs
-            ours = [p if p[0] != "name" else (*p[:2], None) for p in ours]
-            theirs = [p if p[0] != "name" else (*p[:2], None) for p in theirs]
+            ours, theirs = _unnamed(ours), _unnamed(theirs)
         assert ours == theirs, f"{name}: blocking {ours} != async {theirs}"
 
 
@@ -363,3 +380,19 @@ async def test_redial_shares_one_attempt_and_waits_out_its_backoff_on_its_clock(
     redial.drop()
     assert not redial.connected
     await redial.close()
+
+
+def test_the_options_keywords_are_the_options_record_s_fields() -> None:
+    """``Client.connect(path, namespace=...)`` and the record say the same:
+    the keyword arguments' names and types are the record's fields'."""
+    assert [f.name for f in dataclasses.fields(ClientOptions)] == list(
+        OptionChanges.__annotations__
+    )
+    assert typing.get_type_hints(OptionChanges) == typing.get_type_hints(ClientOptions)
+
+
+def test_bad_options_are_refused_before_connecting(tmp_path: Path) -> None:
+    with pytest.raises(BadArgumentError, match="idle_poll"):
+        ClientOptions(idle_poll=-1)
+    with pytest.raises(TypeError, match="nmespace"):
+        asyncio.run(Client.connect(tmp_path / "none.sock", nmespace="x"))  # type: ignore[call-arg]

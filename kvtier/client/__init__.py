@@ -6,6 +6,7 @@ never pydantic, aiobotocore, prometheus_client, the core or the server.
 
 from kvtier.client.aio import Client, Timeout
 from kvtier.client.blocking import BlockingClient
+from kvtier.client.options import ClientOptions
 from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.model import LookupMode, LookupReply, PutStatus, ReserveStatus, State
 
@@ -13,6 +14,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "BlockingClient",
     "Client",
+    "ClientOptions",
     "LookupMode",
     "LookupReply",
     "PutStatus",

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from kvtier import wire
 from kvtier._version import __version__
@@ -28,6 +29,7 @@ from kvtier.client.batching import (
     SOLO_VALUE_BYTES,
     put_batches,
 )
+from kvtier.client.options import DEFAULTS, ClientOptions, OptionChanges, check_idle_poll
 from kvtier.client.protocol import ClientProtocol, expire
 from kvtier.client.shared import SharedSession, attach, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL, default_socket_path
@@ -152,47 +154,20 @@ class Client:
     async def connect(
         cls,
         path: str | Path | None = None,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        name: str = f"kvtier-python/{__version__}",
-        shared: bool = True,
-        stage_writes: bool | None = None,
-        write_in_place: bool = True,
-        namespace: str = "",
-        idle_poll: float = IDLE_POLL,
-        lookup_process: bool = True,
+        options: ClientOptions = DEFAULTS,
+        **changes: Unpack[OptionChanges],
     ) -> Client:
         """Connect and negotiate the protocol version (HELLO).
 
-        ``namespace``: the namespace this connection's keys belong to
-        (docs/tenancy.md): the daemon keeps them apart from every other
-        namespace's in every tier, and applies the namespace's quotas; empty
-        (or "default"): the default namespace.
-
-        ``path`` defaults to the daemon's default socket path. ``shared``:
-        read blocks through the daemon's shared memory when it offers it
-        (same host; see docs/shared-memory.md), else over the socket.
-        ``stage_writes``: how large blocks are written when shared memory is
-        on. ``None`` (the default): a block of 512 KiB or more through
-        shared memory: written in place (``write_in_place``) or else staged
-        (a memcpy into the staging region, then COMMIT); with writing in
-        place, every block of 64 KiB or more of a ``put_many``
-        of such blocks goes in place too. The rest go over the socket, which
-        the daemon receives straight into the block's place. ``True``: every
-        block of 64 KiB or more through shared memory; ``False``: none.
-        ``write_in_place``: where the daemon allows it (a client of its own
-        user), write each large block straight into its RAM slot, one memcpy
-        and no copy in the daemon; ``False``: through staging.
-        ``idle_poll``: seconds this client's event loop keeps polling for a
-        reply after each request, instead of sleeping until the kernel wakes
-        it (docs/client.md); it stops as soon as no reply is awaited. 0: sleep
-        at once.
-        ``lookup_process``: where the daemon runs a lookup process (a socket
-        ``<path>.lookups``; docs/lookup-process.md), send lookups there
-        first (a named namespace's client names it there too); the daemon
-        answers what it refers back.
+        ``path`` defaults to the daemon's default socket path. ``options``
+        (:class:`~kvtier.client.options.ClientOptions`, which says what each
+        does), and any of its fields given by name, which change it:
+        ``Client.connect(path, namespace="llama", lookup_process=False)``.
         """
-        _check_idle_poll(idle_poll)
+        if changes:
+            options = dataclasses.replace(options, **changes)
+        timeout, name, idle_poll = options.timeout, options.name, options.idle_poll
+        shared, namespace = options.shared, options.namespace
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
         try:
@@ -205,8 +180,8 @@ class Client:
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from exc
         client = cls(protocol, path, timeout, name, idle_poll=idle_poll)
         client._want_shared = shared
-        client._stage_writes = stage_writes
-        client._write_in_place = write_in_place
+        client._stage_writes = options.stage_writes
+        client._write_in_place = options.write_in_place
         client.namespace = namespace
         if namespace and namespace != DEFAULT_NAMESPACE_NAME:
             try:
@@ -226,7 +201,7 @@ class Client:
             offer = client.server.shared
             if offer is not None:
                 await client._map_shared(offer)
-            if lookup_process:
+            if options.lookup_process:
                 client._lookups_wanted = True
                 await client._dial_lookups()
         except BaseException:
@@ -252,7 +227,7 @@ class Client:
         ``connect_timeout`` bounds the TCP (and TLS) handshake and the HELLO
         alike: authenticating is part of connecting. Blocks never travel
         through shared memory on this connection."""
-        _check_idle_poll(idle_poll)
+        check_idle_poll(idle_poll)
         address = f"{host}:{port}"
         loop = asyncio.get_running_loop()
         try:
@@ -844,14 +819,6 @@ class Client:
         """Free the daemon's per-request lookup state of ``request_tag``."""
         frame = await self._call(Op.RELEASE, wire.encode_tag(request_tag), timeout=timeout)
         return bool(frame.meta and frame.meta[0])
-
-
-def _check_idle_poll(idle_poll: float) -> None:
-    """Refused before connecting (nothing is left open), by the poller's own rule."""
-    try:
-        IdlePoll(idle_poll)
-    except ValueError as exc:
-        raise BadArgumentError(f"idle_poll: {exc}") from None
 
 
 def _drop_reply(fut: asyncio.Future[Frame]) -> None:

@@ -17,11 +17,12 @@ import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from kvtier import loops
 from kvtier._version import __version__
 from kvtier.client.aio import Client, Timeout
+from kvtier.client.options import ClientOptions, OptionChanges
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL
 from kvtier.errors import KvtierError
 from kvtier.model import (
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+#: a blocking client's options unless told otherwise: its own name
+BLOCKING = ClientOptions(name=f"kvtier-python-blocking/{__version__}")
+
 
 class BlockingClient:
     """The same operations as :class:`~kvtier.client.aio.Client`, blocking."""
@@ -47,30 +51,12 @@ class BlockingClient:
     def __init__(
         self,
         path: str | Path | None = None,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        name: str = f"kvtier-python-blocking/{__version__}",
-        shared: bool = True,
-        stage_writes: bool | None = None,
-        write_in_place: bool = True,
-        namespace: str = "",
-        idle_poll: float = IDLE_POLL,
-        lookup_process: bool = True,
+        options: ClientOptions = BLOCKING,
+        **changes: Unpack[OptionChanges],
     ) -> None:
-        """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>` does."""
-        self._start(
-            Client.connect(
-                path,
-                timeout=timeout,
-                name=name,
-                shared=shared,
-                stage_writes=stage_writes,
-                write_in_place=write_in_place,
-                namespace=namespace,
-                idle_poll=idle_poll,
-                lookup_process=lookup_process,
-            )
-        )
+        """Connect as :meth:`Client.connect <kvtier.client.aio.Client.connect>`
+        does, with the same options."""
+        self._start(Client.connect(path, options, **changes))
 
     def _start(self, connect: Coroutine[Any, Any, Client]) -> None:
         self._loop = loops.new_event_loop()
@@ -88,28 +74,11 @@ class BlockingClient:
     def connect(
         cls,
         path: str | Path | None = None,
-        *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        name: str = f"kvtier-python-blocking/{__version__}",
-        shared: bool = True,
-        stage_writes: bool | None = None,
-        write_in_place: bool = True,
-        namespace: str = "",
-        idle_poll: float = IDLE_POLL,
-        lookup_process: bool = True,
+        options: ClientOptions = BLOCKING,
+        **changes: Unpack[OptionChanges],
     ) -> BlockingClient:
         """The same as the constructor: connect and negotiate (HELLO)."""
-        return cls(
-            path,
-            timeout=timeout,
-            name=name,
-            shared=shared,
-            stage_writes=stage_writes,
-            write_in_place=write_in_place,
-            namespace=namespace,
-            idle_poll=idle_poll,
-            lookup_process=lookup_process,
-        )
+        return cls(path, options, **changes)
 
     @classmethod
     def connect_tcp(

@@ -1,0 +1,87 @@
+"""How a client connects and moves its blocks: one record.
+
+:class:`ClientOptions` is the one definition of a local connection's
+options and their defaults; :meth:`Client.connect
+<kvtier.client.aio.Client.connect>` and :class:`~kvtier.client.blocking.BlockingClient`
+take it, and its fields as keyword arguments (:class:`OptionChanges`, the
+same names and types, checked against it by a test), which change it.
+
+Invariants: a record is checked once, when it is made (a bad ``idle_poll``
+is refused before anything connects); it never changes after. Same import
+rules as the rest of the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
+
+from kvtier._version import __version__
+from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL
+from kvtier.errors import BadArgumentError
+from kvtier.loops import IdlePoll
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """A local connection's options (docs/client.md)."""
+
+    #: seconds any one call may take; None: no limit
+    timeout: float | None = DEFAULT_TIMEOUT
+    #: the client's name, sent at HELLO
+    name: str = f"kvtier-python/{__version__}"
+    #: read blocks through the daemon's shared memory when it offers it (same
+    #: host; docs/shared-memory.md), else over the socket
+    shared: bool = True
+    #: how large blocks are written when shared memory is on. None: a block of
+    #: 512 KiB or more through shared memory, written in place
+    #: (``write_in_place``) or else staged (a memcpy into the staging region,
+    #: then COMMIT); with writing in place, every block of 64 KiB or more of a
+    #: ``put_many`` of such blocks goes in place too; the rest over the socket,
+    #: which the daemon receives straight into the block's place. True: every
+    #: block of 64 KiB or more through shared memory; False: none
+    stage_writes: bool | None = None
+    #: where the daemon allows it (a client of its own user), write each large
+    #: block straight into its RAM slot, one memcpy and no copy in the daemon;
+    #: False: through staging
+    write_in_place: bool = True
+    #: the namespace this connection's keys belong to (docs/tenancy.md): the
+    #: daemon keeps them apart from every other namespace's in every tier and
+    #: applies its quotas; empty (or "default"): the default namespace
+    namespace: str = ""
+    #: seconds this client's event loop keeps polling for a reply after each
+    #: request instead of sleeping until the kernel wakes it (docs/client.md);
+    #: it stops as soon as no reply is awaited. 0: sleep at once
+    idle_poll: float = IDLE_POLL
+    #: where the daemon runs a lookup process (a socket ``<path>.lookups``;
+    #: docs/lookup-process.md), send lookups there first; the daemon answers
+    #: what it refers back
+    lookup_process: bool = True
+
+    def __post_init__(self) -> None:
+        check_idle_poll(self.idle_poll)
+
+
+class OptionChanges(TypedDict, total=False):
+    """:class:`ClientOptions`' fields as keyword arguments."""
+
+    timeout: float | None
+    name: str
+    shared: bool
+    stage_writes: bool | None
+    write_in_place: bool
+    namespace: str
+    idle_poll: float
+    lookup_process: bool
+
+
+def check_idle_poll(idle_poll: float) -> None:
+    """Refused before connecting (nothing is left open), by the poller's own rule."""
+    try:
+        IdlePoll(idle_poll)
+    except ValueError as exc:
+        raise BadArgumentError(f"idle_poll: {exc}") from None
+
+
+#: the options of a client that names none
+DEFAULTS = ClientOptions()
