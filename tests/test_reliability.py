@@ -343,7 +343,7 @@ async def test_a_reserved_put_written_in_place_is_counted_once_committed(daemon:
         assert ram_bytes(daemon) == (2 * MIB, MIB)
         assert daemon.shared is not None
         assert daemon.shared.stats().in_place_rooms == 1
-        assert "prepared=1" in repr(daemon.shared)
+        assert daemon.shared.stats().in_place_prepared == 1
         await c.reserve([OTHER], [MIB])
         assert await c.abort([OTHER]) == [True]
         assert ram_bytes(daemon) == (2 * MIB, MIB)

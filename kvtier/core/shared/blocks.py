@@ -152,6 +152,9 @@ class SharedStats:
     #: connections waiting out the staging timeout before they are freed
     in_place_rooms: int
     in_place_quarantined: int
+    #: rooms made ahead for connections writing in place (the next one each
+    #: will ask for)
+    in_place_prepared: int
     #: blocks committed where their writer wrote them (no copy)
     in_place_commits: int
     #: client regions held now (attached or waiting for their descriptor)
@@ -888,6 +891,7 @@ class SharedBlocks:
             arena_allocated_bytes=self.slots.arena.allocator.allocated_bytes,
             in_place_rooms=len(self._places),
             in_place_quarantined=len(self._quarantine),
+            in_place_prepared=len(self._prepared),
             in_place_commits=self.in_place_commits,
             regions=len(self._regions),
             regions_mapped=sum(r.base != 0 for r in self._regions.values()),
