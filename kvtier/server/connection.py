@@ -26,7 +26,7 @@ import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, cast
@@ -75,9 +75,6 @@ class Reply:
     data: list[Buffer] = field(default_factory=list)
     on_sent: Callable[[], None] | None = None
     then: Callable[[], None] | None = None
-    #: the keys ``then`` stores: the lookup process hears of them before the
-    #: reply goes, and of any not stored after ``then``
-    holds: Sequence[bytes] = ()
 
 
 @dataclass(slots=True)
@@ -103,17 +100,6 @@ class Scopes(Protocol):
     """Which keys a new connection may name before its HELLO."""
 
     def first_scope(self, peer: Peer | None) -> wire.KeyScope: ...
-
-
-class Feed(Protocol):
-    """The lookup process's feed: told of stores that replies confirm, and
-    read for its reports before a RELEASE."""
-
-    def read_reports(self) -> None: ...
-
-    def announce(self, keys: Sequence[bytes]) -> None: ...
-
-    def settle(self, keys: Sequence[bytes]) -> None: ...
 
 
 class OpTable(Protocol):
@@ -147,9 +133,6 @@ class Host(Protocol):
 
     @property
     def gate(self) -> PeerGate | None: ...
-
-    @property
-    def feed(self) -> Feed | None: ...
 
     @property
     def idle_poll(self) -> IdlePoll: ...
@@ -615,9 +598,6 @@ class Connection(asyncio.BufferedProtocol):
             self._maybe_finish()
 
     def _reply(self, opcode: int, request_id: int, reply: Reply) -> None:
-        feed = self.server.feed if reply.holds else None
-        if feed is not None:
-            feed.announce(reply.holds)
         try:
             self._write(
                 wire.frame_parts(opcode, request_id, reply.meta, reply.data, flags=FLAG_REPLY)
@@ -630,8 +610,6 @@ class Connection(asyncio.BufferedProtocol):
                     reply.then()
                 except Exception:  # answered already: only the log can tell
                     log.exception("after the reply to %s #%d", OP_NAMES.get(opcode), request_id)
-            if feed is not None:
-                feed.settle(reply.holds)
             # The caller's next request follows its answer: poll from the end
             # of the work the answer took, not from the request's arrival.
             self.server.idle_poll.touch()

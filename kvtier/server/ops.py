@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier import blockcopy, wire
 from kvtier.errors import BadArgumentError, ForbiddenError, UnsupportedVersionError
@@ -120,6 +120,18 @@ def agreed_version(hello: wire.Hello) -> int:
     return version
 
 
+class Feed(Protocol):
+    """The lookup process's feed, as the handlers use it: told of stores a
+    reply confirms (before it goes, and of what did not land after), and
+    read for the process's reports before a RELEASE."""
+
+    def read_reports(self) -> None: ...
+
+    def announce(self, keys: Sequence[bytes]) -> None: ...
+
+    def settle(self, keys: Sequence[bytes]) -> None: ...
+
+
 class Ops:
     """Handlers by opcode, over one service."""
 
@@ -135,8 +147,11 @@ class Ops:
         shared_offer: wire.SharedOffer | None = None,
         events: EventSource | None = None,
         access: NamespaceAccess | None = None,
+        feed: Callable[[], Feed | None] = lambda: None,
     ) -> None:
+        """``feed``: the lookup process's feed now (None without one)."""
         self.service = service
+        self._feed = feed
         #: who may use which namespace; None: no namespaces (the peer port,
         #: whose keys are stored keys already)
         self.access = access
@@ -317,13 +332,41 @@ class Ops:
         tag = wire.decode_tag(frame.meta)
         if conn.namespace:  # tags are a namespace's own too
             tag = namespace_tag(namespace_prefix(conn.namespace), tag)
-        feed = conn.server.feed
+        feed = self._feed()
         if feed is not None:
             # A lookup of the tag the lookup process answered before the
             # client sent this was reported before its answer: hear of it now.
             feed.read_reports()
         existed = self.service.release(tag)
         return Reply(bytes([int(existed)]))
+
+    # -- stores the lookup process hears of
+
+    def _announced(
+        self, keys: Sequence[bytes], store: Callable[[], None] | None
+    ) -> Callable[[], None] | None:
+        """``store``, run after a reply that says ``keys`` are stored: the
+        lookup process hears of them now, before that reply goes, and after
+        ``store`` of any it did not store (a client asking it at once finds
+        them, and never finds one that did not land)."""
+        feed = self._feed()
+        if store is None or feed is None or not keys:
+            return store
+        feed.announce(keys)
+
+        def then() -> None:
+            try:
+                store()
+            finally:
+                feed.settle(keys)
+
+        return then
+
+    def _copied_reply(self, copied: Copied) -> Reply:
+        """A region store's reply once its blocks are copied; stored right after."""
+        return Reply(
+            wire.encode_put_reply(copied.statuses), then=self._announced(copied.keys, copied.store)
+        )
 
     # -- shared memory
 
@@ -394,14 +437,14 @@ class Ops:
             holds = copied.keys
         else:
             status = shared.commit(conn.conn_id, c.key, c.offset, c.length, c.checksum, c.keep_room)
-            meta, store, holds = wire.encode_put_reply([status]), None, ()
+            meta, store, holds = wire.encode_put_reply([status]), None, []
         if frame.header.flags & wire.FLAG_DURABLE:
             if store is not None:
                 store()  # now: the disk write is of what RAM holds in this step
             durable = self.service.make_durable([c.key], [None])
             return Later(durable, lambda _: Reply(meta))
         # answered first, stored right after (an in-place block: Copied)
-        return Reply(meta, then=store, holds=holds)
+        return Reply(meta, then=self._announced(holds, store))
 
     def unstage(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)
@@ -428,7 +471,7 @@ class Ops:
             conn.conn_id, io.region, io.keys, io.spans, io.checksums, namespace
         )
         # answered once the bytes are copied; stored right after (Copied)
-        return Later(copied, _copied_reply)
+        return Later(copied, self._copied_reply)
 
     def get_region(self, conn: Connection, frame: Frame) -> Later:
         shared = self._shared_of(conn)
@@ -532,10 +575,6 @@ def _scoped(events: Iterable[BlockEvent], prefix: bytes) -> list[BlockEvent]:
 
 def _put_reply(statuses: list[PutStatus]) -> Reply:
     return Reply(wire.encode_put_reply(statuses))
-
-
-def _copied_reply(copied: Copied) -> Reply:
-    return Reply(wire.encode_put_reply(copied.statuses), then=copied.store, holds=copied.keys)
 
 
 def _lookup_reply(reply: LookupReply) -> Reply:

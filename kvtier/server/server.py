@@ -102,6 +102,7 @@ class Server:
             shared_offer=shared_offer,
             events=events,
             access=access,
+            feed=lambda: self.feed,
         )
         self._shared = shared
         self.connections: set[Connection] = set()
