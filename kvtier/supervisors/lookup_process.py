@@ -81,7 +81,6 @@ class LookupSupervisor:
         self.timing = timing
         #: the process running now (or the last one), once started
         self.process: asyncio.subprocess.Process | None = None
-        self.feed: FeedWriter | None = None
         #: the daemon itself ended the process: start it again at once
         self._again = False
 
@@ -89,6 +88,12 @@ class LookupSupervisor:
         pid = self.process.pid if self.process is not None else None
         listening = self.feed is not None and self.feed.listening.is_set()
         return f"<LookupSupervisor pid={pid} listening={listening} again={self._again}>"
+
+    @property
+    def feed(self) -> FeedWriter | None:
+        """The running process's feed (the server's, which it hands the op
+        table and shows in STATS), once started."""
+        return self._server.feed
 
     @property
     def path(self) -> str:
@@ -195,7 +200,7 @@ class LookupSupervisor:
         finally:
             theirs.close()
             os.close(ring_fd)  # (the mapping stays)
-        feed = self.feed = FeedWriter(ours, ring, service.holds, self._report)
+        feed = FeedWriter(ours, ring, service.holds, self._report)
         service.feed(feed.write)
         server.feed = feed
         return True
