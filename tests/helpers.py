@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,9 +39,19 @@ def free_port() -> int:
         return port
 
 
+_TMP_ROOT: Path | None = None
+
+
 def short_tmpdir() -> Path:
-    """A short directory: Unix socket paths are limited to ~107 bytes."""
-    return Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    """A short directory: Unix socket paths are limited to ~107 bytes.
+
+    Each lies in one root per test process, removed when the process
+    exits, so a test that does not remove its own leaves nothing behind."""
+    global _TMP_ROOT
+    if _TMP_ROOT is None:
+        _TMP_ROOT = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+        atexit.register(shutil.rmtree, _TMP_ROOT, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix="", dir=_TMP_ROOT))
 
 
 @contextlib.asynccontextmanager
