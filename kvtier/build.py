@@ -26,7 +26,6 @@ from kvtier.config import (
     RemoteTierConfig,
     S3TierConfig,
 )
-from kvtier.core.local import LocalView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.service import Service
 from kvtier.core.shared.blocks import Copier, SharedBlocks
@@ -256,7 +255,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     peer_server = None
     if pc.listen is not None:
         peer_server = Server(
-            LocalView(service, source=PEER_TIER),
+            service.local(PEER_TIER),
             max_frame=int(sc.max_frame_bytes),
             max_inflight=sc.max_inflight_per_connection,
             gate=PeerGate(pc.secret(), allow_delete=pc.allow_delete),

@@ -528,7 +528,7 @@ async def test_a_named_namespace_looks_up_at_the_process_within_its_own_keys(
         await answered(d, 2)  # both at the process
         # Its reports count in the right namespace, as the daemon's own lookups do.
         for ns in (namespace_id("tenant"), DEFAULT_NAMESPACE):
-            counts = d.service.namespace_counts[ns]
+            counts = d.service.answers.namespace_counts[ns]
             assert (counts.hits, counts.misses) == (1, 1)
         path = Path(f"{d.socket_path}.lookups")
         async with await Client.connect(

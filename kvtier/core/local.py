@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvtier.core.answers import Answers
+from kvtier.core.loads import Loads
+from kvtier.core.probing import Reach
+from kvtier.core.stores import Stores
 from kvtier.errors import ForbiddenError
 from kvtier.model import (
     Buffer,
@@ -27,18 +31,26 @@ from kvtier.model import (
     ReserveStatus,
 )
 
-if TYPE_CHECKING:
-    from kvtier.core.service import Service
-
 
 class LocalView:
-    """A :class:`~kvtier.model.CacheService` over ``service``'s local tiers."""
+    """A :class:`~kvtier.model.CacheService` over the local tiers."""
 
-    def __init__(self, service: Service, *, source: str) -> None:
-        self._service = service
+    def __init__(
+        self,
+        answers: Answers,
+        loads: Loads,
+        stores: Stores,
+        reach: Reach,
+        limits: Limits,
+        *,
+        source: str,
+    ) -> None:
+        self._answers, self._loads, self._stores = answers, loads, stores
+        #: the local tiers' locator, and no remote tier
+        self._reach = reach
         #: the name a pushed block is stored under as its source (the peer tier's)
         self._source = source
-        self.limits: Limits = service.limits
+        self.limits = limits
 
     def __repr__(self) -> str:
         return f"<LocalView source={self._source}>"
@@ -46,13 +58,13 @@ class LocalView:
     def lookup(
         self, req: Lookup, cutoff: asyncio.Future[None] | None = None
     ) -> LookupReply | Awaitable[LookupReply]:
-        return self._service.lookup(req, cutoff, local=True)
+        return self._answers.lookup(req, cutoff, reach=self._reach)
 
     def get(self, keys: Sequence[bytes]) -> list[Buffer | None] | Awaitable[list[Buffer | None]]:
-        return self._service.get(keys, local=True)
+        return self._loads.get(keys, reach=self._reach)
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        self._service.unpin(keys, values)
+        self._loads.unpin(keys, values)
 
     def put(
         self,
@@ -62,21 +74,21 @@ class LocalView:
         copy: bool = False,
         hints: bytes | None = None,
     ) -> list[PutStatus]:
-        return self._service.put(keys, values, source=self._source, copy=copy, hints=hints)
+        return self._stores.put(keys, values, source=self._source, copy=copy, hints=hints)
 
     def stage(self, length: int, key: bytes) -> memoryview | None:
-        return self._service.stage(length, key)
+        return self._stores.stage(length, key)
 
     def drop_staged(self, value: Buffer) -> None:
-        self._service.drop_staged(value)
+        self._stores.drop_staged(value)
 
     def make_durable(
         self, keys: Sequence[bytes], values: Sequence[Buffer | None]
     ) -> Awaitable[None]:
-        return self._service.make_durable(keys, values)
+        return self._stores.make_durable(keys, values)
 
     def delete(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]:
-        return self._service.delete(keys, local=True)
+        return self._stores.delete(keys, remote=False)
 
     def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
         raise ForbiddenError("peers may not reserve blocks")
@@ -91,7 +103,7 @@ class LocalView:
         pass  # a peer owns no reservations
 
     def write_room(self) -> asyncio.Future[None] | None:
-        return self._service.write_room()
+        return self._stores.write_room()
 
     def stats(self) -> dict[str, Any]:
         raise ForbiddenError("peers may not read STATS")

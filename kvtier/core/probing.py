@@ -14,9 +14,11 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.counts import CoreCounters, ProbeFailure, ProbeUse
+from kvtier.core.lookup import Locator
 from kvtier.core.probes import Probe, ProbeMap, Verdict
 from kvtier.core.timers import Scheduler
 from kvtier.errors import TierError
@@ -41,6 +43,17 @@ class RemoteSlot:
 
     def __repr__(self) -> str:
         return f"<RemoteSlot {self.name} {self.probes!r}>"
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """What a request may look at and start work on: a locator, and the
+    remote tiers it may probe and load from. A peer's request reaches the
+    local tiers only (no remote tier, a locator without probe maps), so
+    nothing a peer asks is forwarded."""
+
+    locator: Locator
+    remotes: Sequence[RemoteSlot]
 
 
 class RemoteProbes:
@@ -107,6 +120,11 @@ class RemoteProbes:
         slot.started.value += 1
         self._scheduler.enqueue_probe(slot.name, key)
         return probe
+
+    def invalidate(self, key: bytes) -> None:
+        """``key`` changed here: no remote tier's kept verdict answers for it now."""
+        for slot in self.slots:
+            slot.probes.invalidate(key)
 
     def expire(self, now: float) -> None:
         for slot in self.slots:

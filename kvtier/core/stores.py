@@ -1,0 +1,357 @@
+"""Changes to what the daemon holds: PUT (and the arena rooms bodies are
+received into), durability, DELETE, and the reservations that announce a
+write (RESERVE, ABORT, a writer's connection closing).
+
+:class:`Stores` owns the write propagation (what each lower tier receives,
+by its write policy); the pending-write table it reserves in is shared
+with the loads (a promotion is a pending write) and the answers (a pending
+key reads PENDING).
+
+Invariants: a block is stored into RAM first, and a pending write of its
+key ends in the same step (COMPLETED, or ABORTED when RAM refused it);
+RAM's evictions reach the write-back tiers; a reservation that holds room
+keeps it until its body has an arena slot or is stored, so a block is
+counted once from RESERVE to its last byte; a durable PUT is acknowledged
+only once every block is on the disk, never when one left RAM unwritten;
+a peer's push is kept locally and never written back out to a remote tier.
+Imports the core's pure parts, the tiers and the shared records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from kvtier.config import LookupConfig
+from kvtier.core.checks import check_keys, check_seconds, check_sizes, check_values
+from kvtier.core.counts import CoreCounters
+from kvtier.core.lookup import Locator, Where
+from kvtier.core.probing import RemoteProbes
+from kvtier.core.propagation import Propagation
+from kvtier.core.writes import End
+from kvtier.core.writing import PendingWrites
+from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLargeError
+from kvtier.model import Buffer, ConnId, Limits, PutHint, PutStatus, Reserve, ReserveStatus
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.ram import RamTier
+
+log = logging.getLogger("kvtier.service")
+
+
+class Stores:
+    """PUT, staging rooms, durability, DELETE, RESERVE/ABORT."""
+
+    def __init__(
+        self,
+        limits: Limits,
+        cfg: LookupConfig,
+        ram: RamTier,
+        disk: DiskTier | None,
+        pending: PendingWrites,
+        propagation: Propagation,
+        probing: RemoteProbes,
+        locator: Locator,
+        counters: CoreCounters,
+        now: Callable[[], float],
+    ) -> None:
+        self.limits = limits
+        self.cfg = cfg
+        self.ram = ram
+        self.disk = disk
+        self.pending = pending
+        self.propagation = propagation
+        self.probing = probing
+        self.locator = locator
+        self.counters = counters
+        self._now = now
+
+    def __repr__(self) -> str:
+        return f"<Stores {self.pending!r} writers={len(self.propagation.writers)}>"
+
+    # ------------------------------------------------------------ PUT
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        *,
+        source: str | None = None,
+        copy: bool = False,
+        hints: bytes | None = None,
+    ) -> list[PutStatus]:
+        """Store into RAM; lower tiers follow their write policy.
+
+        ``source``: the tier the blocks came from (a peer's push): they are
+        kept locally and never written back out to a remote tier. ``copy``:
+        the values' memory is about to be reused; RAM keeps copies.
+        ``hints``: one :class:`~kvtier.model.PutHint` per key (a TAIL block
+        is admitted at the cold end of RAM's eviction order)."""
+        check_keys(self.limits, keys)
+        check_values(self.limits, values, self.ram.capacity)
+        if len(keys) > 1:  # one eviction pass for the batch
+            self.evicted(self.ram.make_room(keys, values))
+        if hints is None:
+            return [self.store(k, v, source, copy) for k, v in zip(keys, values, strict=True)]
+        self.counters.put_tail.value += sum(1 for h in hints if h & PutHint.TAIL)
+        return [
+            self.store(k, v, source, copy, bool(h & PutHint.TAIL))
+            for k, v, h in zip(keys, values, hints, strict=True)
+        ]
+
+    def store(
+        self,
+        key: bytes,
+        value: Buffer,
+        promoted_from: str | None = None,
+        copy: bool = False,
+        cold: bool = False,
+    ) -> PutStatus:
+        """Store into RAM and complete a pending write of ``key``, if any."""
+        res = self.pending.table.get(key)
+        if res is not None:
+            self.pending.claim(res)
+        try:
+            stored, evicted = self.ram.put(key, value, copy=copy, cold=cold)
+        except KvtierError:
+            if res is not None:
+                self.pending.end(res, End.ABORTED)
+            raise
+        if res is not None:
+            self.pending.end(res, End.COMPLETED)
+        self.evicted(evicted)
+        local = self.propagation.local
+        # A client's block flows down by each tier's policy; a promoted one is
+        # kept on the local disk when it came from a remote tier, else nowhere.
+        if stored and (promoted_from is None or (local and promoted_from not in local)):
+            # (None: its namespace was over its max with it, and it went at
+            # once, demoted with the evicted where the policy says so)
+            kept = self.ram.peek(key)
+            if kept is not None:
+                self.propagation.stored(key, kept, promoted_from)
+        return PutStatus.STORED if stored else PutStatus.EXISTS
+
+    def evicted(self, evicted: list[tuple[bytes, Buffer]]) -> None:
+        """RAM evicted these (the holdings heard of it): write-back tiers take them."""
+        if evicted:
+            self.propagation.evicted(evicted)
+
+    def write_room(self) -> asyncio.Future[None] | None:
+        """None while every local tier can queue the writes stores make;
+        else the future that resolves once it can (:meth:`Propagation.room`)."""
+        return self.propagation.room()
+
+    # ------------------------------------------------------------ rooms
+
+    def stage(self, length: int, key: bytes) -> memoryview | None:
+        """Room in RAM's shared arena to receive a PUT body of ``length`` bytes
+        for ``key`` in place; None when it must be received into a buffer of
+        its own (or ``key`` is resident: the body will not be kept). Give it
+        back with :meth:`drop_staged` unless a PUT stores it.
+
+        A reservation of ``key`` that holds room gives it up here when the
+        body gets a slot: the slot is that room, so the block is counted once
+        from RESERVE to the last byte of its PUT. A body received into a
+        buffer of its own leaves the reservation its room until it is
+        stored, so it is counted all along too."""
+        if self.ram.contains(key):
+            return None
+        res = self.pending.table.get(key)
+        if res is None or not res.size or not self.ram.stages(length):
+            return self.stage_room(length, key)
+        held = res.size
+        self.pending.claim(res)
+        view = self.stage_room(length, key)
+        if view is None and self.pending.table.get(key) is res:
+            self.pending.hold(res, held)  # no slot after all: the room stays the reservation's
+        return view
+
+    def stage_room(self, length: int, namespace: bytes) -> memoryview | None:
+        """Room in RAM's shared arena for a block of ``length`` bytes, made in
+        the share of ``namespace``'s namespace (a key of it, or its key
+        prefix: a block whose key comes later, written in place by a client)
+        as its PUT would make it; None when there is none. Give it back with
+        :meth:`drop_staged` unless a PUT stores it."""
+        view, evicted = self.ram.stage(length, namespace)
+        self.evicted(evicted)
+        return view
+
+    def stage_many(
+        self,
+        lengths: Sequence[int],
+        keys: Sequence[bytes],
+        ready: Sequence[memoryview] = (),
+    ) -> list[memoryview | None]:
+        """:meth:`stage` for a batch, with the room for all of it made first
+        in one eviction pass (:meth:`RamTier.make_room_for`). ``ready``:
+        rooms made ahead (:meth:`stage_rooms`), one for each of the first
+        blocks, of their lengths; the rest get rooms now."""
+        ram, table = self.ram, self.pending.table
+        for key in keys:
+            res = table.get(key)
+            if res is not None and res.size:  # its room is the slot's now
+                self.pending.claim(res)
+        n = len(ready)
+        lengths, keys = lengths[n:], keys[n:]
+        self.evicted(ram.make_room_for(keys, lengths))
+        staged: list[memoryview | None] = list(ready)
+        staged.extend(self.stage(length, key) for length, key in zip(lengths, keys, strict=True))
+        return staged
+
+    def stage_rooms(self, length: int, count: int, namespace: bytes) -> list[memoryview]:
+        """``count`` rooms of ``length`` bytes for blocks whose keys come later
+        (:meth:`stage_room`), made in one eviction pass; fewer when RAM has
+        no more."""
+        self.evicted(self.ram.make_room_for([namespace] * count, [length] * count))
+        rooms = []
+        for _ in range(count):
+            view = self.stage_room(length, namespace)
+            if view is None:
+                break
+            rooms.append(view)
+        return rooms
+
+    def drop_staged(self, value: Buffer) -> None:
+        self.ram.drop_staged(value)
+
+    # ------------------------------------------------------------ durability
+
+    def make_durable(
+        self, keys: Sequence[bytes], values: Sequence[Buffer | None]
+    ) -> Awaitable[None]:
+        """A durable PUT: the awaitable that returns once the blocks are on disk
+        (per its fsync policy); call it in the same step as the store.
+
+        What RAM holds under each key is held from now until written, so no
+        eviction between the store and the write can lose it; a value in the
+        shared arena that RAM no longer holds may be reused already, so only a
+        value of the caller's own memory stands in for it. A block found in
+        neither fails the request: durability is never acknowledged unmet."""
+        disk, ram = self.disk, self.ram
+        held: list[tuple[bytes, Buffer]] = []
+        missing: list[bytes] = []
+        if disk is not None:
+            for key, value in zip(keys, values, strict=True):
+                kept = ram.peek(key)
+                if kept is None and value is not None and not ram.in_arena_memory(value):
+                    kept = value
+                if kept is None:
+                    missing.append(key)
+                    continue
+                ram.hold(kept)
+                held.append((key, kept))
+        return self._write_durably(held, missing)
+
+    async def _write_durably(self, held: list[tuple[bytes, Buffer]], missing: list[bytes]) -> None:
+        disk, ram = self.disk, self.ram
+        try:
+            if disk is not None:  # (each write announces itself to the holdings)
+                await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
+        finally:
+            for _, v in held:
+                ram.let_go(v)
+        if missing:
+            raise TierError(
+                f"{len(missing)} block(s) left RAM before reaching the disk (first: "
+                f"{missing[0].hex()}); they are not durable, store them again"
+            )
+
+    # ------------------------------------------------------------ DELETE
+
+    def delete(
+        self, keys: Sequence[bytes], *, remote: bool = True
+    ) -> list[bool] | Awaitable[list[bool]]:
+        """Delete ``keys`` from every tier: True where a tier held the key. The
+        local tiers answer now; with remote tiers (``remote``), the awaitable
+        that also asks them."""
+        check_keys(self.limits, keys)
+        deleted = self.delete_local(keys)
+        if not remote or not self.probing.slots:
+            return deleted
+        return self._delete_remote(keys, deleted)
+
+    async def _delete_remote(self, keys: Sequence[bytes], deleted: list[bool]) -> list[bool]:
+        slots = self.probing.slots
+        results = await asyncio.gather(
+            *(slot.tier.delete(keys) for slot in slots), return_exceptions=True
+        )
+        for slot, result in zip(slots, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                raise TierError(f"{slot.name}: delete failed: {result}") from result
+            deleted = [a or bool(b) for a, b in zip(deleted, result, strict=True)]
+        for key in keys:
+            self.probing.invalidate(key)
+        return deleted
+
+    def delete_local(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete from RAM and disk only."""
+        disk = self.disk
+        out = [self.ram.remove(k) | (disk is not None and disk.discard(k)) for k in keys]
+        for key in keys:  # (the held ones were by the holdings; the others' kept verdicts too)
+            self.probing.invalidate(key)
+        return out
+
+    # ------------------------------------------------------------ RESERVE / ABORT
+
+    def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
+        check_keys(self.limits, req.keys)
+        check_seconds("deadline", req.deadline)
+        check_sizes(self.limits, req.sizes)
+        deadline = req.deadline or self.cfg.pending_deadline
+        now = self._now()
+        statuses: list[ReserveStatus] = []
+        locate = self.locator.locate
+        for key, size in zip(req.keys, req.sizes, strict=True):
+            where = locate(key, now).where
+            if where is Where.RAM or where is Where.DISK or where is Where.REMOTE:
+                statuses.append(ReserveStatus.PRESENT)
+                continue
+            if where is Where.PENDING:
+                statuses.append(ReserveStatus.PENDING)
+                continue
+            if size:
+                try:
+                    evicted = self.ram.reserve(size, key)
+                except (NoCapacityError, ValueTooLargeError):
+                    statuses.append(ReserveStatus.REFUSED)
+                    self.counters.reservations.inc("refused")
+                    continue
+                self.evicted(evicted)  # announced, and written back where the policy says
+            self.pending.reserve(key, owner, deadline, size, now)
+            self.counters.reservations.inc("granted")
+            statuses.append(ReserveStatus.GRANTED)
+        return statuses
+
+    def reserve_arriving(self, keys: Sequence[bytes], owner: ConnId) -> None:
+        """Reserve, without holding room, the ``keys`` whose blocks ``owner``
+        is copying into their staged slots now (a PUT_REGION): other readers
+        find them PENDING, not MISS, until they are stored (the store ends
+        the reservation), the copy fails (:meth:`abort`) or the connection
+        closes. Keys held anywhere, or already pending, are left as they are."""
+        now = self._now()
+        deadline = self.cfg.pending_deadline
+        locate, pending = self.locator.locate, self.pending
+        for key in keys:
+            if key not in pending.table and locate(key, now).where is Where.ABSENT:
+                pending.reserve(key, owner, deadline, 0, now)
+                self.counters.reservations.inc("granted")
+
+    def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
+        """End ``owner``'s reservations of ``keys``; other writers' are untouched."""
+        check_keys(self.limits, keys)
+        out = []
+        table = self.pending.table
+        for key in keys:
+            res = table.get(key)
+            out.append(
+                res is not None and res.owner == owner and self.pending.end(res, End.ABORTED)
+            )
+        return out
+
+    def connection_closed(self, owner: ConnId) -> None:
+        """A writer went away: its reservations end at once."""
+        n = self.pending.end_owned_by(owner, End.RELEASED)
+        if n:
+            log.info("%s closed; released %d reservation(s)", owner, n)
