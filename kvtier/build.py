@@ -28,7 +28,8 @@ from kvtier.config import (
 )
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.service import Service
-from kvtier.core.shared.blocks import Copier, SharedBlocks
+from kvtier.core.shared.blocks import SharedBlocks
+from kvtier.core.shared.copier import Copier
 from kvtier.core.timers import Scheduler
 from kvtier.errors import ConfigError
 from kvtier.loops import IdlePoll
@@ -215,15 +216,8 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         shared = SharedBlocks(
             ram,
             staging,
-            put=lambda keys, values: service.put(keys, values, copy=True),
+            stores=service.stores,
             unpin=service.unpin,
-            stage=service.stage,
-            stage_many=service.stage_many,
-            stage_room=service.stage_room,
-            stage_rooms=service.stage_rooms,
-            drop_staged=service.drop_staged,
-            reserve_arriving=service.reserve_arriving,
-            abort=service.abort,
             now=scheduler.now,
             lease_timeout=shc.lease_timeout,
             staging_timeout=shc.staging_timeout,

@@ -329,20 +329,20 @@ def watching_stores(d: Daemon) -> Iterator[StoresSeen]:
     """Each store of blocks from shared memory (a COMMIT's, a PUT_REGION's)
     as it runs, against the bytes the daemon had sent by then: whether its
     reply left first."""
-    shared = d.shared
-    assert shared is not None
-    sent, seen, put = d.server.counters.sent_bytes, StoresSeen(), shared._put
+    assert d.shared is not None
+    stores = d.service.stores  # (the shared blocks' stores; the service's own are bound)
+    sent, seen, put = d.server.counters.sent_bytes, StoresSeen(), stores.put
 
-    def recording(keys: Any, values: Any) -> Any:
+    def recording(keys: Any, values: Any, **how: Any) -> Any:
         seen.sent.append(sent.value)
         seen.stored.set()
-        return put(keys, values)
+        return put(keys, values, **how)
 
-    shared._put = recording
+    stores.put = recording  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        shared._put = put
+        stores.put = put  # type: ignore[method-assign]
 
 
 def received_bytes(d: Daemon) -> float:

@@ -643,7 +643,7 @@ async def test_a_store_answered_before_it_is_filed_is_in_the_feed_before_its_ans
     async with with_lookup_process(sock_dir, disk=RAM_ONLY) as d:
         feed = feed_of(d)
         seen: list[object] = []
-        write, put = feed.write, d.service.put
+        write, put = feed.write, d.service.stores.put
 
         def logged_write(records: list[tuple[FeedOp, bytes]]) -> None:
             seen.extend(records)
@@ -654,7 +654,7 @@ async def test_a_store_answered_before_it_is_filed_is_in_the_feed_before_its_ans
             return put(*args, **kw)
 
         monkeypatch.setattr(feed, "write", logged_write)
-        monkeypatch.setattr(d.service, "put", logged_put)
+        monkeypatch.setattr(d.service.stores, "put", logged_put)
         async with await Client.connect(d.socket_path) as c:
             assert c.shared
             await c.put(b"big", os.urandom(1 << 20))  # written in place, then COMMIT

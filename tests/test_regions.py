@@ -20,7 +20,8 @@ import xxhash
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.shared import hand_region
-from kvtier.core.shared.blocks import MAX_REGIONS, Copier, Steps, may_map
+from kvtier.core.shared.copier import Copier, Steps
+from kvtier.core.shared.regions import MAX_REGIONS, may_map
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadArgumentError,
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux o
 async def daemon(request: pytest.FixtureRequest, sock_dir: Path) -> AsyncIterator[Daemon]:
     """Each test twice: the daemon copies regions on its loop, and in 2 threads."""
     async with running_daemon(sock_dir, shared={"copy_threads": request.param}) as d:
-        assert d.shared is not None and d.shared.copier.threads == request.param
+        assert d.shared is not None and d.shared.regions.copier.threads == request.param
         yield d
 
 
@@ -355,13 +356,13 @@ def gated_copies(daemon: Daemon) -> Iterator[GatedCopier]:
     """The daemon's copies held at a gate (:class:`GatedCopier`), where they
     run otherwise (on its loop, or in threads)."""
     assert daemon.shared is not None
-    kept = daemon.shared.copier
-    gated = daemon.shared.copier = GatedCopier(kept.threads)
+    kept = daemon.shared.regions.copier
+    gated = daemon.shared.regions.copier = GatedCopier(kept.threads)
     try:
         yield gated
     finally:
         gated.gate.set()
-        daemon.shared.copier = kept
+        daemon.shared.regions.copier = kept
         gated.close()
 
 

@@ -17,7 +17,7 @@ import xxhash
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.shared import attach
-from kvtier.core.shared.blocks import may_write_in_place
+from kvtier.core.shared.inplace import may_write_in_place
 from kvtier.daemon import Daemon
 from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError, NoCapacityError
 from kvtier.model import MAX_IN_PLACE_ROOMS, PutStatus, State
@@ -490,13 +490,14 @@ async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_ans
     assert shared is not None
     sent = daemon.server.counters.sent_bytes
     made: list[float] = []  # bytes sent when each room was made
-    stage_room = shared._stage_room
+    stores = daemon.service.stores
+    stage_room = stores.stage_room
 
     def recording(length: int, namespace: bytes) -> memoryview | None:
         made.append(sent.value)
         return stage_room(length, namespace)
 
-    shared._stage_room = recording
+    stores.stage_room = recording  # type: ignore[method-assign]
     reply = wire.framing.HEADER_SIZE + 9  # a COMMIT's answer with a room
     try:
         async with await Client.connect(daemon.socket_path) as a:
@@ -529,18 +530,18 @@ async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_ans
                 commit = wire.Commit(b"h", half, MiB // 2, 0, True, True, unchecked=True)
                 await a.request(Op.COMMIT, wire.encode_commit(commit))
                 assert shared.stats().in_place_prepared == 1
-                (ready,) = shared._prepared.values()
+                (ready,) = shared.in_place._prepared.values()
                 assert len(ready) == MiB // 2
                 assert bytes(await a.get(b"h") or b"") == block(30, MiB // 2)
             finally:
                 mapped.release()
     finally:
-        shared._stage_room = stage_room
+        stores.stage_room = stage_room  # type: ignore[method-assign]
     for conn in list(daemon.server.connections):
         await conn.done.wait()  # the daemon has seen the writer go
     assert shared.stats().in_place_prepared == 0
     # Held now: only the rooms the writer had (quarantined until their deadline).
-    quarantined = sum(len(room.view or b"") for room in shared._quarantine)
+    quarantined = sum(len(room.view or b"") for room in shared.in_place._quarantine)
     assert daemon.ram.budget.held == quarantined
 
 

@@ -3,7 +3,8 @@
 Every verb checks its arguments before it touches any state, so a refused
 request changes nothing: the service's verbs, the shared-memory paths
 (staging, regions) and the lookup process (the same :func:`check_lookup`)
-call these. O(batch), allocating nothing. Imports the errors and the shared
+call these. O(batch), allocating nothing, but for :func:`check_checksum`,
+which reads a block once. Imports the errors, xxhash and the shared
 records only.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+import xxhash
 
 from kvtier.errors import BadArgumentError, BadKeyError, BatchTooLargeError, ValueTooLargeError
 from kvtier.model import NAMESPACE_MARK, Buffer, Limits, Lookup, LookupMode
@@ -72,3 +75,12 @@ def check_values(limits: Limits, values: Sequence[Buffer], room: int) -> None:
             raise ValueTooLargeError(
                 f"value {i} is {len(value)} bytes, larger than the RAM tier ({room} bytes)"
             )
+
+
+def check_checksum(block: Buffer, checksum: int, key: bytes, what: str) -> None:
+    """Refuse a block whose bytes do not match its XXH3-64 ``checksum``."""
+    if xxhash.xxh3_64_intdigest(block) != checksum:
+        raise BadArgumentError(
+            f"checksum mismatch for key {key.hex()}: {what} changed or was not "
+            "all written; nothing stored"
+        )

@@ -1,6 +1,8 @@
-"""Shared memory for same-host clients: leases on arena blocks and staging rooms.
+"""Shared memory for same-host clients (docs/shared-memory.md).
 
-``leases`` is the pure half (the lease table and its deadlines); ``blocks``
-is the acting half (grants leases on RAM blocks, hands out staging rooms,
-checks and commits what clients wrote into them).
+``leases`` is the pure half of reading in place (the lease table and its
+deadlines) and ``leasing`` its acting half (the pins leases hold);
+``staging`` the staging region's rooms, ``inplace`` the RAM slots written
+in place, ``regions`` clients' memory files and ``copier`` where their
+copies run; ``blocks`` the facade the server calls.
 """
