@@ -37,7 +37,7 @@ from kvtier.metrics import Metrics
 from kvtier.model import Limits, namespace_id
 from kvtier.server.gate import PeerGate
 from kvtier.server.kv_events import KVEventPublisher
-from kvtier.server.ops import NamespaceAccess
+from kvtier.server.ops import NamespaceAccess, Ops
 from kvtier.server.server import Server
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.base import Tier
@@ -81,9 +81,9 @@ class Parts:
     #: leases and staging for same-host clients (None with no arena)
     shared: SharedBlocks | None
     #: the local socket's server
-    server: Server
+    server: Server[Ops]
     #: the peer port's server (None unless ``peer.listen``)
-    peer_server: Server | None
+    peer_server: Server[Ops] | None
     #: KV events for routers on ZMQ (None unless ``events.endpoint``)
     publisher: KVEventPublisher | None = None
 
@@ -228,16 +228,37 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         offer = SharedOffer(handoff_path(config), arena.size, staging.size)
     # One poller for the loop: both listeners' requests keep it awake.
     idle_poll = IdlePoll(sc.idle_poll)
+    access = access_of(config)
+
+    def ops(server: Server[Ops]) -> Ops:
+        return Ops(
+            service,
+            max_frame=server.max_frame,
+            server_name=server.server_name,
+            node_id=node_id,
+            server_stats=server.stats,
+            shared=shared,
+            shared_offer=offer,
+            events=service,
+            access=access,
+            feed=lambda: server.feed,
+        )
+
+    def peer_ops(server: Server[Ops]) -> Ops:
+        local = service.local(PEER_TIER)
+        return Ops(
+            local,
+            max_frame=server.max_frame,
+            server_name=server.server_name,
+            node_id=node_id,
+            server_stats=server.stats,
+        )
+
     server = Server(
-        service,
+        ops,
         max_frame=int(sc.max_frame_bytes),
         max_inflight=sc.max_inflight_per_connection,
         peers=PeerPolicy.for_socket(sc.socket_mode, sc.allowed_uids, sc.allowed_gids),
-        node_id=node_id,
-        shared=shared,
-        shared_offer=offer,
-        events=service,
-        access=access_of(config),
         # Who may connect is checked at accept; an allowed user still has a
         # deadline for its first frame where the socket is shared.
         handshake_timeout=sc.handshake_timeout
@@ -249,11 +270,10 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     peer_server = None
     if pc.listen is not None:
         peer_server = Server(
-            service.local(PEER_TIER),
+            peer_ops,
             max_frame=int(sc.max_frame_bytes),
             max_inflight=sc.max_inflight_per_connection,
             gate=PeerGate(pc.secret(), allow_delete=pc.allow_delete),
-            node_id=node_id,
             handshake_timeout=pc.handshake_timeout,
             max_unauthenticated=pc.max_unauthenticated,
             body_timeout=sc.body_timeout,

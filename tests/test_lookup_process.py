@@ -255,17 +255,17 @@ async def with_lookup_process(
 ) -> AsyncIterator[Daemon]:
     server = {**ON, **sections.pop("server", {})}
     async with running_daemon(sock_dir, remote_tiers, server=server, **sections) as d:
-        assert d.server.feed is not None
+        assert d.lookups is not None and d.lookups.feed is not None
         async with asyncio.timeout(60):
-            await d.server.feed.listening.wait()
+            await d.lookups.feed.listening.wait()
         yield d
     assert d.lookup_process is not None and d.lookup_process.returncode is not None
     assert not Path(f"{d.socket_path}.lookups").exists()  # it cleaned up as it stopped
 
 
 def feed_of(d: Daemon) -> FeedWriter:
-    assert d.server.feed is not None
-    return d.server.feed
+    assert d.lookups is not None and d.lookups.feed is not None
+    return d.lookups.feed
 
 
 async def answered(d: Daemon, n: int, referred: int = 0) -> None:

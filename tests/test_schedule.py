@@ -66,9 +66,9 @@ async def test_the_lookup_process_runs_with_the_configured_slice(sock_dir: Path)
     for seconds in (MIN_SLICE, 0.003):
         server = {"lookup_process": True, "lookup_slice": seconds}
         async with running_daemon(sock_dir, server=server, disk={"enabled": False}) as d:
-            assert d.server.feed is not None
+            assert d.lookups is not None and d.lookups.feed is not None
             async with asyncio.timeout(60):
-                await d.server.feed.listening.wait()
+                await d.lookups.feed.listening.wait()
             assert d.lookup_process is not None
             assert slice_of(d.lookup_process.pid) == pytest.approx(seconds)
             assert slice_of() != pytest.approx(seconds)  # the daemon's own is left alone

@@ -224,7 +224,8 @@ async def test_per_namespace_series_are_capped_and_the_rest_summed(sock_dir: Pat
                 await c.lookup([b"k", b"gone"])
         sample = d.metrics.registry.get_sample_value
         # The lookup process answered them: the daemon counts its reports.
-        feed = d.server.feed
+        assert d.lookups is not None
+        feed = d.lookups.feed
         assert feed is not None
         await wait_until(lambda: feed.answered + feed.referred == 4, 10**6)
         seen = {

@@ -41,7 +41,7 @@ from kvtier.errors import (
     UnsupportedVersionError,
 )
 from kvtier.loops import IdlePoll
-from kvtier.model import Buffer, CacheService, ConnId, Spawn
+from kvtier.model import Buffer, ConnId, Spawn
 from kvtier.server.counters import ServerCounters
 from kvtier.server.gate import PeerGate, Refusal
 from kvtier.server.sockets import Peer, PeerPolicy, peer_of
@@ -103,7 +103,8 @@ class Scopes(Protocol):
 
 
 class OpTable(Protocol):
-    """The handlers a connection calls, and where PUT bodies land."""
+    """The handlers a connection calls, where PUT bodies land, and what
+    happens when a connection's owner goes."""
 
     @property
     def handlers(self) -> Mapping[int, Handler]: ...
@@ -111,12 +112,18 @@ class OpTable(Protocol):
     @property
     def access(self) -> Scopes | None: ...
 
-    @property
-    def service(self) -> CacheService: ...
-
     def receive_into(
         self, conn: Connection, header: wire.Header, meta: Buffer | None
     ) -> memoryview | None: ...
+
+    def drop_staged(self, view: Buffer) -> None:
+        """A body :meth:`receive_into` gave room for was not stored: give the room back."""
+
+    def write_room(self) -> asyncio.Future[None] | None:
+        """None while stores may go on; else what resolves once they may."""
+
+    def connection_closed(self, owner: ConnId) -> None:
+        """``owner`` went: whatever it held ends."""
 
 
 class Host(Protocol):
@@ -456,7 +463,7 @@ class Connection(asyncio.BufferedProtocol):
     def _drop_staged(self) -> None:
         staged, self._staged = self._staged, {}
         for view in staged.values():
-            self.server.ops.service.drop_staged(view)
+            self.server.ops.drop_staged(view)
 
     def _discard_partial_frame(self) -> None:
         if self.reader.idle:
@@ -467,7 +474,7 @@ class Connection(asyncio.BufferedProtocol):
         if partial is not None:
             staged = self._staged.pop(id(partial), None)
             if staged is not None:
-                self.server.ops.service.drop_staged(staged)
+                self.server.ops.drop_staged(staged)
         dropped = self.reader.discard()
         self.server.counters.protocol_errors.inc(TRUNCATED)
         log.info(
@@ -513,7 +520,7 @@ class Connection(asyncio.BufferedProtocol):
         all the same; the writer is slowed, nothing is dropped)."""
         if self._room is not None:
             return
-        room = self.server.ops.service.write_room()
+        room = self.server.ops.write_room()
         if room is not None:
             self._room = room
             room.add_done_callback(self._room_back)
@@ -557,7 +564,7 @@ class Connection(asyncio.BufferedProtocol):
             if self._staged:
                 staged = self._staged.pop(id(frame.data), None)
                 if staged is frame.data:
-                    self.server.ops.service.drop_staged(staged)  # no-op when stored
+                    self.server.ops.drop_staged(staged)  # no-op when stored
         if header.opcode in STORES:
             self._wait_for_room()
         if isinstance(answer, Reply):

@@ -22,6 +22,7 @@ from kvtier.model import (
     BlockEvent,
     Buffer,
     CacheService,
+    ConnId,
     Copied,
     EventSource,
     Leased,
@@ -131,6 +132,8 @@ class Feed(Protocol):
 
     def settle(self, keys: Sequence[bytes]) -> None: ...
 
+    def stats(self) -> dict[str, object]: ...
+
 
 class Ops:
     """Handlers by opcode, over one service."""
@@ -166,6 +169,7 @@ class Ops:
         self.server_name = server_name
         self.node_id = node_id
         self._server_stats = server_stats
+        self.drop_staged, self.write_room = service.drop_staged, service.write_room
         self.handlers: dict[int, Handler] = {
             Op.HELLO: self.hello,
             Op.PING: self.ping,
@@ -190,6 +194,11 @@ class Ops:
 
     def __repr__(self) -> str:
         return f"<Ops {len(self.handlers)} handlers over {type(self.service).__name__}>"
+
+    def connection_closed(self, owner: ConnId) -> None:
+        self.service.connection_closed(owner)
+        if self.shared is not None:
+            self.shared.connection_closed(owner)
 
     def hello(self, conn: Connection, frame: Frame) -> Reply:
         hello = wire.decode_hello(frame.meta)

@@ -14,18 +14,16 @@ import asyncio
 import logging
 import socket
 import ssl
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
 
-from kvtier import wire
 from kvtier._version import __version__
 from kvtier.loops import IdlePoll
-from kvtier.model import CacheService, EventSource, SharedService, Spawn
-from kvtier.server.connection import Connection
+from kvtier.model import Spawn
+from kvtier.server.connection import Connection, OpTable
 from kvtier.server.counters import ServerCounters
 from kvtier.server.gate import PeerGate, Refusal
-from kvtier.server.lookups import FeedWriter
-from kvtier.server.ops import NamespaceAccess, Ops
+from kvtier.server.ops import Feed
 from kvtier.server.sockets import PeerPolicy
 
 log = logging.getLogger("kvtier.server")
@@ -40,29 +38,29 @@ def _not_started(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
     raise RuntimeError("the server has not been started")
 
 
-class Server:
+#: the op table a server's connections call
+OpsT = TypeVar("OpsT", bound=OpTable)
+
+
+class Server(Generic[OpsT]):
     """Accepts connections and routes frames to the op table."""
 
     def __init__(
         self,
-        service: CacheService,
+        ops: Callable[[Server[OpsT]], OpsT],
         *,
         max_frame: int,
         max_inflight: int,
         peers: PeerPolicy | None = None,
         gate: PeerGate | None = None,
         server_name: str = f"kvtier/{__version__}",
-        node_id: str = "",
-        shared: SharedService | None = None,
-        shared_offer: wire.SharedOffer | None = None,
-        events: EventSource | None = None,
-        access: NamespaceAccess | None = None,
         handshake_timeout: float | None = None,
         max_unauthenticated: int | None = None,
         body_timeout: float | None = None,
         idle_poll: IdlePoll | None = None,
     ) -> None:
-        """``handshake_timeout``: seconds a new connection has to be admitted
+        """``ops``: makes the op table this server's connections call (given
+        the server: its stats and feed). ``handshake_timeout``: seconds a new connection has to be admitted
         by the gate (or, without one, to send its first frame) before it is
         closed; None: no deadline. ``max_unauthenticated``: connections
         waiting for that at most; past it, the oldest is closed.
@@ -85,31 +83,18 @@ class Server:
         self.idle_poll = idle_poll if idle_poll is not None else IdlePoll(0)
         #: the lookup process's feed (replies that confirm a store filed after
         #: them announce it); None without a lookup process
-        self.feed: FeedWriter | None = None
+        self.feed: Feed | None = None
         self.handshake_timeout = handshake_timeout
         self.max_unauthenticated = max_unauthenticated
         self.body_timeout = body_timeout
         self._body_timer: asyncio.TimerHandle | None = None
         #: connections not admitted yet, oldest first, and their deadline timers
         self._unauthenticated: dict[Connection, asyncio.TimerHandle | None] = {}
-        self.ops = Ops(
-            service,
-            max_frame=max_frame,
-            server_name=server_name,
-            node_id=node_id,
-            server_stats=self.stats,
-            shared=shared,
-            shared_offer=shared_offer,
-            events=events,
-            access=access,
-            feed=lambda: self.feed,
-        )
-        self._shared = shared
+        self.ops = ops(self)
         self.connections: set[Connection] = set()
         self.shutting_down = False
         #: connections that had a partial frame when shutdown began: that frame is served
         self._busy_at_shutdown: set[Connection] = set()
-        self._service = service
         self._next_id = 0
         self._aserver: asyncio.AbstractServer | None = None
         #: connections with frames held until the end of this loop step, in
@@ -245,9 +230,7 @@ class Server:
         self._owner_gone(conn)
 
     def _owner_gone(self, conn: Connection) -> None:
-        self._service.connection_closed(conn.conn_id)
-        if self._shared is not None:
-            self._shared.connection_closed(conn.conn_id)
+        self.ops.connection_closed(conn.conn_id)
 
     def connection_closed(self, conn: Connection) -> None:
         self.authenticated(conn)

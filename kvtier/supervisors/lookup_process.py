@@ -37,7 +37,7 @@ from kvtier.config import Config
 from kvtier.core.service import Service
 from kvtier.model import ReportKind
 from kvtier.server.lookups import FEED_RING_BYTES, FeedWriter, Settings
-from kvtier.server.ops import NamespaceAccess, scoped_tag
+from kvtier.server.ops import NamespaceAccess, Ops, scoped_tag
 from kvtier.server.server import Server
 from kvtier.wire.replica import RING_HEADER, FeedRing, Report
 
@@ -69,13 +69,14 @@ class LookupSupervisor:
         self,
         config: Config,
         service: Service,
-        server: Server,
+        server: Server[Ops],
         stopping: asyncio.Event,
         timing: Timing = TIMING,
     ) -> None:
         self._config = config
         self._service = service
         self._server = server
+        self._feed: FeedWriter | None = None
         #: set when the daemon stops
         self._stopping = stopping
         self.timing = timing
@@ -91,9 +92,9 @@ class LookupSupervisor:
 
     @property
     def feed(self) -> FeedWriter | None:
-        """The running process's feed (the server's, which it hands the op
-        table and shows in STATS), once started."""
-        return self._server.feed
+        """The running process's feed, once started (the server holds the
+        same one: it hands it to the op table and shows it in STATS)."""
+        return self._feed
 
     @property
     def path(self) -> str:
@@ -202,7 +203,7 @@ class LookupSupervisor:
             os.close(ring_fd)  # (the mapping stays)
         feed = FeedWriter(ours, ring, service.holds, self._report)
         service.feed(feed.write)
-        server.feed = feed
+        self._feed = server.feed = feed  # (set together, always)
         return True
 
     async def _feed_until_gone(self, proc: asyncio.subprocess.Process, feed: FeedWriter) -> None:
