@@ -24,7 +24,6 @@ from kvtier.client.aio import Client
 from kvtier.config import Config, load_config
 from kvtier.core.events import EventLog
 from kvtier.core.holdings import Holdings
-from kvtier.core.replica import Replica
 from kvtier.core.writes import ReservationTable
 from kvtier.daemon import Daemon
 from kvtier.errors import ForbiddenError, UnknownOpcodeError
@@ -42,8 +41,11 @@ from kvtier.model import (
     namespace_id,
     namespace_prefix,
 )
-from kvtier.server import lookups as lookups_module
-from kvtier.server.lookups import FeedWriter, LookupListener, Settings
+from kvtier.replica import feed as feed_module
+from kvtier.replica.feed import FeedWriter
+from kvtier.replica.listener import LookupListener
+from kvtier.replica.replica import Replica
+from kvtier.replica.settings import Settings
 from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import Peer, PeerPolicy
 from kvtier.supervisors import lookup_process as supervisor_module
@@ -382,7 +384,7 @@ async def test_a_process_that_stops_reading_its_feed_is_killed_and_started_again
 ) -> None:
     # (a stall period of 1 s: on a loaded machine an idle process can wait
     # a few hundred ms for a CPU, and a shorter one would kill it here)
-    monkeypatch.setattr(lookups_module, "FEED_STALL", 1.0)
+    monkeypatch.setattr(feed_module, "FEED_STALL", 1.0)
     monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
     monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
     async with (
@@ -550,7 +552,7 @@ async def test_the_lookup_socket_answers_lookups_only(sock_dir: Path) -> None:
         await tenant.put(b"k", b"v")
         assert (await tenant.lookup([b"k"])).prefix_hits == 1
         raw = await Client.connect(path, shared=False, lookup_process=False)
-        with pytest.raises(UnknownOpcodeError, match="answers LOOKUP only"):
+        with pytest.raises(UnknownOpcodeError, match=r"this socket answers HELLO, PING, LOOKUP$"):
             await raw.get(b"k")
         assert (await raw.lookup([b"k"])).prefix_hits == 0  # the default namespace's k
         # A broken frame closes its own connection, and no other.
@@ -694,7 +696,7 @@ async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(
 async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
     sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lookups_module, "FEED_BACKLOG", 100)
+    monkeypatch.setattr(feed_module, "FEED_BACKLOG", 100)
     me = os.getuid()
     sources: list[Config] = []
     keys = [b"k%05d" % i for i in range(3000)]

@@ -552,7 +552,12 @@ class Connection(asyncio.BufferedProtocol):
                 raise ShuttingDownError("the daemon is shutting down")
             handler = self.server.ops.handlers.get(header.opcode)
             if handler is None:
-                raise UnknownOpcodeError(f"unknown opcode 0x{header.opcode:02x}")
+                answers = ", ".join(
+                    OP_NAMES.get(op, hex(op)).upper() for op in self.server.ops.handlers
+                )
+                raise UnknownOpcodeError(
+                    f"unknown opcode 0x{header.opcode:02x}: this socket answers {answers}"
+                )
             gate = self.server.gate
             if gate is not None and not gate.allows(header.opcode):
                 raise ForbiddenError(f"{op_name.upper()} is not allowed on the peer port")

@@ -60,10 +60,11 @@ class Server(Generic[OpsT]):
         idle_poll: IdlePoll | None = None,
     ) -> None:
         """``ops``: makes the op table this server's connections call (given
-        the server: its stats and feed). ``handshake_timeout``: seconds a new connection has to be admitted
-        by the gate (or, without one, to send its first frame) before it is
-        closed; None: no deadline. ``max_unauthenticated``: connections
-        waiting for that at most; past it, the oldest is closed.
+        the server: its stats and feed). ``handshake_timeout``: seconds a
+        new connection has to be admitted by the gate (or, without one, to
+        send its first frame) before it is closed; None: no deadline.
+        ``max_unauthenticated``: connections waiting for that at most; past
+        it, the oldest is closed.
         ``body_timeout``: seconds a connection may stall inside a frame
         before it is closed (:meth:`_check_bodies`); None: no limit.
         ``idle_poll``: the loop's poller, touched as requests arrive (one per

@@ -3,7 +3,7 @@ again (docs/lookup-process.md).
 
 The daemon owns one :class:`LookupSupervisor` when ``server.lookup_process``
 is on. :meth:`~LookupSupervisor.start` runs the process
-(``python -m kvtier.lookup_process``) with its settings, its report socket
+(``python -m kvtier.replica``) with its settings, its report socket
 and its feed ring, and hands the feed to the service (what the daemon holds)
 and to the server (replies that announce stores); :meth:`~LookupSupervisor.run`
 then feeds it until the daemon stops, and starts it again whenever it goes
@@ -36,7 +36,8 @@ from kvtier.build import lookups_path
 from kvtier.config import Config
 from kvtier.core.service import Service
 from kvtier.model import ReportKind
-from kvtier.server.lookups import FEED_RING_BYTES, FeedWriter, Settings
+from kvtier.replica.feed import FEED_RING_BYTES, FeedWriter
+from kvtier.replica.settings import Settings
 from kvtier.server.ops import NamespaceAccess, Ops, scoped_tag
 from kvtier.server.server import Server
 from kvtier.wire.replica import RING_HEADER, FeedRing, Report
@@ -189,7 +190,7 @@ class LookupSupervisor:
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "kvtier.lookup_process",
+                "kvtier.replica",
                 settings.to_json(),
                 pass_fds=(theirs.fileno(), ring_fd),
                 stdin=subprocess.DEVNULL,

@@ -1,12 +1,12 @@
-"""The lookup process: ``python -m kvtier.lookup_process SETTINGS``, started by the daemon.
+"""The lookup process: ``python -m kvtier.replica SETTINGS``, started by the daemon.
 
 It answers LOOKUP on a socket of its own from a replica of what the daemon
 holds (docs/lookup-process.md), so that a lookup does not queue behind the
 daemon's loop while blocks stream in. This module wires the replica
-(:mod:`kvtier.core.replica`) to the process's sockets
-(:mod:`kvtier.server.lookups`); the daemon starts it with the socket pair's
+(:mod:`kvtier.replica.replica`) to the process's sockets
+(:mod:`kvtier.replica.listener`); the daemon starts it with the socket pair's
 other end and the feed ring's memory file as descriptors, and its
-:class:`~kvtier.server.lookups.Settings` as JSON, and it runs until
+:class:`~kvtier.replica.settings.Settings` as JSON, and it runs until
 the feed ends.
 """
 
@@ -21,11 +21,12 @@ from pathlib import Path
 
 from kvtier import loops, wire
 from kvtier.core.checks import check_lookup
-from kvtier.core.replica import Replica
 from kvtier.loops import IdlePoll
 from kvtier.model import Limits, Lookup, LookupReply
+from kvtier.replica.listener import LookupListener
+from kvtier.replica.replica import Replica
+from kvtier.replica.settings import Settings
 from kvtier.schedule import request_slice
-from kvtier.server.lookups import LookupListener, Settings
 from kvtier.server.ops import NamespaceAccess, agreed_version
 from kvtier.server.sockets import PeerPolicy
 from kvtier.wire.replica import FeedRing
