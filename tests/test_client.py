@@ -14,6 +14,7 @@ import pytest
 
 from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
 from kvtier.backoff import Backoff
+from kvtier.client.batching import SOCKET_ONLY, SOLO_VALUE_BYTES, WritePath
 from kvtier.client.options import ClientOptions, OptionChanges
 from kvtier.client.redial import Redial
 from kvtier.daemon import Daemon
@@ -27,6 +28,8 @@ from kvtier.errors import (
 )
 from kvtier.wire import Op
 from tests.helpers import DaemonProcess, wait_until
+
+MiB = 1 << 20
 
 
 def key(i: int) -> bytes:
@@ -396,3 +399,29 @@ def test_bad_options_are_refused_before_connecting(tmp_path: Path) -> None:
         ClientOptions(idle_poll=-1)
     with pytest.raises(TypeError, match="nmespace"):
         asyncio.run(Client.connect(tmp_path / "none.sock", nmespace="x"))  # type: ignore[call-arg]
+
+
+def test_the_write_path_is_chosen_once_from_the_options_and_what_the_daemon_offers() -> None:
+    small, mid, large = bytes(SOLO_VALUE_BYTES - 1), bytes(SOLO_VALUE_BYTES), bytes(MiB)
+    # No shared memory, or stage_writes=False: everything over the socket.
+    for path in (WritePath.choose(None, False, True), WritePath.choose(False, True, True)):
+        assert path == SOCKET_ONLY
+        assert not path.one(large) and not path.many([large, large])
+    # The default, written in place: every batch with a block of 512 KiB or more.
+    in_place = WritePath.choose(None, True, True)
+    assert in_place.one(large) and not in_place.one(mid)
+    assert in_place.many([large, large, small]) and not in_place.many([mid, mid])
+    # The default, staged: a batch only where its one large block is alone.
+    staged = WritePath.choose(None, True, False)
+    assert staged.many([large, small]) and not staged.many([large, large])
+    # stage_writes=True: every block of 64 KiB or more.
+    every = WritePath.choose(True, True, False)
+    assert every.one(mid) and not every.one(small)
+    assert every.many([mid, mid]) and not every.many([small, small])
+
+
+def test_client_options_refuse_bad_lookup_process_seconds() -> None:
+    with pytest.raises(BadArgumentError, match="lookups_timeout"):
+        ClientOptions(lookups_timeout=0)
+    with pytest.raises(BadArgumentError, match="lookups_redial"):
+        ClientOptions(lookups_redial=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import mmap
@@ -19,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.client import aio
 from kvtier.client.aio import Client
+from kvtier.client.options import ClientOptions
 from kvtier.config import Config, load_config
 from kvtier.core.events import EventLog
 from kvtier.core.holdings import Holdings
@@ -41,14 +42,12 @@ from kvtier.model import (
     namespace_id,
     namespace_prefix,
 )
-from kvtier.replica import feed as feed_module
-from kvtier.replica.feed import FeedWriter
+from kvtier.replica.feed import FeedBounds, FeedWriter
 from kvtier.replica.listener import LookupListener
 from kvtier.replica.replica import Replica
 from kvtier.replica.settings import Settings
 from kvtier.server.ops import NamespaceAccess
 from kvtier.server.sockets import Peer, PeerPolicy
-from kvtier.supervisors import lookup_process as supervisor_module
 from kvtier.supervisors.lookup_process import Timing
 from kvtier.tiers.base import Tier
 from kvtier.tiers.budget import Gone
@@ -63,6 +62,8 @@ RAM_ONLY = {"enabled": False}
 ON = {"lookup_process": True}
 #: a lookup process that went is started again after 10 ms
 SOON = Timing(restart_first=0.01)
+#: a client that gives the lookup process 50 ms, and may dial it again at each lookup
+QUICK = ClientOptions(lookups_timeout=0.05, lookups_redial=0.0)
 
 
 def replica_of(held: list[bytes], pending: list[bytes] = (), **kw: bool) -> Replica:  # type: ignore[assignment]
@@ -380,16 +381,14 @@ async def test_a_lookup_the_process_cannot_answer_is_answered_by_the_daemon(
 
 
 async def test_a_process_that_stops_reading_its_feed_is_killed_and_started_again(
-    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+    sock_dir: Path,
 ) -> None:
     # (a stall period of 1 s: on a loaded machine an idle process can wait
     # a few hundred ms for a CPU, and a shorter one would kill it here)
-    monkeypatch.setattr(feed_module, "FEED_STALL", 1.0)
-    monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
-    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
+    timing = dataclasses.replace(SOON, feed=FeedBounds(stall=1.0))
     async with (
-        with_lookup_process(sock_dir, lookup_timing=SOON, disk=RAM_ONLY) as d,
-        await Client.connect(d.socket_path, shared=False, timeout=60) as c,
+        with_lookup_process(sock_dir, lookup_timing=timing, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path, QUICK, shared=False, timeout=60) as c,
     ):
         first, proc = feed_of(d), d.lookup_process
         assert proc is not None
@@ -418,13 +417,10 @@ async def test_a_process_that_stops_reading_its_feed_is_killed_and_started_again
         assert again.answered == 1
 
 
-async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(
-    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
+async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(sock_dir: Path) -> None:
     async with (
         with_lookup_process(sock_dir, lookup_timing=SOON, disk=RAM_ONLY) as d,
-        await Client.connect(d.socket_path, shared=False) as c,
+        await Client.connect(d.socket_path, shared=False, lookups_redial=0.0) as c,
     ):
         await c.put(b"k", b"v")
         assert (await c.lookup([b"k"])).prefix_hits == 1
@@ -451,7 +447,7 @@ async def test_when_the_process_dies_the_daemon_answers_and_starts_it_again(
 
 
 async def test_a_process_that_keeps_going_is_started_again_ever_later(
-    sock_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     deep = _unbindable(sock_dir)  # each one exits at once: it cannot listen
     quick = Timing(restart_first=0.01, restart_most=0.04)
@@ -616,7 +612,7 @@ def _unbindable(sock_dir: Path) -> Path:
 
 
 async def test_a_lookup_process_that_cannot_listen_leaves_the_daemon_answering(
-    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+    sock_dir: Path,
 ) -> None:
     deep = _unbindable(sock_dir)
     never = Timing(restart_first=3600.0, restart_most=3600.0)  # (not in this test)
@@ -663,11 +659,7 @@ async def test_a_store_answered_before_it_is_filed_is_in_the_feed_before_its_ans
         assert seen.index((FeedOp.HELD, b"big")) < seen.index("filed")
 
 
-async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(
-    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
-    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)
+async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(sock_dir: Path) -> None:
     accepted: list[socket.socket] = []
     async with running_daemon(sock_dir, server={"lookup_process": False}, disk=RAM_ONLY) as d:
         # Something listens where the lookup process would, and never answers.
@@ -679,7 +671,10 @@ async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(
         loop.add_reader(mute.fileno(), lambda: accepted.append(mute.accept()[0]))
         try:
             # (Each dial would wait for the client's own timeout without its own.)
-            async with asyncio.timeout(30), await Client.connect(d.socket_path, timeout=60) as c:
+            async with (
+                asyncio.timeout(30),
+                await Client.connect(d.socket_path, QUICK, timeout=60) as c,
+            ):
                 assert not c.lookups_process  # its HELLO went unanswered
                 await c.put(b"k", b"v")
                 for _ in range(3):  # each may dial again, and gives up in time
@@ -693,10 +688,7 @@ async def test_a_lookup_socket_that_does_not_answer_holds_no_lookup_up(
     assert len(accepted) >= 1
 
 
-async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
-    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(feed_module, "FEED_BACKLOG", 100)
+async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(sock_dir: Path) -> None:
     me = os.getuid()
     sources: list[Config] = []
     keys = [b"k%05d" % i for i in range(3000)]
@@ -715,7 +707,9 @@ async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
         assert not first.ended
         # The next one's ring holds about 100 changes: its snapshot of 3000
         # keys waits for room, past the backlog's bound for later changes.
-        monkeypatch.setattr(supervisor_module, "FEED_RING_BYTES", 4096)
+        assert d.lookups is not None
+        small = FeedBounds(ring_bytes=4096, backlog=100)
+        d.lookups.timing = dataclasses.replace(d.lookups.timing, feed=small)
         sources.append(default_users(d, [me]))
         d.reload()
         again = await restarted(d, first)
@@ -728,14 +722,10 @@ async def test_a_new_process_takes_a_snapshot_far_larger_than_its_ring(
         assert again.referred == 0
 
 
-async def test_a_stuck_process_holds_no_lookup_up(
-    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(aio, "LOOKUPS_TIMEOUT", 0.05)
-    monkeypatch.setattr(aio, "LOOKUPS_REDIAL", 0.0)  # (each lookup may dial again)
+async def test_a_stuck_process_holds_no_lookup_up(sock_dir: Path) -> None:
     async with (
         with_lookup_process(sock_dir, disk=RAM_ONLY) as d,
-        await Client.connect(d.socket_path, shared=False, timeout=60) as c,
+        await Client.connect(d.socket_path, QUICK, shared=False, timeout=60) as c,
     ):
         await c.put(b"k", b"v")
         assert (await c.lookup([b"k"])).prefix_hits == 1
@@ -745,7 +735,7 @@ async def test_a_stuck_process_holds_no_lookup_up(
         proc.send_signal(signal.SIGSTOP)
         try:
             # Stuck, not gone: the daemon does not start another. Each lookup
-            # gives it LOOKUPS_TIMEOUT (then a dial does) and asks the daemon.
+            # gives it lookups_timeout (then a dial does) and asks the daemon.
             async with asyncio.timeout(30):
                 for _ in range(3):
                     assert (await c.lookup([b"k"])).prefix_hits == 1

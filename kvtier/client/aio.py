@@ -24,12 +24,9 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from kvtier import wire
 from kvtier._version import __version__
-from kvtier.client.batching import (
-    SHARED_WRITE_BYTES,
-    SOLO_VALUE_BYTES,
-    put_batches,
-)
-from kvtier.client.options import DEFAULTS, ClientOptions, OptionChanges, check_idle_poll
+from kvtier.backoff import Backoff
+from kvtier.client.batching import SOCKET_ONLY, WritePath, put_batches
+from kvtier.client.options import DEFAULTS, ClientOptions, OptionChanges
 from kvtier.client.protocol import ClientProtocol, expire
 from kvtier.client.shared import SharedSession, attach, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL, default_socket_path
@@ -70,15 +67,9 @@ log = logging.getLogger("kvtier.client")
 #: seconds, None for no limit, or ``...`` for the client's default
 Timeout = float | None | EllipsisType
 
-#: seconds before a lookup dials the daemon's lookup process again while no
-#: connection to it is open (the daemon starts it again once it went),
-#: doubling after each dial that fails, up to the most
-LOOKUPS_REDIAL = 1.0
+#: the longest wait between two dials of the daemon's lookup process
+#: (``ClientOptions.lookups_redial`` doubling up to it)
 LOOKUPS_REDIAL_MOST = 30.0
-#: seconds the lookup process has to answer a dial or a lookup: it answers
-#: from memory and never waits, so one slower is taken for stuck (the daemon
-#: answers, and the connection to it is dropped)
-LOOKUPS_TIMEOUT = 0.1
 
 
 class Client:
@@ -88,48 +79,53 @@ class Client:
         self,
         protocol: ClientProtocol,
         path: Path | str,
-        timeout: float | None,
-        name: str,
+        options: ClientOptions,
         token: bytes = b"",
-        idle_poll: float = IDLE_POLL,
     ) -> None:
         self._protocol = protocol
+        #: how this connection was asked to behave (its timeout, name,
+        #: namespace, shared memory, lookup process); never changes
+        self.options = options
         #: the loop the connection lives on (held: asking asyncio for the
         #: running loop costs a getpid system call, twice a request)
         self._loop = asyncio.get_running_loop()
         #: keeps the loop polling while a reply is awaited (for ``idle_poll``
         #: seconds after each request at most), instead of sleeping
-        self.idle_poll = IdlePoll(idle_poll, busy=lambda: bool(protocol.pending))
+        self.idle_poll = IdlePoll(options.idle_poll, busy=lambda: bool(protocol.pending))
         #: the socket path, or host:port for a peer connection
         self.path = path
-        self.timeout = timeout
-        self.name = name
         self._token = token
         self._ids = itertools.count(1)
         self.server: HelloReply | None = None
-        #: ask for shared memory at HELLO
-        self._want_shared = False
+        #: ask for shared memory at HELLO (off again for a daemon without it)
+        self._want_shared = options.shared
         #: blocks read (and written) through shared memory (None: over the socket)
         self._shm: SharedSession | None = None
-        #: large blocks are written through staging rooms (with shared memory)
-        #: large writes through staging: True all, None (auto) a lone block
-        #: of SHARED_WRITE_BYTES or more, False none
-        self._stage_writes: bool | None = None
-        #: large blocks are written straight into their RAM slots when allowed
-        self._write_in_place = True
-        #: the namespace named at HELLO, and what the daemon expects before
-        #: every key of it (docs/tenancy.md); empty: the default namespace
-        self.namespace = ""
+        #: which writes go through shared memory, chosen after HELLO
+        self._writes = SOCKET_ONLY
+        #: what the daemon expects before every key of the namespace named at
+        #: HELLO (docs/tenancy.md); empty: the default namespace
         self._prefix = b""
-        #: the daemon's lookup process (docs/lookup-process.md), where it listens
+        #: the daemon's lookup process (docs/lookup-process.md), where it listens;
+        #: while no connection to it is open, a lookup dials it again once
+        #: the backoff allows (the daemon restarts it)
         self._lookups: Client | None = None
-        #: lookups go there when they can (the ``lookup_process`` option); while
-        #: no connection to it is open, a lookup dials it again once the
-        #: monotonic clock reaches ``_lookups_retry`` (the daemon restarts it)
-        self._lookups_wanted = False
-        self._lookups_retry = 0.0
-        #: seconds to the dial after a failed one (LOOKUPS_REDIAL, doubling)
-        self._lookups_redial = LOOKUPS_REDIAL
+        self._lookups_dial = Backoff(
+            options.lookups_redial, max(options.lookups_redial, LOOKUPS_REDIAL_MOST)
+        )
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds any one call may take; None: no limit."""
+        return self.options.timeout
+
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    @property
+    def namespace(self) -> str:
+        return self.options.namespace
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -166,8 +162,6 @@ class Client:
         """
         if changes:
             options = dataclasses.replace(options, **changes)
-        timeout, name, idle_poll = options.timeout, options.name, options.idle_poll
-        shared, namespace = options.shared, options.namespace
         path = Path(path) if path is not None else default_socket_path()
         loop = asyncio.get_running_loop()
         try:
@@ -178,11 +172,8 @@ class Client:
             raise DaemonUnavailableError(f"no kvtier daemon is listening on {path}: {exc}") from exc
         except OSError as exc:
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from exc
-        client = cls(protocol, path, timeout, name, idle_poll=idle_poll)
-        client._want_shared = shared
-        client._stage_writes = options.stage_writes
-        client._write_in_place = options.write_in_place
-        client.namespace = namespace
+        client = cls(protocol, path, options)
+        namespace = options.namespace
         if namespace and namespace != DEFAULT_NAMESPACE_NAME:
             try:
                 client._prefix = namespace_prefix(namespace_id(namespace))
@@ -193,7 +184,7 @@ class Client:
             try:
                 client.server = await client.hello()
             except ProtocolError:
-                if not shared:
+                if not options.shared:
                     raise
                 # A daemon older than shared memory refuses the HELLO flag.
                 client._want_shared = False
@@ -202,7 +193,6 @@ class Client:
             if offer is not None:
                 await client._map_shared(offer)
             if options.lookup_process:
-                client._lookups_wanted = True
                 await client._dial_lookups()
         except BaseException:
             await client.close()
@@ -227,7 +217,9 @@ class Client:
         ``connect_timeout`` bounds the TCP (and TLS) handshake and the HELLO
         alike: authenticating is part of connecting. Blocks never travel
         through shared memory on this connection."""
-        check_idle_poll(idle_poll)
+        options = ClientOptions(
+            timeout=timeout, name=name, shared=False, idle_poll=idle_poll, lookup_process=False
+        )
         address = f"{host}:{port}"
         loop = asyncio.get_running_loop()
         try:
@@ -245,7 +237,7 @@ class Client:
             ) from exc
         except OSError as exc:  # ssl.SSLError included: a failed handshake
             raise DaemonUnavailableError(f"cannot connect to peer {address}: {exc}") from exc
-        client = cls(protocol, address, timeout, name, token, idle_poll)
+        client = cls(protocol, address, options, token)
         try:
             async with asyncio.timeout(connect_timeout):
                 client.server = await client.hello()
@@ -269,19 +261,13 @@ class Client:
     async def _dial_lookups(self) -> Client | None:
         """Connect to the daemon's lookup process, where one listens for this
         client; None (the daemon answers, until the next attempt) elsewhere."""
-        now = time.monotonic()
-        self._lookups_retry = now + self._lookups_redial  # (one attempt at a time)
-        self._lookups_redial = min(self._lookups_redial * 2, LOOKUPS_REDIAL_MOST)
+        options = self.options
+        self._lookups_dial.failed(time.monotonic())  # (one attempt at a time)
         try:
-            async with asyncio.timeout(LOOKUPS_TIMEOUT):
+            async with asyncio.timeout(options.lookups_timeout):
                 lookups = await Client.connect(
                     Path(f"{self.path}.lookups"),
-                    timeout=self.timeout,
-                    name=self.name,
-                    shared=False,
-                    idle_poll=self.idle_poll.window,
-                    namespace=self.namespace,
-                    lookup_process=False,
+                    dataclasses.replace(options, shared=False, lookup_process=False),
                 )
         except (KvtierError, TimeoutError):
             return None  # none listens, or not for this client, or not in time
@@ -293,14 +279,14 @@ class Client:
         # after the answer is there (docs/lookup-process.md).
         lookups.idle_poll.yields = False
         self._lookups = lookups
-        self._lookups_redial = LOOKUPS_REDIAL
+        self._lookups_dial.succeeded()
         return lookups
 
     async def _drop_lookups(self, lookups: Client) -> None:
         """The lookup process went, or is stuck: the daemon answers, and it is
         dialled again in a while (the daemon starts a new one when it goes)."""
         self._lookups = None
-        self._lookups_retry = time.monotonic() + self._lookups_redial
+        self._lookups_dial.failed(time.monotonic())
         lookups.drop()
         await lookups.close()
 
@@ -310,8 +296,10 @@ class Client:
         except OSError as exc:
             log.info("shared memory offered but not usable (%s); using the socket", exc)
             return
-        in_place = mapped.writable and self._write_in_place and self._stage_writes is not False
+        options = self.options
+        in_place = mapped.writable and options.write_in_place and options.stage_writes is not False
         self._shm = SharedSession(self, mapped, self._prefix, in_place=in_place)
+        self._writes = WritePath.choose(options.stage_writes, True, in_place)
 
     async def __aenter__(self) -> Client:
         return self
@@ -495,15 +483,19 @@ class Client:
         # as on one connection: the lookup then goes there too.
         if not self._protocol.pending:
             lookups = self._lookups
-            if lookups is None and self._lookups_wanted and time.monotonic() >= self._lookups_retry:
+            if (
+                lookups is None
+                and self.options.lookup_process
+                and time.monotonic() >= self._lookups_dial.not_before
+            ):
                 lookups = await self._dial_lookups()
             if lookups is not None:
-                bound = self._timeout(timeout)
+                bound, most = self._timeout(timeout), self.options.lookups_timeout
                 try:
                     frame = await lookups._call(
                         Op.LOOKUP,
                         meta,
-                        timeout=LOOKUPS_TIMEOUT if bound is None else min(bound, LOOKUPS_TIMEOUT),
+                        timeout=most if bound is None else min(bound, most),
                     )
                     return wire.decode_lookup_reply(frame.meta)
                 except ReferredError:
@@ -588,12 +580,7 @@ class Client:
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent).
         ``hint``: what the writer knows of its reuse (docs/eviction.md)."""
-        if self._stage_writes is None:
-            staged = self._shm is not None and len(value) >= SHARED_WRITE_BYTES
-        else:
-            staged = self._shm is not None and self._stage_writes and len(value) >= SOLO_VALUE_BYTES
-        if staged and not hint:
-            assert self._shm is not None
+        if self._shm is not None and self._writes.one(value) and not hint:
             status = await self._shm.put(key, value, durable, self._timeout(timeout))
             if status is not None:
                 return status
@@ -618,12 +605,7 @@ class Client:
             raise ValueError("put_many needs one value (and one hint) per key")
         if hints is not None and not any(hints):
             hints = None
-        large = [i for i, v in enumerate(values) if len(v) >= SHARED_WRITE_BYTES]
-        if self._stage_writes is None:  # a lone large block: staged (see connect)
-            staged = len(large) == 1 or bool(large and self._shm is not None and self._shm.in_place)
-        else:
-            staged = self._stage_writes and any(len(v) >= SOLO_VALUE_BYTES for v in values)
-        if hints is None and self._shm is not None and staged:
+        if hints is None and self._shm is not None and self._writes.many(values):
 
             async def over_socket(ks: Sequence[bytes], vs: Sequence[Buffer]) -> list[PutStatus]:
                 return await self._put_socket(ks, vs, None, durable, timeout)

@@ -161,6 +161,10 @@ class BlockingClient:
         return self._client.name
 
     @property
+    def namespace(self) -> str:
+        return self._client.namespace
+
+    @property
     def closed(self) -> bool:
         return self._client.closed
 

@@ -57,9 +57,21 @@ class ClientOptions:
     #: docs/lookup-process.md), send lookups there first; the daemon answers
     #: what it refers back
     lookup_process: bool = True
+    #: seconds the lookup process has to answer a dial or a lookup: it answers
+    #: from memory and never waits, so one slower is taken for stuck (the
+    #: daemon answers, and the connection to it is dropped)
+    lookups_timeout: float = 0.1
+    #: seconds before a lookup dials the lookup process again while no
+    #: connection to it is open (the daemon starts it again once it went),
+    #: doubling after each dial that fails, up to 30 s
+    lookups_redial: float = 1.0
 
     def __post_init__(self) -> None:
         check_idle_poll(self.idle_poll)
+        if not self.lookups_timeout > 0:
+            raise BadArgumentError(f"lookups_timeout must be positive, got {self.lookups_timeout}")
+        if not self.lookups_redial >= 0:
+            raise BadArgumentError(f"lookups_redial must be 0 or more, got {self.lookups_redial}")
 
 
 class OptionChanges(TypedDict, total=False):
@@ -73,6 +85,8 @@ class OptionChanges(TypedDict, total=False):
     namespace: str
     idle_poll: float
     lookup_process: bool
+    lookups_timeout: float
+    lookups_redial: float
 
 
 def check_idle_poll(idle_poll: float) -> None:

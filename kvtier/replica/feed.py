@@ -13,7 +13,7 @@ in time (it stopped reading) ends the feed: the process stops, and its
 clients ask the daemon.
 
 Invariants: records reach the ring in the order they were written (a
-backlog the ring had no room for goes first, and past ``FEED_BACKLOG``
+backlog the ring had no room for goes first, and past ``bounds.backlog``
 records the feed ends rather than grow); a bad report ends the feed;
 ``done`` is set once the feed has ended, however it ended. Imports the
 wire and the shared records only.
@@ -27,6 +27,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvtier.errors import KvtierError
 from kvtier.model import FeedOp, FeedRecords, ReportKind
@@ -36,15 +37,25 @@ log = logging.getLogger("kvtier.lookups")
 
 #: bytes read from the other end at a time
 _RECV = 1 << 18
-#: the feed ring's bytes (a power of two): about 100,000 changes between two reads
-FEED_RING_BYTES = 4 << 20
-#: changes the daemon keeps while the ring is full, at most: past it, the feed ends
-FEED_BACKLOG = 1 << 18
-#: seconds between two tries to write what the ring had no room for
-FEED_RETRY = 0.01
-#: seconds a listening process may go without reading its feed (it reads
-#: every FEED_POLL at least) before the daemon ends it as stuck
-FEED_STALL = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class FeedBounds:
+    """The feed's sizes and seconds (tests make them small)."""
+
+    #: the ring's bytes (a power of two): about 100,000 changes between two reads
+    ring_bytes: int = 4 << 20
+    #: changes the daemon keeps while the ring is full, at most: past it, the feed ends
+    backlog: int = 1 << 18
+    #: seconds between two tries to write what the ring had no room for
+    retry: float = 0.01
+    #: seconds a listening process may go without reading its feed (it
+    #: reads it every 50 ms at least) before the daemon ends it as stuck
+    stall: float = 10.0
+
+
+#: the feed's bounds unless told otherwise
+FEED = FeedBounds()
 
 
 OnReport = Callable[[Report], None]
@@ -59,8 +70,10 @@ class FeedWriter:
         ring: FeedRing,
         holds: Callable[[bytes], bool],
         on_report: OnReport,
+        bounds: FeedBounds = FEED,
     ) -> None:
         sock.setblocking(False)
+        self.bounds = bounds
         self._sock = sock
         self._ring = ring
         #: whether a local tier holds a key now
@@ -73,14 +86,14 @@ class FeedWriter:
         #: records the ring had no room for, in order, and how many
         self._backlog: deque[FeedRecords] = deque()
         self.backlogged = 0
-        #: records the backlog may hold before the feed ends: FEED_BACKLOG,
+        #: records the backlog may hold before the feed ends: ``bounds.backlog``,
         #: plus the first write (the snapshot of all a daemon holds, which
         #: can be far larger than the ring: a disk index of millions of blocks)
         self._most: int | None = None
         self._retry: asyncio.TimerHandle | None = None
         #: the feed has ended (the ring full, or the process went)
         self.ended = False
-        #: it ended because the process stopped reading it (FEED_STALL)
+        #: it ended because the process stopped reading it (``bounds.stall``)
         self.stalled = False
         #: set once the feed has ended
         self.done = asyncio.Event()
@@ -95,7 +108,7 @@ class FeedWriter:
         self._reads = ring.reads()
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.fileno(), self.read_reports)
-        self._watch = loop.call_later(FEED_STALL, self._check_reading)
+        self._watch = loop.call_later(bounds.stall, self._check_reading)
 
     def __repr__(self) -> str:
         return (
@@ -130,7 +143,7 @@ class FeedWriter:
         if self.ended:
             return
         if self._most is None:
-            self._most = FEED_BACKLOG + len(records)
+            self._most = self.bounds.backlog + len(records)
         if not self._backlog and len(records) < 64 and self._ring.write(records):
             self.written += len(records)  # (the common case: a change or a few)
             return
@@ -141,7 +154,9 @@ class FeedWriter:
             if not self._backlog:
                 # Before any reply that confirms what the ring lacks.
                 self._ring.set_behind(True)
-                self._retry = asyncio.get_running_loop().call_later(FEED_RETRY, self._catch_up)
+                self._retry = asyncio.get_running_loop().call_later(
+                    self.bounds.retry, self._catch_up
+                )
             self._backlog.append(chunk)
             self.backlogged += len(chunk)
             if self.backlogged > self._most:
@@ -157,22 +172,22 @@ class FeedWriter:
             self.backlogged -= len(chunk)
             self.written += len(chunk)
         if backlog:
-            self._retry = asyncio.get_running_loop().call_later(FEED_RETRY, self._catch_up)
+            self._retry = asyncio.get_running_loop().call_later(self.bounds.retry, self._catch_up)
         else:
             self._ring.set_behind(False)
 
     def _check_reading(self) -> None:
         """End the feed of a listening process that has not read it for
-        FEED_STALL seconds: alive but stuck (stopped, or looping), it holds
+        ``bounds.stall`` seconds: alive but stuck (stopped, or looping), it holds
         up every lookup its clients send it until they give up on it, and
         the daemon starts another once this one is gone."""
         reads = self.reads
         if self.listening.is_set() and reads == self._reads:
             self.stalled = True
-            self.end(f"the lookup process has not read its feed for {FEED_STALL:g}s")
+            self.end(f"the lookup process has not read its feed for {self.bounds.stall:g}s")
             return
         self._reads = reads
-        self._watch = asyncio.get_running_loop().call_later(FEED_STALL, self._check_reading)
+        self._watch = asyncio.get_running_loop().call_later(self.bounds.stall, self._check_reading)
 
     def announce(self, keys: Sequence[bytes]) -> None:
         """A reply is about to say ``keys`` are stored, and the store runs

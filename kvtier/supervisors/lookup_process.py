@@ -36,7 +36,7 @@ from kvtier.build import lookups_path
 from kvtier.config import Config
 from kvtier.core.service import Service
 from kvtier.model import ReportKind
-from kvtier.replica.feed import FEED_RING_BYTES, FeedWriter
+from kvtier.replica.feed import FEED, FeedBounds, FeedWriter
 from kvtier.replica.settings import Settings
 from kvtier.server.ops import NamespaceAccess, Ops, scoped_tag
 from kvtier.server.server import Server
@@ -47,7 +47,7 @@ log = logging.getLogger("kvtier.daemon")
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """The supervisor's seconds (tests make them short)."""
+    """The supervisor's seconds, and its feed's bounds (tests make them short)."""
 
     #: the daemon waits this long for the process to listen before it serves
     start: float = 10.0
@@ -57,6 +57,8 @@ class Timing:
     #: after each one that goes before it listens, up to ``restart_most``
     restart_first: float = 1.0
     restart_most: float = 60.0
+    #: the feed's sizes and seconds
+    feed: FeedBounds = FEED
 
 
 #: the supervisor's seconds unless told otherwise
@@ -166,7 +168,7 @@ class LookupSupervisor:
         peers = server.peers  # (the main socket's, as the handoff's)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ring_fd = os.memfd_create("kvtier-feed", os.MFD_CLOEXEC)
-        os.ftruncate(ring_fd, RING_HEADER + FEED_RING_BYTES)
+        os.ftruncate(ring_fd, RING_HEADER + self.timing.feed.ring_bytes)
         ring = FeedRing(memoryview(mmap.mmap(ring_fd, 0)))
         settings = Settings(
             report_fd=theirs.fileno(),
@@ -202,7 +204,7 @@ class LookupSupervisor:
         finally:
             theirs.close()
             os.close(ring_fd)  # (the mapping stays)
-        feed = FeedWriter(ours, ring, service.holds, self._report)
+        feed = FeedWriter(ours, ring, service.holds, self._report, self.timing.feed)
         service.feed(feed.write)
         self._feed = server.feed = feed  # (set together, always)
         return True
