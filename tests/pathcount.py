@@ -19,10 +19,13 @@ comprehension, an expression of the function it sits in (Python 3.12 runs
 it inline, PEP 709); and the measurement's own wait for the daemon to be
 idle (``Daemon.settle``).
 
-``python -m tests.pathcount`` prints the figures of the two traced paths:
+``python -m tests.pathcount`` prints the figures of the traced paths:
 
 * a GET of a key that only the disk holds (a fresh daemon over a data
   directory a previous daemon left);
+* a LOOKUP of a key RAM holds, answered by the lookup process: its calls
+  in the process (its listener on a thread of its own, wired as its main
+  wires it) and the daemon's for the report it gets back;
 * a LOOKUP of a key that only S3 holds: one LOOKUP answering RETRY (the
   probe starts), then one that waits (``wait``) until the key reads HIT
   (probe answered, promotion landed).
@@ -32,10 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import mmap
+import os
 import shutil
+import socket
 import sys
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -46,8 +52,12 @@ from kvtier import loops
 from kvtier.client import Client
 from kvtier.config import load_config
 from kvtier.daemon import Daemon
-from kvtier.model import LookupMode, LookupReply
-from tests.helpers import short_tmpdir
+from kvtier.model import FeedOp, LookupMode, LookupReply
+from kvtier.replica.__main__ import build as build_lookup_process
+from kvtier.replica.settings import Settings
+from kvtier.server.ops import NamespaceAccess
+from kvtier.wire.replica import RING_HEADER, FeedRing
+from tests.helpers import short_tmpdir, wait_on_timers
 
 T = TypeVar("T")
 
@@ -95,32 +105,23 @@ class PathCount:
         return f"{len(self.calls)} calls in {len(self.files)} files, {self.switches} switches"
 
 
-class ThreadedDaemon:
-    """A daemon on an event loop in its own thread, with a switchable call recorder."""
+class ThreadedLoop:
+    """An event loop in a thread of its own, with a switchable call recorder."""
 
-    def __init__(self, overrides: dict[str, Any]) -> None:
+    def __init__(self) -> None:
         self.loop = loops.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._count: PathCount | None = None
-        #: the measurement's own waiting (Daemon.settle) is not counted
-        self._helpers = {Daemon.settle.__code__}
+        #: the measurement's own waiting is not counted
+        self._helpers = {Daemon.settle.__code__, wait_on_timers.__code__}
         self.run(self._install())
-        self.daemon = Daemon(load_config(None, overrides))
-        self._task = asyncio.run_coroutine_threadsafe(self.daemon.run(), self.loop)
-        self.run(self._ready())
 
     async def _install(self) -> None:
         sys.setprofile(self._record)  # this thread only
 
     async def _uninstall(self) -> None:
         sys.setprofile(None)
-
-    async def _ready(self) -> None:
-        daemon = self.daemon
-        await daemon.ready.wait()
-        if daemon.disk is not None and daemon.disk.scan_done is not None:
-            await daemon.disk.scan_done
 
     def _record(self, frame: FrameType, event: str, _arg: object) -> None:
         count = self._count
@@ -150,10 +151,45 @@ class ThreadedDaemon:
         self._count = PathCount()
         return self._count
 
-    def stop_measuring(self) -> None:
-        """Stop recording once the background work the request started is done."""
+    def stop_measuring(self, until: Callable[[], bool] | None = None) -> None:
+        """Stop recording once ``until()`` holds (not counted)."""
+
+        async def done() -> None:
+            if until is not None:
+                await wait_on_timers(until)
+            self._count = None
+
+        self.run(done())
+
+    def close(self) -> None:
+        self.run(self._uninstall())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class ThreadedDaemon(ThreadedLoop):
+    """A daemon on its own thread's loop."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        super().__init__()
+        self.daemon = Daemon(load_config(None, overrides))
+        self._task = asyncio.run_coroutine_threadsafe(self.daemon.run(), self.loop)
+        self.run(self._ready())
+
+    async def _ready(self) -> None:
+        daemon = self.daemon
+        await daemon.ready.wait()
+        if daemon.disk is not None and daemon.disk.scan_done is not None:
+            await daemon.disk.scan_done
+
+    def stop_measuring(self, until: Callable[[], bool] | None = None) -> None:
+        """Stop recording once ``until()`` holds and the background work the
+        request started is done."""
 
         async def idle() -> None:
+            if until is not None:
+                await wait_on_timers(until)
             await self.daemon.settle()
             self._count = None
 
@@ -162,10 +198,49 @@ class ThreadedDaemon:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.daemon.stop)
         self._task.result(60)
-        self.run(self._uninstall())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
+        super().close()
+
+
+class ThreadedLookupProcess(ThreadedLoop):
+    """The lookup process's listener, wired as its ``__main__`` wires it, on
+    its own thread's loop, over a feed ring this object writes as the
+    daemon would, and a report socket nobody reads (reports only queue)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        ring_fd = os.memfd_create("kvtier-feed", os.MFD_CLOEXEC)
+        os.ftruncate(ring_fd, RING_HEADER + (1 << 16))
+        self._mem = mmap.mmap(ring_fd, 0)
+        self.ring = FeedRing(memoryview(self._mem))
+        self._ours, theirs = socket.socketpair()
+        settings = Settings(
+            report_fd=theirs.detach(),
+            ring_fd=ring_fd,
+            path=str(path),
+            mode=0o600,
+            uids=None,
+            gids=[],
+            access=NamespaceAccess().to_json(),
+            max_key_bytes=256,
+            max_batch=1024,
+            max_block_bytes=1 << 20,
+            max_frame_bytes=4 << 20,
+            server_name="pathcount",
+            remotes=False,
+        )
+        self.listener, _ = build_lookup_process(settings)
+        self._serving = asyncio.run_coroutine_threadsafe(
+            self.listener.serve(path, settings.mode), self.loop
+        )
+        self.run(wait_on_timers(path.exists))  # listening
+
+    def close(self) -> None:
+        self._ours.close()  # the daemon's end: the process sees its feed end, and stops
+        self._serving.result(60)
+        super().close()
+        self.ring = FeedRing(memoryview(bytearray(RING_HEADER + 64)))
+        self._mem.close()
 
 
 async def _put(sock_dir: Path, durable: bool = False) -> None:
@@ -250,12 +325,71 @@ def s3_only_lookup(sock_dir: Path, s3_tier: dict[str, Any]) -> PathCount:
         daemon.close()
 
 
+def process_lookup(sock_dir: Path) -> tuple[PathCount, PathCount]:
+    """A LOOKUP of a key RAM holds, as the lookup process answers it: its
+    calls there, from the bytes' arrival to the reply and the report sent
+    back; and the daemon's, once that report arrives (the touches and counts
+    it does after an answer of the lookup process)."""
+    process = ThreadedLookupProcess(sock_dir / "l.sock")
+    try:
+        process.ring.write([(FeedOp.HELD, WARM), (FeedOp.HELD, KEY)])
+        listener = process.listener
+
+        def reported() -> bool:
+            return not listener._answered and not listener._unsent
+
+        async def at_the_process() -> PathCount:
+            path = sock_dir / "l.sock"
+            async with await Client.connect(path, shared=False, lookup_process=False) as c:
+                assert (await c.lookup([WARM], mode=LookupMode.PREFIX)).prefix_hits == 1
+                await asyncio.to_thread(process.stop_measuring, reported)
+                count = process.measure()
+                reply = await c.lookup([KEY], mode=LookupMode.PREFIX)
+                await asyncio.to_thread(process.stop_measuring, reported)
+                assert reply.prefix_hits == 1, reply
+                return count
+
+        there = asyncio.run(at_the_process())
+    finally:
+        process.close()
+    daemon = ThreadedDaemon(_overrides(sock_dir, server={"lookup_process": True}))
+    try:
+        supervisor = daemon.daemon.lookups
+        assert supervisor is not None
+
+        async def at_the_daemon() -> PathCount:
+            feed = supervisor.feed
+            assert feed is not None
+            await asyncio.to_thread(daemon.stop_measuring, feed.listening.is_set)
+            async with await Client.connect(sock_dir / "d.sock", shared=False) as c:
+                assert c.lookups_process
+                await c.put_many([WARM, KEY], [VALUE, VALUE])
+                assert (await c.lookup([WARM], mode=LookupMode.PREFIX)).prefix_hits == 1
+                await asyncio.to_thread(daemon.stop_measuring, lambda: feed.answered == 1)
+                count = daemon.measure()
+                assert (await c.lookup([KEY], mode=LookupMode.PREFIX)).prefix_hits == 1
+                await asyncio.to_thread(daemon.stop_measuring, lambda: feed.answered == 2)
+                return count
+
+        here = asyncio.run(at_the_daemon())
+    finally:
+        daemon.close()
+    return there, here
+
+
 def _paths() -> Iterator[tuple[str, PathCount]]:
     from tests.s3server import S3Server
 
     sock_dir = short_tmpdir()
     try:
         yield "disk-only GET", disk_only_get(sock_dir)
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    sock_dir = short_tmpdir()
+    try:
+        there, here = process_lookup(sock_dir)
+        yield "LOOKUP at the lookup process, there", there
+        yield "LOOKUP at the lookup process, its report at the daemon", here
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
     s3 = S3Server()

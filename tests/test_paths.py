@@ -21,8 +21,13 @@ from tests.s3server import S3Server, s3_server
 #: (calls, switches between files) at most.
 #: A disk-only GET (109 calls, 65 switches measured, in 19 files).
 DISK_GET = (112, 65)
-#: An S3-only LOOKUP until HIT (194 to 196 calls, 123 to 125 switches
-#: measured, in 27 files: its waits vary by a call or two);
+#: A LOOKUP the lookup process answers: there (35 calls, 23 switches
+#: measured, in 11 files), and the daemon's part once its report arrives
+#: (19 calls, 11 switches, in 9 files).
+PROCESS_LOOKUP = (38, 25)
+PROCESS_REPORT = (21, 12)
+#: An S3-only LOOKUP until HIT (194 to 198 calls, 123 to 128 switches
+#: measured, in 27 files: its waits vary by a few calls);
 #: docs/architecture.md lists the files and why each is on the path.
 S3_LOOKUP = (205, 130)
 
@@ -44,3 +49,12 @@ def test_an_s3_only_lookup_until_hit_reads_top_to_bottom(s3: S3Server, sock_dir:
     calls, switches = S3_LOOKUP
     assert len(count.calls) <= calls, f"{count}: {count.by_function()}"
     assert count.switches <= switches, f"{count}: {count.calls}"
+
+
+def test_a_lookup_at_the_lookup_process_reads_top_to_bottom_in_both_processes(
+    sock_dir: Path,
+) -> None:
+    there, here = pathcount.process_lookup(sock_dir)
+    for count, (calls, switches) in ((there, PROCESS_LOOKUP), (here, PROCESS_REPORT)):
+        assert len(count.calls) <= calls, f"{count}: {count.by_function()}"
+        assert count.switches <= switches, f"{count}: {count.calls}"
