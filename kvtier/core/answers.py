@@ -21,23 +21,20 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import FIRST_COMPLETED
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from kvtier.config import DiskConfig, LookupConfig
 from kvtier.core.checks import check_lookup
+from kvtier.core.context import Context
 from kvtier.core.counts import (
     MAX_COUNTED_NAMESPACES,
     OTHER_NAMESPACE,
-    CoreCounters,
     NamespaceCounts,
 )
 from kvtier.core.deferral import DeferralTracker
-from kvtier.core.lifecycle import Lifecycle
 from kvtier.core.loads import Loads
 from kvtier.core.lookup import LookupPlan, SeenProbes, plan_lookup, prefix_answer, waits_for
-from kvtier.core.probing import Reach, RemoteProbes, RemoteSlot
-from kvtier.core.writing import PendingWrites
+from kvtier.core.probing import Reach, RemoteSlot
 from kvtier.model import (
     DEFAULT_NAMESPACE,
     HIT,
@@ -46,13 +43,10 @@ from kvtier.model import (
     PENDING,
     RETRY,
     STATE_NAMES,
-    Limits,
     Lookup,
     LookupMode,
     LookupReply,
 )
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.ram import RamTier
 
 
 class Answers:
@@ -60,37 +54,20 @@ class Answers:
 
     def __init__(
         self,
-        limits: Limits,
-        cfg: LookupConfig,
-        disk_cfg: DiskConfig,
-        ram: RamTier,
-        disk: DiskTier | None,
-        pending: PendingWrites,
-        probing: RemoteProbes,
+        c: Context,
         loads: Loads,
-        counters: CoreCounters,
-        lifecycle: Lifecycle,
-        now: Callable[[], float],
     ) -> None:
-        self.limits = limits
-        self.cfg = cfg
-        self.disk_cfg = disk_cfg
-        self.ram = ram
-        self.disk = disk
-        self.pending = pending
-        self.probing = probing
+        #: what every part of the service works with
+        self.c = c
         self.loads = loads
-        self.counters = counters
-        self.life = lifecycle
-        self._now = now
         #: LOOKUP's answers counted by state, bound once
         self._state_counters = {
-            state: counters.lookup_keys.bind(name) for state, name in STATE_NAMES.items()
+            state: c.counters.lookup_keys.bind(name) for state, name in STATE_NAMES.items()
         }
         #: lookup answers by namespace (at most MAX_COUNTED_NAMESPACES apart)
         self.namespace_counts: dict[bytes, NamespaceCounts] = {}
         #: the request tags' bounds on PENDING
-        self.deferrals = DeferralTracker(cfg.request_state_ttl, cfg.max_request_states)
+        self.deferrals = DeferralTracker(c.cfg.request_state_ttl, c.cfg.max_request_states)
 
     def __repr__(self) -> str:
         return f"<Answers namespaces={len(self.namespace_counts)} {self.deferrals!r}>"
@@ -102,10 +79,10 @@ class Answers:
         ``wait``, while some key can still settle) the awaitable that answers
         once all settled, ``wait`` passes, ``cutoff`` resolves (the caller
         stopped listening) or shutdown begins."""
-        check_lookup(self.limits, req)
+        check_lookup(self.c.limits, req)
         if req.peek:
-            self.counters.lookup_peeks.value += 1
-        now = self._now()
+            self.c.counters.lookup_peeks.value += 1
+        now = self.c.now()
         # Probes a waiting lookup has seen end: a key whose probe failed is
         # answered MISS rather than probed again in a loop.
         seen: SeenProbes | None = {} if req.wait > 0 else None
@@ -125,9 +102,9 @@ class Answers:
         waits: list[asyncio.Future[Any]],
         bound_at: float | None,
     ) -> LookupReply:
-        life = self.life
+        life = self.c.life
         while True:
-            now = self._now()
+            now = self.c.now()
             until = deadline if bound_at is None else min(deadline, bound_at)
             if now < until and not life.closing and not (cutoff and cutoff.done()):
                 if cutoff is not None:
@@ -137,7 +114,7 @@ class Answers:
                 await asyncio.wait(
                     life.waits(*waits), timeout=until - now, return_when=FIRST_COMPLETED
                 )
-                now = self._now()
+                now = self.c.now()
             reply, waits, bound_at = self._look(req, reach, now, seen)
             until = deadline if bound_at is None else min(deadline, bound_at)
             if not waits or now >= until or life.closing or (cutoff and cutoff.done()):
@@ -149,13 +126,13 @@ class Answers:
         """Answer ``req`` as things stand, starting the work its keys need;
         with ``seen`` (a waiting lookup) also what can change the answer."""
         keys = req.keys
-        disk = self.disk
+        disk = self.c.disk
         slots = reach.remotes
         scan = disk.scan_done if disk is not None and disk.scanning else None
-        if not slots and not self.pending.table and scan is None:
+        if not slots and not self.c.pending.table and scan is None:
             # The fast path. HIT is 1 and MISS is 0: membership tests map
             # straight onto states.
-            states = bytearray(map(self.ram.resident().__contains__, keys))
+            states = bytearray(map(self.c.ram.resident().__contains__, keys))
             on_disk: list[int] = []
             if disk is not None and states.count(MISS):
                 for i in range(len(states)):
@@ -169,8 +146,8 @@ class Answers:
             plan = plan_lookup(
                 locations,
                 remotes=len(slots),
-                remote_hit_reads_hit=self.cfg.remote_hit == "hit",
-                closing=self.life.closing,
+                remote_hit_reads_hit=self.c.cfg.remote_hit == "hit",
+                closing=self.c.life.closing,
                 scan=scan,
             )
             states, settles, on_disk = plan.states, plan.settles, plan.on_disk
@@ -204,12 +181,12 @@ class Answers:
                 req.request_tag, keys, states, bound, now, reported=reported
             )
             if result.ends_deferral is not None:
-                self.counters.lookup_deferred_seconds.observe(result.ends_deferral)
+                self.c.counters.lookup_deferred_seconds.observe(result.ends_deferral)
             if result.expired_index is not None:
                 # Past the reader's bound: a MISS for this request, never a hit.
                 states[result.expired_index] = MISS
                 if result.newly_expired:
-                    self.counters.lookup_pending_expired.inc()
+                    self.c.counters.lookup_pending_expired.inc()
             bound_at = result.expires_at
         window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0
         hits, defer = prefix_answer(states, window)
@@ -217,8 +194,8 @@ class Answers:
         # before the next write, so the reply does not wait for it).
         touched = len(keys) if req.mode == LookupMode.KEYS else hits
         if touched and HIT in states and not req.peek:
-            self.ram.touch_later(keys, touched)
-        if on_disk and self.disk_cfg.promote_on_lookup and not req.peek:
+            self.c.ram.touch_later(keys, touched)
+        if on_disk and self.c.disk_cfg.promote_on_lookup and not req.peek:
             # Start loading the usable disk hits into RAM: the GET comes next.
             limit = hits if req.mode != LookupMode.KEYS else len(keys)
             for i in on_disk:
@@ -246,12 +223,12 @@ class Answers:
             slot, key = slots[t], keys[i]
             probe = slot.probes.inflight(key)  # a key listed twice is probed once
             if probe is None:
-                probe = self.probing.begin(slot, key)
+                probe = self.c.probing.begin(slot, key)
             if settles[i] is None:
                 settles[i] = probe.future
             if seen is not None:
                 seen[(t, key)] = probe.future
-        table = self.pending.table
+        table = self.c.pending.table
         for i, t in plan.promote:
             res = table.get(keys[i]) or self.loads.promote(slots[t], keys[i], now)
             settles[i] = res.done
@@ -286,21 +263,21 @@ class Answers:
         disk hits read ahead, the reader's bound, the counts, each time), as
         things stand now."""
         if req.peek:
-            self.counters.lookup_peeks.value += count
-        ram, disk = self.ram.resident(), self.disk
+            self.c.counters.lookup_peeks.value += count
+        ram, disk = self.c.ram.resident(), self.c.disk
         keys = req.keys
         on_disk: list[int] = []
         if disk is not None:
             on_disk = [i for i, k in enumerate(keys) if states[i] == HIT and k not in ram]
             on_disk = [i for i in on_disk if disk.contains(keys[i])]
         answered = bytearray(states)
-        hits, defer, _ = self._after_look(req, answered, on_disk, self._now(), reported=True)
+        hits, defer, _ = self._after_look(req, answered, on_disk, self.c.now(), reported=True)
         self._count(LookupReply(states, hits, defer), keys, count)
 
     def release(self, tag: bytes) -> bool:
         """Forget a request tag's reader-side state."""
         existed = self.deferrals.get(tag) is not None
-        deferred = self.deferrals.release(tag, self._now())
+        deferred = self.deferrals.release(tag, self.c.now())
         if deferred is not None:
-            self.counters.lookup_deferred_seconds.observe(deferred)
+            self.c.counters.lookup_deferred_seconds.observe(deferred)
         return existed

@@ -23,20 +23,16 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kvtier.config import LookupConfig
 from kvtier.core.checks import check_keys
-from kvtier.core.counts import CoreCounters, Promoted
-from kvtier.core.lifecycle import Lifecycle
-from kvtier.core.lookup import Location, Locator, Where
+from kvtier.core.context import Context
+from kvtier.core.counts import Promoted
+from kvtier.core.lookup import Location, Where
 from kvtier.core.probes import Verdict
 from kvtier.core.probing import Reach, RemoteSlot
 from kvtier.core.stores import Stores
 from kvtier.core.writes import End, Promotion, Reservation
-from kvtier.core.writing import PendingWrites
 from kvtier.errors import TierError
-from kvtier.model import Buffer, Limits, PutStatus
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.ram import RamTier
+from kvtier.model import Buffer, PutStatus
 
 log = logging.getLogger("kvtier.service")
 
@@ -50,32 +46,19 @@ class Loads:
 
     def __init__(
         self,
-        limits: Limits,
-        cfg: LookupConfig,
-        ram: RamTier,
-        disk: DiskTier | None,
-        pending: PendingWrites,
+        c: Context,
         stores: Stores,
-        locator: Locator,
         sources: Sequence[str],
-        counters: CoreCounters,
-        lifecycle: Lifecycle,
-        now: Callable[[], float],
     ) -> None:
-        self.limits = limits
-        self.cfg = cfg
-        self.ram = ram
-        self.disk = disk
-        self.pending = pending
+        #: what every part of the service works with
+        self.c = c
         self.stores = stores
-        self.locator = locator
-        self.life = lifecycle
-        self._now = now
         #: reads from the disk into RAM in flight, by key: every GET of the key joins one
         self._disk_loads: dict[bytes, asyncio.Future[None]] = {}
         #: promotions counted by source tier and outcome, bound once
         self._promoted = {
-            name: {o: counters.promotions.bind(name, o.value) for o in Promoted} for name in sources
+            name: {o: c.counters.promotions.bind(name, o.value) for o in Promoted}
+            for name in sources
         }
 
     def __repr__(self) -> str:
@@ -97,12 +80,12 @@ class Loads:
         or (when some key must be loaded or waited for) the awaitable that
         returns them. Each key is checked, pinned and located once; the loads
         it needs start before this returns."""
-        check_keys(self.limits, keys)
-        values: list[Buffer | None] = list(map(self.ram.pin, keys))
+        check_keys(self.c.limits, keys)
+        values: list[Buffer | None] = list(map(self.c.ram.pin, keys))
         if None not in values:
             return values
         locate = reach.locator.locate
-        now = self._now()
+        now = self.c.now()
         below: list[tuple[int, asyncio.Future[Any]]] = []
         for i, value in enumerate(values):
             if value is None and (
@@ -122,7 +105,7 @@ class Loads:
         block answers absent, which is kept), or wait for the disk index.
         Returns what to wait for; None when there is nothing to read."""
         where = loc.where
-        if where is Where.ABSENT or self.life.closing:
+        if where is Where.ABSENT or self.c.life.closing:
             return None
         if loc.reservation is not None:  # a write or a promotion is under way
             return loc.reservation.done
@@ -156,11 +139,11 @@ class Loads:
         A write that ended without the block sends the key round again, at
         most ``MAX_READ_ROUNDS`` times (each round bounded by a deadline)."""
         for _ in range(MAX_READ_ROUNDS):
-            await self.life.until(settles)
-            value = self.ram.pin(key)
-            if value is not None or self.life.closing:
+            await self.c.life.until(settles)
+            value = self.c.ram.pin(key)
+            if value is not None or self.c.life.closing:
                 return value
-            now = self._now()
+            now = self.c.now()
             step = self._read_step(key, reach.locator.locate(key, now), now, reach)
             if step is None:
                 return None
@@ -168,7 +151,7 @@ class Loads:
         return None
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        unpin = self.ram.unpin
+        unpin = self.c.ram.unpin
         for key, value in zip(keys, values, strict=True):
             if value is not None:
                 unpin(key, value)
@@ -179,9 +162,9 @@ class Loads:
         """A probe found ``key`` in ``slot``: start loading it, so the next lookup
         finds it PENDING or HIT."""
         if (
-            self.cfg.remote_hit == "promote"
-            and not self.life.closing
-            and self.locator.locate(key, now).where is Where.REMOTE
+            self.c.cfg.remote_hit == "promote"
+            and not self.c.life.closing
+            and self.c.locator.locate(key, now).where is Where.REMOTE
         ):
             self.promote(slot, key, now)
 
@@ -197,7 +180,7 @@ class Loads:
             return values[0]
 
         def failed() -> None:
-            slot.probes.force(key, Verdict.ABSENT, self._now())
+            slot.probes.force(key, Verdict.ABSENT, self.c.now())
 
         return self._start_promotion(slot.name, key, now, load, failed)
 
@@ -208,17 +191,17 @@ class Loads:
         done = self._disk_loads.get(key)
         if done is None:
             done = self._disk_loads[key] = asyncio.get_running_loop().create_future()
-            self.life.task(self._disk_load(key, done))
+            self.c.life.task(self._disk_load(key, done))
         return done
 
     async def _disk_load(self, key: bytes, done: asyncio.Future[None]) -> None:
-        disk = self.disk
+        disk = self.c.disk
         assert disk is not None
         promoted = self._promoted[disk.name]
         promoted[Promoted.STARTED].value += 1
         outcome = Promoted.FAILED
         try:
-            async with asyncio.timeout(self.cfg.load_timeout):
+            async with asyncio.timeout(self.c.cfg.load_timeout):
                 value = await disk.read(key)
             if value is None:
                 outcome = Promoted.ABSENT
@@ -249,9 +232,9 @@ class Loads:
         """A promotion is a pending write whose writer is a load from a lower
         tier: readers of the key wait on it like on any write, so concurrent
         GETs of one key share one load, and its deadline bounds it."""
-        res = self.pending.reserve(key, Promotion(source), self.cfg.pending_deadline, 0, now)
+        res = self.c.pending.reserve(key, Promotion(source), self.c.cfg.pending_deadline, 0, now)
         self._promoted[source][Promoted.STARTED].value += 1
-        res.task = self.life.task(self._promotion(source, res, load, failed))
+        res.task = self.c.life.task(self._promotion(source, res, load, failed))
         return res
 
     async def _promotion(
@@ -267,11 +250,11 @@ class Loads:
         key = res.key
         outcome = Promoted.FAILED
         try:
-            async with asyncio.timeout(self.cfg.load_timeout):
+            async with asyncio.timeout(self.c.cfg.load_timeout):
                 value = await load()
             if value is None:
                 outcome = Promoted.ABSENT
-            elif self.pending.table.get(key) is res:
+            elif self.c.pending.table.get(key) is res:
                 self.stores.store(key, value, source)  # completes res
                 outcome = Promoted.COMPLETED
             else:
@@ -286,4 +269,4 @@ class Loads:
                 failed()
             self._promoted[source][outcome].value += 1
             if outcome is not Promoted.COMPLETED:  # a completed one ended with its store
-                self.pending.end(res, End.ABORTED)
+                self.c.pending.end(res, End.ABORTED)

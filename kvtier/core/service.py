@@ -40,6 +40,7 @@ from typing import Any
 
 from kvtier.config import DiskConfig, LookupConfig
 from kvtier.core.answers import Answers
+from kvtier.core.context import Context
 from kvtier.core.counts import (
     OTHER_NAMESPACE,
     CoreCounters,
@@ -145,33 +146,8 @@ class Service:
         )
         # A demoted block must outlive its arena slot, which is reused at once.
         ram.keep_evicted = any(w.policy is WritePolicy.WRITE_BACK for w in self.propagation.writers)
-        self.stores = Stores(
-            limits,
-            cfg,
-            ram,
-            disk,
-            self.pending,
-            self.propagation,
-            self.probing,
-            locator,
-            counters,
-            now,
-        )
-        sources = [t.name for t in self.tiers()[1:]]
-        self.loads = Loads(
-            limits,
-            cfg,
-            ram,
-            disk,
-            self.pending,
-            self.stores,
-            locator,
-            sources,
-            counters,
-            life,
-            now,
-        )
-        self.answers = Answers(
+        #: what every part works with
+        self.context = c = Context(
             limits,
             cfg,
             disk_cfg,
@@ -179,11 +155,14 @@ class Service:
             disk,
             self.pending,
             self.probing,
-            self.loads,
+            locator,
             counters,
             life,
             now,
         )
+        self.stores = Stores(c, self.propagation)
+        self.loads = Loads(c, self.stores, [t.name for t in self.tiers()[1:]])
+        self.answers = Answers(c, self.loads)
         # The verbs are the parts' own; lookup and get reach the remote tiers.
         stores, loads, answers = self.stores, self.loads, self.answers
         self.lookup = partial(answers.lookup, reach=self.reach)

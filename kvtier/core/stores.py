@@ -21,20 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 
-from kvtier.config import LookupConfig
 from kvtier.core.checks import check_keys, check_seconds, check_sizes, check_values
-from kvtier.core.counts import CoreCounters
-from kvtier.core.lookup import Locator, Where
-from kvtier.core.probing import RemoteProbes
+from kvtier.core.context import Context
+from kvtier.core.lookup import Where
 from kvtier.core.propagation import Propagation
 from kvtier.core.writes import End
-from kvtier.core.writing import PendingWrites
 from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLargeError
-from kvtier.model import Buffer, ConnId, Limits, PutHint, PutStatus, Reserve, ReserveStatus
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.ram import RamTier
+from kvtier.model import Buffer, ConnId, PutHint, PutStatus, Reserve, ReserveStatus
 
 log = logging.getLogger("kvtier.service")
 
@@ -44,30 +39,15 @@ class Stores:
 
     def __init__(
         self,
-        limits: Limits,
-        cfg: LookupConfig,
-        ram: RamTier,
-        disk: DiskTier | None,
-        pending: PendingWrites,
+        c: Context,
         propagation: Propagation,
-        probing: RemoteProbes,
-        locator: Locator,
-        counters: CoreCounters,
-        now: Callable[[], float],
     ) -> None:
-        self.limits = limits
-        self.cfg = cfg
-        self.ram = ram
-        self.disk = disk
-        self.pending = pending
+        #: what every part of the service works with
+        self.c = c
         self.propagation = propagation
-        self.probing = probing
-        self.locator = locator
-        self.counters = counters
-        self._now = now
 
     def __repr__(self) -> str:
-        return f"<Stores {self.pending!r} writers={len(self.propagation.writers)}>"
+        return f"<Stores {self.c.pending!r} writers={len(self.propagation.writers)}>"
 
     # ------------------------------------------------------------ PUT
 
@@ -87,13 +67,13 @@ class Stores:
         the values' memory is about to be reused; RAM keeps copies.
         ``hints``: one :class:`~kvtier.model.PutHint` per key (a TAIL block
         is admitted at the cold end of RAM's eviction order)."""
-        check_keys(self.limits, keys)
-        check_values(self.limits, values, self.ram.capacity)
+        check_keys(self.c.limits, keys)
+        check_values(self.c.limits, values, self.c.ram.capacity)
         if len(keys) > 1:  # one eviction pass for the batch
-            self.evicted(self.ram.make_room(keys, values))
+            self.evicted(self.c.ram.make_room(keys, values))
         if hints is None:
             return [self.store(k, v, source, copy) for k, v in zip(keys, values, strict=True)]
-        self.counters.put_tail.value += sum(1 for h in hints if h & PutHint.TAIL)
+        self.c.counters.put_tail.value += sum(1 for h in hints if h & PutHint.TAIL)
         return [
             self.store(k, v, source, copy, bool(h & PutHint.TAIL))
             for k, v, h in zip(keys, values, hints, strict=True)
@@ -108,17 +88,17 @@ class Stores:
         cold: bool = False,
     ) -> PutStatus:
         """Store into RAM and complete a pending write of ``key``, if any."""
-        res = self.pending.table.get(key)
+        res = self.c.pending.table.get(key)
         if res is not None:
-            self.pending.claim(res)
+            self.c.pending.claim(res)
         try:
-            stored, evicted = self.ram.put(key, value, copy=copy, cold=cold)
+            stored, evicted = self.c.ram.put(key, value, copy=copy, cold=cold)
         except KvtierError:
             if res is not None:
-                self.pending.end(res, End.ABORTED)
+                self.c.pending.end(res, End.ABORTED)
             raise
         if res is not None:
-            self.pending.end(res, End.COMPLETED)
+            self.c.pending.end(res, End.COMPLETED)
         self.evicted(evicted)
         local = self.propagation.local
         # A client's block flows down by each tier's policy; a promoted one is
@@ -126,7 +106,7 @@ class Stores:
         if stored and (promoted_from is None or (local and promoted_from not in local)):
             # (None: its namespace was over its max with it, and it went at
             # once, demoted with the evicted where the policy says so)
-            kept = self.ram.peek(key)
+            kept = self.c.ram.peek(key)
             if kept is not None:
                 self.propagation.stored(key, kept, promoted_from)
         return PutStatus.STORED if stored else PutStatus.EXISTS
@@ -154,16 +134,16 @@ class Stores:
         from RESERVE to the last byte of its PUT. A body received into a
         buffer of its own leaves the reservation its room until it is
         stored, so it is counted all along too."""
-        if self.ram.contains(key):
+        if self.c.ram.contains(key):
             return None
-        res = self.pending.table.get(key)
-        if res is None or not res.size or not self.ram.stages(length):
+        res = self.c.pending.table.get(key)
+        if res is None or not res.size or not self.c.ram.stages(length):
             return self.stage_room(length, key)
         held = res.size
-        self.pending.claim(res)
+        self.c.pending.claim(res)
         view = self.stage_room(length, key)
-        if view is None and self.pending.table.get(key) is res:
-            self.pending.hold(res, held)  # no slot after all: the room stays the reservation's
+        if view is None and self.c.pending.table.get(key) is res:
+            self.c.pending.hold(res, held)  # no slot after all: the room stays the reservation's
         return view
 
     def stage_room(self, length: int, namespace: bytes) -> memoryview | None:
@@ -172,7 +152,7 @@ class Stores:
         prefix: a block whose key comes later, written in place by a client)
         as its PUT would make it; None when there is none. Give it back with
         :meth:`drop_staged` unless a PUT stores it."""
-        view, evicted = self.ram.stage(length, namespace)
+        view, evicted = self.c.ram.stage(length, namespace)
         self.evicted(evicted)
         return view
 
@@ -186,11 +166,11 @@ class Stores:
         in one eviction pass (:meth:`RamTier.make_room_for`). ``ready``:
         rooms made ahead (:meth:`stage_rooms`), one for each of the first
         blocks, of their lengths; the rest get rooms now."""
-        ram, table = self.ram, self.pending.table
+        ram, table = self.c.ram, self.c.pending.table
         for key in keys:
             res = table.get(key)
             if res is not None and res.size:  # its room is the slot's now
-                self.pending.claim(res)
+                self.c.pending.claim(res)
         n = len(ready)
         lengths, keys = lengths[n:], keys[n:]
         self.evicted(ram.make_room_for(keys, lengths))
@@ -202,7 +182,7 @@ class Stores:
         """``count`` rooms of ``length`` bytes for blocks whose keys come later
         (:meth:`stage_room`), made in one eviction pass; fewer when RAM has
         no more."""
-        self.evicted(self.ram.make_room_for([namespace] * count, [length] * count))
+        self.evicted(self.c.ram.make_room_for([namespace] * count, [length] * count))
         rooms = []
         for _ in range(count):
             view = self.stage_room(length, namespace)
@@ -212,7 +192,7 @@ class Stores:
         return rooms
 
     def drop_staged(self, value: Buffer) -> None:
-        self.ram.drop_staged(value)
+        self.c.ram.drop_staged(value)
 
     # ------------------------------------------------------------ durability
 
@@ -227,7 +207,7 @@ class Stores:
         shared arena that RAM no longer holds may be reused already, so only a
         value of the caller's own memory stands in for it. A block found in
         neither fails the request: durability is never acknowledged unmet."""
-        disk, ram = self.disk, self.ram
+        disk, ram = self.c.disk, self.c.ram
         held: list[tuple[bytes, Buffer]] = []
         missing: list[bytes] = []
         if disk is not None:
@@ -243,7 +223,7 @@ class Stores:
         return self._write_durably(held, missing)
 
     async def _write_durably(self, held: list[tuple[bytes, Buffer]], missing: list[bytes]) -> None:
-        disk, ram = self.disk, self.ram
+        disk, ram = self.c.disk, self.c.ram
         try:
             if disk is not None:  # (each write announces itself to the holdings)
                 await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
@@ -264,14 +244,14 @@ class Stores:
         """Delete ``keys`` from every tier: True where a tier held the key. The
         local tiers answer now; with remote tiers (``remote``), the awaitable
         that also asks them."""
-        check_keys(self.limits, keys)
+        check_keys(self.c.limits, keys)
         deleted = self.delete_local(keys)
-        if not remote or not self.probing.slots:
+        if not remote or not self.c.probing.slots:
             return deleted
         return self._delete_remote(keys, deleted)
 
     async def _delete_remote(self, keys: Sequence[bytes], deleted: list[bool]) -> list[bool]:
-        slots = self.probing.slots
+        slots = self.c.probing.slots
         results = await asyncio.gather(
             *(slot.tier.delete(keys) for slot in slots), return_exceptions=True
         )
@@ -282,27 +262,27 @@ class Stores:
                 raise TierError(f"{slot.name}: delete failed: {result}") from result
             deleted = [a or bool(b) for a, b in zip(deleted, result, strict=True)]
         for key in keys:
-            self.probing.invalidate(key)
+            self.c.probing.invalidate(key)
         return deleted
 
     def delete_local(self, keys: Sequence[bytes]) -> list[bool]:
         """Delete from RAM and disk only."""
-        disk = self.disk
-        out = [self.ram.remove(k) | (disk is not None and disk.discard(k)) for k in keys]
+        disk = self.c.disk
+        out = [self.c.ram.remove(k) | (disk is not None and disk.discard(k)) for k in keys]
         for key in keys:  # (the held ones were by the holdings; the others' kept verdicts too)
-            self.probing.invalidate(key)
+            self.c.probing.invalidate(key)
         return out
 
     # ------------------------------------------------------------ RESERVE / ABORT
 
     def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
-        check_keys(self.limits, req.keys)
+        check_keys(self.c.limits, req.keys)
         check_seconds("deadline", req.deadline)
-        check_sizes(self.limits, req.sizes)
-        deadline = req.deadline or self.cfg.pending_deadline
-        now = self._now()
+        check_sizes(self.c.limits, req.sizes)
+        deadline = req.deadline or self.c.cfg.pending_deadline
+        now = self.c.now()
         statuses: list[ReserveStatus] = []
-        locate = self.locator.locate
+        locate = self.c.locator.locate
         for key, size in zip(req.keys, req.sizes, strict=True):
             where = locate(key, now).where
             if where is Where.RAM or where is Where.DISK or where is Where.REMOTE:
@@ -313,14 +293,14 @@ class Stores:
                 continue
             if size:
                 try:
-                    evicted = self.ram.reserve(size, key)
+                    evicted = self.c.ram.reserve(size, key)
                 except (NoCapacityError, ValueTooLargeError):
                     statuses.append(ReserveStatus.REFUSED)
-                    self.counters.reservations.inc("refused")
+                    self.c.counters.reservations.inc("refused")
                     continue
                 self.evicted(evicted)  # announced, and written back where the policy says
-            self.pending.reserve(key, owner, deadline, size, now)
-            self.counters.reservations.inc("granted")
+            self.c.pending.reserve(key, owner, deadline, size, now)
+            self.c.counters.reservations.inc("granted")
             statuses.append(ReserveStatus.GRANTED)
         return statuses
 
@@ -330,28 +310,28 @@ class Stores:
         find them PENDING, not MISS, until they are stored (the store ends
         the reservation), the copy fails (:meth:`abort`) or the connection
         closes. Keys held anywhere, or already pending, are left as they are."""
-        now = self._now()
-        deadline = self.cfg.pending_deadline
-        locate, pending = self.locator.locate, self.pending
+        now = self.c.now()
+        deadline = self.c.cfg.pending_deadline
+        locate, pending = self.c.locator.locate, self.c.pending
         for key in keys:
             if key not in pending.table and locate(key, now).where is Where.ABSENT:
                 pending.reserve(key, owner, deadline, 0, now)
-                self.counters.reservations.inc("granted")
+                self.c.counters.reservations.inc("granted")
 
     def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
         """End ``owner``'s reservations of ``keys``; other writers' are untouched."""
-        check_keys(self.limits, keys)
+        check_keys(self.c.limits, keys)
         out = []
-        table = self.pending.table
+        table = self.c.pending.table
         for key in keys:
             res = table.get(key)
             out.append(
-                res is not None and res.owner == owner and self.pending.end(res, End.ABORTED)
+                res is not None and res.owner == owner and self.c.pending.end(res, End.ABORTED)
             )
         return out
 
     def connection_closed(self, owner: ConnId) -> None:
         """A writer went away: its reservations end at once."""
-        n = self.pending.end_owned_by(owner, End.RELEASED)
+        n = self.c.pending.end_owned_by(owner, End.RELEASED)
         if n:
             log.info("%s closed; released %d reservation(s)", owner, n)
