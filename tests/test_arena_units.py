@@ -88,13 +88,13 @@ def test_random_sequences_never_overlap_and_merge_back(
 
 
 def test_leases_end_once_by_release_close_or_revoke() -> None:
-    ended: list[tuple[bytes, LeaseEnd]] = []
-    table = LeaseTable(on_end=lambda lease, end: ended.append((lease.key, end)))
+    ended: list[tuple[tuple[bytes, ...], LeaseEnd]] = []
+    table = LeaseTable(on_end=lambda lease, end: ended.append((lease.keys, end)))
     a, b = ConnId(1), ConnId(2)
-    late = table.grant(b, b"j", deadline=5.0)
-    first = table.grant(a, b"k", deadline=10.0)
-    table.grant(a, b"k", deadline=10.0)
-    assert table.held(b"k") == 2 and len(table) == 3
+    late = table.grant(b, (b"j",), deadline=5.0)
+    first = table.grant(a, (b"k", b"l", b"m"), deadline=10.0)  # one lease, three blocks
+    table.grant(a, (b"k",), deadline=10.0)
+    assert len(table) == 3
     assert table.release(b, first.lease_id) is False  # not b's lease
     assert table.release(a, first.lease_id) is True
     assert table.release(a, first.lease_id) is False  # once only
@@ -102,8 +102,12 @@ def test_leases_end_once_by_release_close_or_revoke() -> None:
     assert table.expire(5.0) == 1  # b's lease is past its deadline
     assert table.release(b, late.lease_id) is False  # already revoked
     assert table.close(a) == 1  # a's remaining lease ends with its connection
-    assert ended == [(b"k", LeaseEnd.RELEASED), (b"j", LeaseEnd.REVOKED), (b"k", LeaseEnd.CLOSED)]
-    assert len(table) == 0 and table.held(b"k") == 0
+    assert ended == [
+        ((b"k", b"l", b"m"), LeaseEnd.RELEASED),
+        ((b"j",), LeaseEnd.REVOKED),
+        ((b"k",), LeaseEnd.CLOSED),
+    ]
+    assert len(table) == 0
     assert table.expire(100.0) == 0
     assert "live=0" in repr(table) and "revoked=1" in repr(table)
     assert table.ended == {LeaseEnd.RELEASED: 1, LeaseEnd.CLOSED: 1, LeaseEnd.REVOKED: 1}

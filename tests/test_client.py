@@ -14,7 +14,7 @@ import pytest
 
 from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
 from kvtier.backoff import Backoff
-from kvtier.client.batching import SOCKET_ONLY, SOLO_VALUE_BYTES, WritePath
+from kvtier.client.batching import SOCKET_ONLY, SOLO_VALUE_BYTES, WritePath, read_pieces
 from kvtier.client.options import ClientOptions, OptionChanges
 from kvtier.client.redial import Redial
 from kvtier.daemon import Daemon
@@ -425,3 +425,10 @@ def test_client_options_refuse_bad_lookup_process_seconds() -> None:
         ClientOptions(lookups_timeout=0)
     with pytest.raises(BadArgumentError, match="lookups_redial"):
         ClientOptions(lookups_redial=-1)
+
+
+def test_a_large_read_is_asked_for_in_pieces_that_cover_every_block_once() -> None:
+    assert read_pieces([10] * 10, 35) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert read_pieces([50, 10, 10], 35) == [(0, 1), (1, 3)]  # a block larger alone
+    assert read_pieces([10, 10], 35) == [(0, 2)]
+    assert read_pieces([], 35) == [(0, 0)]

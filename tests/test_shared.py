@@ -19,7 +19,13 @@ from kvtier.client.aio import Client
 from kvtier.client.shared import attach
 from kvtier.core.shared.inplace import may_write_in_place
 from kvtier.daemon import Daemon
-from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError, NoCapacityError
+from kvtier.errors import (
+    BadArgumentError,
+    ErrorCode,
+    ForbiddenError,
+    NoCapacityError,
+    ValueTooLargeError,
+)
 from kvtier.model import MAX_IN_PLACE_ROOMS, PutStatus, State
 from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
@@ -722,3 +728,40 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
         await again.close()
         await c.close()
         assert arena_mappings() == daemons_own
+
+
+async def test_the_blocks_of_one_read_share_one_lease(daemon: Daemon) -> None:
+    """A batch costs the daemon one lease, granted and given back whole."""
+    keys = [b"batch-%d" % i for i in range(16)]
+    blocks = [block(i, 256 * 1024) for i in range(16)]
+    async with await Client.connect(daemon.socket_path) as c:
+        assert c.shared
+        await c.put_many(keys, blocks)
+        before = shared_stats(daemon)["leases_ended"]["released"]
+        dests = [bytearray(256 * 1024) for _ in keys]
+        assert await c.get_many_into(keys, dests) == [256 * 1024] * 16
+        assert dests == blocks
+        await c.ping()  # the release queued after the copies has been sent
+        st = shared_stats(daemon)
+        assert st["leases"] == 0 and st["leases_ended"]["released"] == before + 1
+        assert st["leased_bytes"] >= 16 * 256 * 1024
+        assert daemon.ram.budget.pinned_count == 0
+
+
+async def test_a_read_in_pieces_that_fails_gives_every_lease_back(daemon: Daemon) -> None:
+    """A read of 12 MiB is asked for in pieces (all at once); a block that
+    does not fit its destination ends it, and the pieces not copied give
+    their leases back once answered."""
+    keys = [b"piece-%d" % i for i in range(12)]
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put_many(keys, [block(i) for i in range(12)])
+        dests = [bytearray(MiB) for _ in keys]
+        dests[5] = bytearray(10)  # in the second piece
+        with pytest.raises(ValueTooLargeError, match="destination holds 10"):
+            await c.get_many_into(keys, dests)
+        assert dests[0] == block(0) and dests[4] == block(4)  # the first piece landed
+        await c.ping()  # every piece is answered by now, its lease queued to go back
+        await c.ping()  # and given back
+        st = shared_stats(daemon)
+        assert st["leases"] == 0 and st["leases_ended"]["released"] == 3
+        assert daemon.ram.budget.pinned_count == 0

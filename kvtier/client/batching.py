@@ -1,5 +1,6 @@
-"""How a client's writes travel: through shared memory or over the socket
-(:class:`WritePath`, chosen once after HELLO), and in which frames. Pure.
+"""How a client's blocks travel: which writes go through shared memory or
+over the socket (:class:`WritePath`, chosen once after HELLO), in which
+frames, and in which pieces a large read is asked for. Pure.
 
 Over the socket, large blocks travel one per frame: the daemon receives such a body
 straight into the block's place in RAM, and the shared-memory path stages
@@ -93,3 +94,25 @@ def put_batches(
     if cur:
         batches.append(cur)
     return batches
+
+
+#: a read of many blocks through shared memory is asked for in pieces of
+#: about this many bytes, all at once: the daemon answers the next piece
+#: while the client copies the last (a piece's copy, 4 MiB at memory speed,
+#: takes longer than the daemon's answer to the next)
+READ_PIECE_BYTES = 4 * 1024 * 1024
+
+
+def read_pieces(lengths: Sequence[int], most: int) -> list[tuple[int, int]]:
+    """The pieces a read of blocks of ``lengths`` is asked for in, as
+    ``(lo, hi)`` ranges of positions: in order, covering every block once,
+    each of at most ``most`` bytes unless one block alone is larger."""
+    pieces: list[tuple[int, int]] = []
+    lo, size = 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and size + n > most:
+            pieces.append((lo, i))
+            lo, size = i, 0
+        size += n
+    pieces.append((lo, len(lengths)))
+    return pieces

@@ -37,11 +37,11 @@ import mmap
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
 from kvtier import blockcopy, wire
-from kvtier.client.batching import SOLO_VALUE_BYTES
+from kvtier.client.batching import READ_PIECE_BYTES, SOLO_VALUE_BYTES, read_pieces
 from kvtier.errors import (
     ForbiddenError,
     KvtierError,
@@ -295,8 +295,9 @@ class SharedSession:
         view = self._arena_view[leased.offset : leased.offset + leased.length]
         return view.toreadonly() if self.in_place else view
 
-    def _done(self, ids: Sequence[int]) -> None:
-        """Give these leases back with the next request, or once the loop is idle."""
+    def _done(self, ids: Iterable[int]) -> None:
+        """Give these leases back with the next request, or once the loop is idle
+        (the blocks of one GET_SHARED share one lease: each id comes once)."""
         self._releases.extend(ids)
         if self._releases and not self._flush_soon:
             self._flush_soon = True
@@ -323,7 +324,7 @@ class SharedSession:
                 else:
                     out.append(e)
         finally:
-            self._done([e.lease_id for e in entries if isinstance(e, Leased)])
+            self._done({e.lease_id for e in entries if isinstance(e, Leased)})
         return out
 
     async def get_many_into(
@@ -332,7 +333,37 @@ class SharedSession:
         views: Sequence[memoryview],
         timeout: float | None,
     ) -> list[int | None]:
-        entries = await self._entries(keys, timeout)
+        """Copy each block into its view. A read of more than
+        ``READ_PIECE_BYTES`` is asked for in pieces of about that many bytes,
+        all at once: the daemon answers the next piece while this one is
+        copied, so the read costs its copies and one piece's round trip."""
+        pieces = read_pieces([len(v) for v in views], READ_PIECE_BYTES)
+        if len(pieces) == 1:
+            return self._copy_into(keys, views, await self._entries(keys, timeout))
+        asks = [asyncio.ensure_future(self._entries(keys[lo:hi], timeout)) for lo, hi in pieces]
+        out: list[int | None] = []
+        copied = 0
+        try:
+            for (lo, hi), ask in zip(pieces, asks, strict=True):
+                entries = await ask
+                copied += 1  # (its leases go back whatever the copy does)
+                out += self._copy_into(keys[lo:hi], views[lo:hi], entries)
+        finally:
+            for ask in asks[copied:]:  # pieces not copied: their leases go back once answered
+                ask.add_done_callback(self._release_unread)
+        return out
+
+    def _release_unread(self, ask: asyncio.Future[list[Leased | memoryview | None]]) -> None:
+        """A piece's answer nobody will copy: its lease goes back."""
+        if not ask.cancelled() and ask.exception() is None:
+            self._done({e.lease_id for e in ask.result() if isinstance(e, Leased)})
+
+    def _copy_into(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        entries: list[Leased | memoryview | None],
+    ) -> list[int | None]:
         try:
             out: list[int | None] = []
             for key, view, e in zip(keys, views, entries, strict=True):
@@ -348,7 +379,7 @@ class SharedSession:
                 out.append(n)
             return out
         finally:
-            self._done([e.lease_id for e in entries if isinstance(e, Leased)])
+            self._done({e.lease_id for e in entries if isinstance(e, Leased)})
 
     @contextlib.asynccontextmanager
     async def lease(self, key: bytes, timeout: float | None) -> AsyncIterator[memoryview | None]:

@@ -81,7 +81,7 @@ class Loads:
         returns them. Each key is checked, pinned and located once; the loads
         it needs start before this returns."""
         check_keys(self.c.limits, keys)
-        values: list[Buffer | None] = list(map(self.c.ram.pin, keys))
+        values = self.c.ram.pin_many(keys)
         if None not in values:
             return values
         locate = reach.locator.locate
@@ -151,10 +151,7 @@ class Loads:
         return None
 
     def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        unpin = self.c.ram.unpin
-        for key, value in zip(keys, values, strict=True):
-            if value is not None:
-                unpin(key, value)
+        self.c.ram.unpin_many(keys, values)
 
     # ------------------------------------------------------------ loads into RAM
 

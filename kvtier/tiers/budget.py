@@ -137,6 +137,11 @@ class Budget:
     def pin(self, key: bytes) -> None:
         self._pins[key] = self._pins.get(key, 0) + 1
 
+    def pin_many(self, keys: Iterable[bytes]) -> None:
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+
     def unpin(self, key: bytes) -> None:
         left = self._pins.get(key, 0) - 1
         if left > 0:

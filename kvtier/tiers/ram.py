@@ -164,6 +164,34 @@ class RamTier(LocalTier):
                 self.slots.hold(value)
         return value
 
+    def pin_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """:meth:`pin` of each key, in one call: the touches in one pass of
+        the eviction policy, in the keys' order (a read of many blocks)."""
+        values = list(map(self._values.get, keys))
+        present = [k for k, v in zip(keys, values, strict=True) if v is not None]
+        if present:
+            budget = self.budget
+            budget.pin_many(present)
+            budget.touch_many(present)
+            if self.slots is not None:
+                hold = self.slots.hold
+                for value in values:
+                    if value is not None:
+                        hold(value)
+        return values
+
+    def unpin_many(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
+        """:meth:`unpin` of each pinned key (``None`` values are skipped)."""
+        get, unpin = self._values.get, self.budget.unpin
+        let_go = self.slots.let_go if self.slots is not None else None
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                continue
+            if get(key) is value:
+                unpin(key)
+            if let_go is not None:
+                let_go(value)
+
     def hold(self, value: Buffer) -> None:
         """Keep ``value``'s bytes as they are until :meth:`let_go`, without keeping
         the key resident: for a background write of a value it already has."""

@@ -1,17 +1,18 @@
 """Leases: a client reading a block in place holds it until it says it is done. Pure.
 
-A lease names one block a connection may read from the shared arena. While
-any lease on a key is held the block is pinned (eviction skips it, and a
-writer storing the key again gets a new allocation instead of overwriting
-it). A lease ends when its holder releases it, when its holder's
-connection closes (every lease of that connection at once), or at its
-deadline, when it is *revoked* and counted: a client that forgets to
-release cannot pin memory for ever.
+A lease names the blocks a connection may read from the shared arena: the
+blocks of one GET_SHARED, granted and given back together. While a lease
+is held its blocks are pinned (eviction skips them, and a writer storing a
+key again gets a new allocation instead of overwriting it). A lease ends
+when its holder releases it, when its holder's connection closes (every
+lease of that connection at once), or at its deadline, when it is
+*revoked* and counted: a client that forgets to release cannot pin memory
+for ever.
 
 Invariants: every lease ends exactly once, by exactly one of release,
-close or revoke, and ``on_end(key)`` runs once per lease then; ``held(key)``
-is the number of live leases on ``key``; nothing is left after every
-holder has closed. Leases are granted with non-decreasing deadlines (one
+close or revoke, and ``on_end(lease)`` runs once per lease then; granting
+and ending cost the same for one block or a thousand; nothing is left
+after every holder has closed. Leases are granted with non-decreasing deadlines (one
 timeout), so the oldest live lease is the next to expire and an ended
 lease leaves nothing behind.
 """
@@ -37,7 +38,8 @@ class LeaseEnd(enum.Enum):
 class Lease:
     lease_id: int
     owner: ConnId
-    key: bytes
+    #: the blocks it pins
+    keys: tuple[bytes, ...]
     deadline: float
 
 
@@ -48,14 +50,13 @@ class LeaseTable:
     #: live leases in the order granted, hence of their deadlines
     _leases: OrderedDict[int, Lease] = field(default_factory=OrderedDict)
     _by_owner: dict[ConnId, set[int]] = field(default_factory=dict)
-    _by_key: dict[bytes, int] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     ended: dict[LeaseEnd, int] = field(default_factory=lambda: dict.fromkeys(LeaseEnd, 0))
 
     def __repr__(self) -> str:
         return (
             f"<LeaseTable live={len(self._leases)} owners={len(self._by_owner)} "
-            f"keys={len(self._by_key)} revoked={self.ended[LeaseEnd.REVOKED]}>"
+            f"revoked={self.ended[LeaseEnd.REVOKED]}>"
         )
 
     def __len__(self) -> int:
@@ -64,14 +65,10 @@ class LeaseTable:
     def live(self) -> list[Lease]:
         return list(self._leases.values())
 
-    def held(self, key: bytes) -> int:
-        return self._by_key.get(key, 0)
-
-    def grant(self, owner: ConnId, key: bytes, deadline: float) -> Lease:
-        lease = Lease(next(self._ids), owner, key, deadline)
+    def grant(self, owner: ConnId, keys: tuple[bytes, ...], deadline: float) -> Lease:
+        lease = Lease(next(self._ids), owner, keys, deadline)
         self._leases[lease.lease_id] = lease
         self._by_owner.setdefault(owner, set()).add(lease.lease_id)
-        self._by_key[key] = self._by_key.get(key, 0) + 1
         return lease
 
     def release(self, owner: ConnId, lease_id: int) -> bool:
@@ -107,10 +104,5 @@ class LeaseTable:
         owned.discard(lease.lease_id)
         if not owned:
             del self._by_owner[lease.owner]
-        left = self._by_key[lease.key] - 1
-        if left:
-            self._by_key[lease.key] = left
-        else:
-            del self._by_key[lease.key]
         self.ended[end] += 1
         self.on_end(lease, end)

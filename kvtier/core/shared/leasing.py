@@ -1,15 +1,17 @@
 """Leases on RAM blocks in motion: the acting half of :mod:`kvtier.core.shared.leases`.
 
-A client that opted in reads a RAM block in place: GET_SHARED pins the
-block (the GET path's own pin) and hands the pin to a lease, which ends
-when the client releases it, when its connection closes, or at the lease
-deadline (revoked, counted and logged).
+A client that opted in reads RAM blocks in place: GET_SHARED pins the
+blocks (the GET path's own pins) and hands the pins of those in the arena
+to one lease, whose id every one of them carries; it ends when the client
+releases it, when its connection closes, or at the lease deadline
+(revoked, counted and logged).
 
 Invariants: a block under a lease keeps its bytes (its pin is the lease's,
-given back exactly once when the lease ends, however it ends); a value not
-in the arena gets no lease (its bytes are answered, still pinned, and the
-caller unpins them once sent). Imports the pure lease table, the RAM tier
-and the shared records.
+given back exactly once when the lease ends, however it ends); one
+GET_SHARED grants at most one lease, and ending it gives back every pin it
+holds in one call; a value not in the arena gets no lease (its bytes are
+answered, still pinned, and the caller unpins them once sent). Imports the
+pure lease table, the RAM tier and the shared records.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class Leasing:
         #: how long a lease granted from now on lasts (reloadable)
         self.timeout = timeout
         self.table = LeaseTable(on_end=self._ended)
-        #: the value each live lease pins (its pin is given back when it ends)
-        self._leased: dict[int, Buffer] = {}
+        #: the values each live lease pins (their pins are given back when it ends)
+        self._leased: dict[int, list[Buffer]] = {}
         #: bytes of the blocks leased (read by clients without crossing the socket)
         self.leased_bytes = 0
 
@@ -51,21 +53,28 @@ class Leasing:
     def grant(
         self, owner: ConnId, keys: Sequence[bytes], values: Sequence[Buffer | None]
     ) -> list[Leased | Buffer | None]:
-        """Answers for pinned ``values``: a lease for each block in the arena (the
-        pin is now the lease's); the bytes for the others, still pinned (the
+        """Answers for pinned ``values``: for the blocks in the arena, one
+        lease for them all (their pins are now its), each answered with its
+        place and the lease's id; the bytes for the others, still pinned (the
         caller unpins them once sent)."""
-        deadline = self._now() + self.timeout
-        out: list[Leased | Buffer | None] = []
-        for key, value in zip(keys, values, strict=True):
-            slot = self.slots.slot_of(value) if value is not None else None
-            if slot is None:
-                out.append(value)
-                continue
-            assert value is not None
-            lease = self.table.grant(owner, key, deadline)
-            self._leased[lease.lease_id] = value
-            out.append(Leased(lease.lease_id, slot.offset, slot.length))
-            self.leased_bytes += slot.length
+        slot_of = self.slots.slot_of
+        slots = [slot_of(value) if value is not None else None for value in values]
+        leased = [i for i, slot in enumerate(slots) if slot is not None]
+        if not leased:
+            return list(values)
+        lease = self.table.grant(owner, tuple(keys[i] for i in leased), self._now() + self.timeout)
+        lease_id = lease.lease_id
+        out: list[Leased | Buffer | None] = list(values)
+        pinned: list[Buffer] = []
+        nbytes = 0
+        for i in leased:
+            slot, value = slots[i], values[i]
+            assert slot is not None and value is not None
+            pinned.append(value)
+            out[i] = Leased(lease_id, slot.offset, slot.length)
+            nbytes += slot.length
+        self._leased[lease_id] = pinned
+        self.leased_bytes += nbytes
         return out
 
     def unlease(self, owner: ConnId, ids: Sequence[int]) -> int:
@@ -74,13 +83,13 @@ class Leasing:
         return sum(release(owner, i) for i in ids)
 
     def _ended(self, lease: Lease, end: LeaseEnd) -> None:
-        value = self._leased.pop(lease.lease_id)
-        self._unpin([lease.key], [value])
+        self._unpin(lease.keys, self._leased.pop(lease.lease_id))
         if end is LeaseEnd.REVOKED:
             log.warning(
-                "lease %d on key %s held by %s past %.1fs; revoked",
+                "lease %d on %d block(s) (the first: key %s) held by %s past %.1fs; revoked",
                 lease.lease_id,
-                lease.key.hex(),
+                len(lease.keys),
+                lease.keys[0].hex(),
                 lease.owner,
                 self.timeout,
             )
