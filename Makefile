@@ -156,8 +156,17 @@ bench-e2e: $(E2E_STAMP)
 	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier HF_HUB_OFFLINE=1 $(E2E_VENV)/bin/python -m benchmarks.e2e \
 	  --markdown docs/bench-e2e.md
 
-# Every engine integration's loads and stores against memcpy of the same bytes.
-bench-engines: bench-vllm bench-lmcache bench-sglang
+# Every engine integration's loads and stores against memcpy of the same
+# bytes: the rows go to docs/engines.json, and a report says which fell by
+# more than the noise since the committed figures (benchmarks/engines.py).
+ENGINE_FIGURES := docs/engines.json
+bench-engines: $(VLLM_STAMP) $(LMCACHE_STAMP) $(SGLANG_STAMP)
+	rm -f $(ENGINE_FIGURES)
+	VLLM_TARGET_DEVICE=cpu KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(VLLM_VENV)/bin/python -m benchmarks.vllm --json $(ENGINE_FIGURES)
+	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(LMCACHE_VENV)/bin/python -m benchmarks.lmcache --json $(ENGINE_FIGURES)
+	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(SGLANG_VENV)/bin/python -m benchmarks.sglang --json $(ENGINE_FIGURES)
+	$(BIN)/python -m benchmarks.engines compare --figures $(ENGINE_FIGURES) \
+	  --markdown docs/bench-engines.md
 
 # Pages loaded and stored through the SGLang backend vs memcpy of the same bytes.
 bench-sglang: $(SGLANG_STAMP)

@@ -11,6 +11,7 @@ and the ratios.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
@@ -25,6 +26,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.storage_backend.connector import CreateConnector
 
+from benchmarks.engines import Figures
 from tests.enginedaemon import start_with_disk
 from tests.lmcache.test_connector import KV_SHAPE, engine
 
@@ -38,7 +40,9 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def measure(chunk: int, socket: Path, loop: asyncio.AbstractEventLoop) -> dict[str, float]:
+def measure(
+    chunk: int, socket: Path, loop: asyncio.AbstractEventLoop, figures: Figures
+) -> dict[str, float]:
     # (layers, K and V, tokens, kv heads, head size) of float16: ``chunk`` bytes
     layers, kv, tokens, _, head = KV_SHAPE
     heads = chunk // (layers * kv * tokens * head * 2)
@@ -81,10 +85,16 @@ def measure(chunk: int, socket: Path, loop: asyncio.AbstractEventLoop) -> dict[s
     for obj in objs:
         obj.ref_count_down()
     run(conn.close())
+    figures.add(f"get {chunk // KiB} KiB / memcpy", gets, copies)
+    figures.add(f"put {chunk // KiB} KiB / memcpy", puts, copies)
     return {"get": gbps(TOTAL, gets), "put": gbps(TOTAL, puts), "memcpy": gbps(TOTAL, copies)}
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lmcache")
+    parser.add_argument("--json", type=Path, help="merge the rows into this figures file")
+    args = parser.parse_args()
+    figures = Figures("lmcache")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -93,7 +103,7 @@ def main() -> int:
         try:
             print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy")
             for chunk in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
-                r = measure(chunk, daemon.socket_path, loop)
+                r = measure(chunk, daemon.socket_path, loop, figures)
                 print(
                     f"{chunk // KiB:5d} KiB {r['get']:8.2f}  {r['put']:8.2f}  {r['memcpy']:11.2f}"
                     f"  {r['get'] / r['memcpy']:9.2f}x  {r['put'] / r['memcpy']:9.2f}x"
@@ -102,6 +112,8 @@ def main() -> int:
             daemon.stop()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+    if args.json is not None:
+        figures.write(args.json)
     return 0
 
 

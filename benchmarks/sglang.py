@@ -14,6 +14,7 @@ itself, as a region). Prints the figures and the ratios.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import statistics
 import sys
@@ -25,6 +26,7 @@ import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from benchmarks.engines import Figures
 from tests.enginedaemon import start
 from tests.sglang.test_storage import HEAD_DIM, host_pool, storage_config
 
@@ -46,7 +48,7 @@ def pool(page_bytes: int, pages: int, allocator: str) -> MHATokenToKVPoolHost:
     return host_pool(allocator, device_pages=pages, tokens=TOKENS, heads=heads, layers=LAYERS)
 
 
-def measure(page_bytes: int, socket: Path, allocator: str) -> dict[str, float]:
+def measure(page_bytes: int, socket: Path, allocator: str, figures: Figures) -> dict[str, float]:
     count = TOTAL // page_bytes
     host = pool(page_bytes, count, allocator)
     storage = StorageBackendFactory.create_backend(
@@ -84,10 +86,17 @@ def measure(page_bytes: int, socket: Path, allocator: str) -> dict[str, float]:
             gets.append(get_s)
             copies.append(copy_s)
     storage.close()
+    path = "region" if allocator == "shm" else "socket"
+    figures.add(f"get {page_bytes // KiB} KiB {path} / memcpy", gets, copies)
+    figures.add(f"set {page_bytes // KiB} KiB {path} / memcpy", sets, copies)
     return {"get": gbps(TOTAL, gets), "set": gbps(TOTAL, sets), "memcpy": gbps(TOTAL, copies)}
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sglang")
+    parser.add_argument("--json", type=Path, help="merge the rows into this figures file")
+    args = parser.parse_args()
+    figures = Figures("sglang")
     with tempfile.TemporaryDirectory(prefix="kvt-bench-sgl-", dir="/tmp") as tmp:
         # RAM only: what is measured is the engine-facing path, not a disk
         daemon = start(Path(tmp), "--no-disk", "--ram-capacity", "512MiB")
@@ -95,7 +104,7 @@ def main() -> int:
             print("page      path     get GB/s  set GB/s  memcpy GB/s  get/memcpy  set/memcpy")
             for page in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
                 for path, allocator in (("socket", "default"), ("region", "shm")):
-                    r = measure(page, daemon.socket_path, allocator)
+                    r = measure(page, daemon.socket_path, allocator, figures)
                     print(
                         f"{page // KiB:5d} KiB {path:8s} {r['get']:8.2f}  {r['set']:8.2f}"
                         f"  {r['memcpy']:11.2f}  {r['get'] / r['memcpy']:9.2f}x"
@@ -103,6 +112,8 @@ def main() -> int:
                     )
         finally:
             daemon.stop()
+    if args.json is not None:
+        figures.write(args.json)
     return 0
 
 

@@ -538,10 +538,11 @@ def format_ratios(rows: list[dict[str, Any]]) -> str:
 
 
 def engine_section() -> str:
-    """``make bench-e2e``'s table (docs/bench-e2e.md), if it was run: what an
+    """``make bench-e2e``'s and ``make bench-engines``' tables
+    (docs/bench-e2e.md, docs/bench-engines.md), those that were run: what an
     engine feels comes first."""
-    path = ROOT / "docs" / "bench-e2e.md"
-    return path.read_text() + "\n" if path.exists() else ""
+    paths = [ROOT / "docs" / "bench-e2e.md", ROOT / "docs" / "bench-engines.md"]
+    return "".join(path.read_text() + "\n" for path in paths if path.exists())
 
 
 def machine() -> str:

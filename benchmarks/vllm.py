@@ -18,6 +18,7 @@ blocks of another size. Prints the figures and the ratios.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -31,6 +32,8 @@ from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from benchmarks.engines import Figures
 
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL = 64 * 1024 * 1024
@@ -76,7 +79,7 @@ def timed_copy(dest: np.ndarray, src: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
-def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
+def bench(block: int, sock: Path, tmp: Path, figures: Figures) -> dict[str, float]:
     n = TOTAL // block
     src = np.random.default_rng(block).integers(0, 255, (n, block), dtype=np.uint8)
     # vLLM's own CPU tier memory: a shared file in /dev/shm, which the daemon
@@ -146,6 +149,10 @@ def bench(block: int, sock: Path, tmp: Path) -> dict[str, float]:
     del rows, region
     view.release()
     shared.cleanup()
+    label = f"{block // KiB}KiB" if block < MiB else f"{block // MiB}MiB"
+    figures.add(f"loads {label} / memcpy", kvtier, copy_loads)
+    figures.add(f"loads {label} / page-cache files", kvtier, page_cache)
+    figures.add(f"stores {label} / memcpy", stores, copy_stores)
     return {
         "kvtier": gbps(TOTAL, kvtier),
         "kvtier_store": gbps(TOTAL, stores),
@@ -173,6 +180,10 @@ def warm(sock: Path, size: int) -> None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.vllm")
+    parser.add_argument("--json", type=Path, help="merge the rows into this figures file")
+    args = parser.parse_args()
+    figures = Figures("vllm")
     print(
         f"{'block':>8}  {'kvtier tier':>12}  {'page-cache files':>16}  {'memcpy':>8}"
         f"  {'kvtier/files':>12}  {'kvtier/memcpy':>13}  {'stores':>10}"
@@ -184,7 +195,7 @@ def main() -> int:
             proc, sock = start_daemon(tmp)
             try:
                 warm(sock, block)
-                r = bench(block, sock, tmp)
+                r = bench(block, sock, tmp, figures)
                 label = f"{block // KiB}KiB" if block < MiB else f"{block // MiB}MiB"
                 print(
                     f"{label:>8}  {r['kvtier']:>9.2f} GB/s  {r['page_cache_files']:>11.2f} GB/s"
@@ -196,6 +207,8 @@ def main() -> int:
             finally:
                 proc.terminate()
                 proc.wait(30)
+    if args.json is not None:
+        figures.write(args.json)
     return 0
 
 
