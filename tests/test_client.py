@@ -407,10 +407,12 @@ def test_the_write_path_is_chosen_once_from_the_options_and_what_the_daemon_offe
     for path in (WritePath.choose(None, False, True), WritePath.choose(False, True, True)):
         assert path == SOCKET_ONLY
         assert not path.one(large) and not path.many([large, large])
-    # The default, written in place: every batch with a block of 512 KiB or more.
+    # The default, written in place: a lone block of 512 KiB or more, and
+    # every batch with a block of 64 KiB or more.
     in_place = WritePath.choose(None, True, True)
     assert in_place.one(large) and not in_place.one(mid)
-    assert in_place.many([large, large, small]) and not in_place.many([mid, mid])
+    assert in_place.many([large, large, small]) and in_place.many([mid, mid])
+    assert not in_place.many([small, small])
     # The default, staged: a batch only where its one large block is alone.
     staged = WritePath.choose(None, True, False)
     assert staged.many([large, small]) and not staged.many([large, large])

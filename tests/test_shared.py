@@ -765,3 +765,19 @@ async def test_a_read_in_pieces_that_fails_gives_every_lease_back(daemon: Daemon
         st = shared_stats(daemon)
         assert st["leases"] == 0 and st["leases_ended"]["released"] == 3
         assert daemon.ram.budget.pinned_count == 0
+
+
+async def test_a_batch_of_small_blocks_is_written_in_place(daemon: Daemon) -> None:
+    """A put_many of 256 KiB blocks goes in place (their copies pipeline),
+    not over the socket."""
+    keys = [b"small-%d" % i for i in range(8)]
+    values = [block(i, 256 * 1024) for i in range(8)]
+    async with await Client.connect(daemon.socket_path) as c:
+        before = received_bytes(daemon)
+        assert await c.put_many(keys, values) == [PutStatus.STORED] * 8
+        await c.ping()
+        assert received_bytes(daemon) - before < 8 * 4096  # COMMITs, not 2 MiB of bodies
+        st = shared_stats(daemon)
+        assert st["in_place_commits"] == 8 and st["staging_rooms"] == 0
+        for key, value in zip(keys, values, strict=True):
+            assert bytes(await c.get(key) or b"") == value

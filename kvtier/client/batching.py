@@ -50,7 +50,11 @@ class WritePath:
             return SOCKET_ONLY
         if stage_writes:
             return cls(SOLO_VALUE_BYTES, SOLO_VALUE_BYTES)
-        return cls(SHARED_WRITE_BYTES, SHARED_WRITE_BYTES, many_alone=not in_place)
+        if in_place:
+            # A batch's every block of 64 KiB or more goes in place: the
+            # copies pipeline, and the socket's two copies cost more.
+            return cls(SHARED_WRITE_BYTES, SOLO_VALUE_BYTES)
+        return cls(SHARED_WRITE_BYTES, SHARED_WRITE_BYTES, many_alone=True)
 
     def one(self, value: Buffer) -> bool:
         """Whether a lone block goes through shared memory."""

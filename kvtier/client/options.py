@@ -37,7 +37,7 @@ class ClientOptions:
     #: 512 KiB or more through shared memory, written in place
     #: (``write_in_place``) or else staged (a memcpy into the staging region,
     #: then COMMIT); with writing in place, every block of 64 KiB or more of a
-    #: ``put_many`` of such blocks goes in place too; the rest over the socket,
+    #: ``put_many`` goes in place too; the rest over the socket,
     #: which the daemon receives straight into the block's place. True: every
     #: block of 64 KiB or more through shared memory; False: none
     stage_writes: bool | None = None
