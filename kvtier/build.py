@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.config import (
@@ -34,7 +34,7 @@ from kvtier.core.timers import Scheduler
 from kvtier.errors import ConfigError
 from kvtier.loops import IdlePoll
 from kvtier.metrics import Metrics
-from kvtier.model import Limits, namespace_id
+from kvtier.model import CacheService, EventSource, Limits, namespace_id
 from kvtier.server.gate import PeerGate
 from kvtier.server.kv_events import KVEventPublisher
 from kvtier.server.ops import NamespaceAccess, Ops
@@ -228,32 +228,10 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         offer = SharedOffer(handoff_path(config), arena.size, staging.size)
     # One poller for the loop: both listeners' requests keep it awake.
     idle_poll = IdlePoll(sc.idle_poll)
-    access = access_of(config)
-
-    def ops(server: Server[Ops]) -> Ops:
-        return Ops(
-            service,
-            max_frame=server.max_frame,
-            server_name=server.server_name,
-            node_id=node_id,
-            server_stats=server.stats,
-            shared=shared,
-            shared_offer=offer,
-            events=service,
-            access=access,
-            feed=lambda: server.feed,
-        )
-
-    def peer_ops(server: Server[Ops]) -> Ops:
-        local = service.local(PEER_TIER)
-        return Ops(
-            local,
-            max_frame=server.max_frame,
-            server_name=server.server_name,
-            node_id=node_id,
-            server_stats=server.stats,
-        )
-
+    ops = op_table(
+        service, node_id, shared=shared, offer=offer, events=service, access=access_of(config)
+    )
+    peer_ops = op_table(service.local(PEER_TIER), node_id)
     server = Server(
         ops,
         max_frame=int(sc.max_frame_bytes),
@@ -298,6 +276,36 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     )
     _watch(parts)
     return parts
+
+
+def op_table(
+    service: CacheService,
+    node_id: str,
+    *,
+    shared: SharedBlocks | None = None,
+    offer: SharedOffer | None = None,
+    events: EventSource | None = None,
+    access: NamespaceAccess | None = None,
+) -> Callable[[Server[Ops]], Ops]:
+    """What makes a server's op table over ``service``, offering shared
+    memory, block events and namespaces where given (the local socket), or
+    none of them (the peer port)."""
+
+    def make(server: Server[Ops]) -> Ops:
+        return Ops(
+            service,
+            max_frame=server.max_frame,
+            server_name=server.server_name,
+            node_id=node_id,
+            server_stats=server.stats,
+            shared=shared,
+            shared_offer=offer,
+            events=events,
+            access=access,
+            feed=lambda: server.feed,
+        )
+
+    return make
 
 
 def build_publisher(ec: EventsConfig, service: Service) -> KVEventPublisher | None:

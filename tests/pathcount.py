@@ -211,8 +211,8 @@ class ThreadedLookupProcess(ThreadedLoop):
         self.path = path
         ring_fd = os.memfd_create("kvtier-feed", os.MFD_CLOEXEC)
         os.ftruncate(ring_fd, RING_HEADER + (1 << 16))
-        self._mem = mmap.mmap(ring_fd, 0)
-        self.ring = FeedRing(memoryview(self._mem))
+        #: the daemon's end of the ring (unmapped when collected)
+        self.ring = FeedRing(memoryview(mmap.mmap(ring_fd, 0)))
         self._ours, theirs = socket.socketpair()
         settings = Settings(
             report_fd=theirs.detach(),
@@ -239,8 +239,6 @@ class ThreadedLookupProcess(ThreadedLoop):
         self._ours.close()  # the daemon's end: the process sees its feed end, and stops
         self._serving.result(60)
         super().close()
-        self.ring = FeedRing(memoryview(bytearray(RING_HEADER + 64)))
-        self._mem.close()
 
 
 async def _put(sock_dir: Path, durable: bool = False) -> None:

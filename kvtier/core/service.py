@@ -147,7 +147,7 @@ class Service:
         # A demoted block must outlive its arena slot, which is reused at once.
         ram.keep_evicted = any(w.policy is WritePolicy.WRITE_BACK for w in self.propagation.writers)
         #: what every part works with
-        self.context = c = Context(
+        c = Context(
             limits,
             cfg,
             disk_cfg,
@@ -173,7 +173,7 @@ class Service:
         self.stage_rooms, self.make_durable = stores.stage_rooms, stores.make_durable
         self.write_room, self.reserve = stores.write_room, stores.reserve
         self.reserve_arriving, self.abort = stores.reserve_arriving, stores.abort
-        self.connection_closed, self.delete_local = stores.connection_closed, stores.delete_local
+        self.connection_closed = stores.connection_closed
         self.unpin, self.release, self.looked_up = loads.unpin, answers.release, answers.looked_up
 
     def __repr__(self) -> str:
@@ -194,10 +194,6 @@ class Service:
         """Attach to the daemon's task group and start periodic sweeps."""
         self.life.start(spawn)
         self.scheduler.every(self.cfg.sweep_interval, self.sweep)
-
-    @property
-    def closing(self) -> bool:
-        return self.life.closing
 
     def begin_shutdown(self) -> None:
         """Wake every waiting lookup and GET so that it answers now."""

@@ -167,6 +167,8 @@ class RamTier(LocalTier):
     def pin_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """:meth:`pin` of each key, in one call: the touches in one pass of
         the eviction policy, in the keys' order (a read of many blocks)."""
+        if len(keys) == 1:  # (a lone GET: the batch's lists cost more than they save)
+            return [self.pin(keys[0])]
         values = list(map(self._values.get, keys))
         present = [k for k, v in zip(keys, values, strict=True) if v is not None]
         if present:
@@ -182,6 +184,10 @@ class RamTier(LocalTier):
 
     def unpin_many(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
         """:meth:`unpin` of each pinned key (``None`` values are skipped)."""
+        if len(keys) == 1:
+            if values[0] is not None:
+                self.unpin(keys[0], values[0])
+            return
         get, unpin = self._values.get, self.budget.unpin
         let_go = self.slots.let_go if self.slots is not None else None
         for key, value in zip(keys, values, strict=True):

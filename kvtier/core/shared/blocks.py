@@ -98,7 +98,6 @@ class SharedBlocks:
         copier: Copier | None = None,
     ) -> None:
         assert ram.slots is not None, "shared memory needs RAM in the arena"
-        self.ram = ram
         self.slots = ram.slots
         self._limits = limits
         self.leasing = Leasing(ram.slots, unpin, now, lease_timeout)
