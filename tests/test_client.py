@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
 from kvtier.backoff import Backoff
@@ -430,7 +432,31 @@ def test_client_options_refuse_bad_lookup_process_seconds() -> None:
 
 
 def test_a_large_read_is_asked_for_in_pieces_that_cover_every_block_once() -> None:
-    assert read_pieces([10] * 10, 35) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert read_pieces([50, 10, 10], 35) == [(0, 1), (1, 3)]  # a block larger alone
-    assert read_pieces([10, 10], 35) == [(0, 2)]
-    assert read_pieces([], 35) == [(0, 0)]
+    assert read_pieces([10] * 10, 35, 35) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert read_pieces([50, 10, 10], 35, 35) == [(0, 1), (1, 3)]  # a block larger alone
+    assert read_pieces([10, 10], 35, 35) == [(0, 2)]
+    assert read_pieces([], 35, 35) == [(0, 0)]
+
+
+def test_the_pieces_of_a_read_grow_from_the_first_to_the_largest() -> None:
+    # bounds 20, 40, 80, 100, 100: each piece twice the last, up to the largest
+    pieces = read_pieces([10] * 40, 20, 100)
+    assert pieces == [(0, 2), (2, 6), (6, 14), (14, 24), (24, 34), (34, 40)]
+    assert read_pieces([10] * 3, 200, 20) == [(0, 2), (2, 3)]  # the first never above it
+    assert read_pieces([30, 10, 10, 10], 20, 100) == [(0, 1), (1, 4)]  # a block larger alone
+
+
+@given(
+    st.lists(st.integers(1, 100), max_size=60),
+    st.integers(1, 120),
+    st.integers(1, 400),
+)
+def test_read_pieces_cover_each_block_once_in_order_within_their_bounds(
+    lengths: list[int], first: int, most: int
+) -> None:
+    pieces = read_pieces(lengths, first, most)
+    assert [i for lo, hi in pieces for i in range(lo, hi)] == list(range(len(lengths)))
+    bound = min(first, most)
+    for lo, hi in pieces:
+        assert hi - lo == 1 or sum(lengths[lo:hi]) <= bound
+        bound = min(bound * 2, most)

@@ -16,6 +16,7 @@ import xxhash
 
 from kvtier import wire
 from kvtier.client.aio import Client
+from kvtier.client.batching import READ_FIRST_PIECE_BYTES
 from kvtier.client.shared import attach
 from kvtier.core.shared.inplace import may_write_in_place
 from kvtier.daemon import Daemon
@@ -731,20 +732,22 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
 
 
 async def test_the_blocks_of_one_read_share_one_lease(daemon: Daemon) -> None:
-    """A batch costs the daemon one lease, granted and given back whole."""
-    keys = [b"batch-%d" % i for i in range(16)]
-    blocks = [block(i, 256 * 1024) for i in range(16)]
+    """A batch (read in one piece) costs the daemon one lease, granted and
+    given back whole."""
+    n = READ_FIRST_PIECE_BYTES // (256 * 1024)
+    keys = [b"batch-%d" % i for i in range(n)]
+    blocks = [block(i, 256 * 1024) for i in range(n)]
     async with await Client.connect(daemon.socket_path) as c:
         assert c.shared
         await c.put_many(keys, blocks)
         before = shared_stats(daemon)["leases_ended"]["released"]
         dests = [bytearray(256 * 1024) for _ in keys]
-        assert await c.get_many_into(keys, dests) == [256 * 1024] * 16
+        assert await c.get_many_into(keys, dests) == [256 * 1024] * n
         assert dests == blocks
         await c.ping()  # the release queued after the copies has been sent
         st = shared_stats(daemon)
         assert st["leases"] == 0 and st["leases_ended"]["released"] == before + 1
-        assert st["leased_bytes"] >= 16 * 256 * 1024
+        assert st["leased_bytes"] >= n * 256 * 1024
         assert daemon.ram.budget.pinned_count == 0
 
 
@@ -756,10 +759,11 @@ async def test_a_read_in_pieces_that_fails_gives_every_lease_back(daemon: Daemon
     async with await Client.connect(daemon.socket_path) as c:
         await c.put_many(keys, [block(i) for i in range(12)])
         dests = [bytearray(MiB) for _ in keys]
-        dests[5] = bytearray(10)  # in the second piece
+        dests[5] = bytearray(10)  # in the second piece (blocks 2-5; then 6-11)
         with pytest.raises(ValueTooLargeError, match="destination holds 10"):
             await c.get_many_into(keys, dests)
-        assert dests[0] == block(0) and dests[4] == block(4)  # the first piece landed
+        # the first piece landed, and the second up to the block that did not fit
+        assert dests[0] == block(0) and dests[4] == block(4) and dests[6] == bytes(MiB)
         await c.ping()  # every piece is answered by now, its lease queued to go back
         await c.ping()  # and given back
         st = shared_stats(daemon)

@@ -41,7 +41,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from typing import Protocol
 
 from kvtier import blockcopy, wire
-from kvtier.client.batching import READ_PIECE_BYTES, SOLO_VALUE_BYTES, read_pieces
+from kvtier.client.batching import (
+    READ_FIRST_PIECE_BYTES,
+    READ_PIECE_BYTES,
+    SOLO_VALUE_BYTES,
+    read_pieces,
+)
 from kvtier.errors import (
     ForbiddenError,
     KvtierError,
@@ -334,10 +339,11 @@ class SharedSession:
         timeout: float | None,
     ) -> list[int | None]:
         """Copy each block into its view. A read of more than
-        ``READ_PIECE_BYTES`` is asked for in pieces of about that many bytes,
-        all at once: the daemon answers the next piece while this one is
-        copied, so the read costs its copies and one piece's round trip."""
-        pieces = read_pieces([len(v) for v in views], READ_PIECE_BYTES)
+        ``READ_FIRST_PIECE_BYTES`` is asked for in growing pieces
+        (:func:`read_pieces`), all at once: the daemon answers the next piece
+        while this one is copied, so the read costs its copies and the first
+        piece's round trip."""
+        pieces = read_pieces([len(v) for v in views], READ_FIRST_PIECE_BYTES, READ_PIECE_BYTES)
         if len(pieces) == 1:
             return self._copy_into(keys, views, await self._entries(keys, timeout))
         asks = [asyncio.ensure_future(self._entries(keys[lo:hi], timeout)) for lo, hi in pieces]
