@@ -31,8 +31,11 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
+# The suite runs in one worker per core (pytest-xdist); PYTEST_WORKERS=0 runs
+# it in this process alone.
+PYTEST_WORKERS ?= auto
 unit: $(STAMP) deploy-tools
-	KVTIER_REQUIRE_TOOLS=1 PATH="$(CURDIR)/$(TOOLS)/usr/bin:$$PATH" $(BIN)/pytest -q $(PYTEST_ARGS)
+	KVTIER_REQUIRE_TOOLS=1 PATH="$(CURDIR)/$(TOOLS)/usr/bin:$$PATH" $(BIN)/pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test: lint typecheck imports unit
 
