@@ -105,8 +105,8 @@ def put_batches(
 #: early, each next up to twice the last (the daemon answers a piece in a
 #: fraction of the time its copy takes, so it stays ahead), and none larger
 #: than ``READ_PIECE_BYTES``. Each piece costs the client a loop step or
-#: two to take its answer: measured through the vLLM tier's path (64 MiB of
-#: 256 KiB to 2 MiB blocks), pieces of 2, 4, 8 ... MiB read at 0.79-0.86x
+#: two to take its answer: measured with ``get_many_into`` of 64 MiB of
+#: 256 KiB to 2 MiB blocks, pieces of 2, 4, 8 ... MiB read at 0.79-0.86x
 #: memcpy where pieces of 4 MiB each read at 0.69-0.81x
 READ_FIRST_PIECE_BYTES = 2 * 1024 * 1024
 READ_PIECE_BYTES = 32 * 1024 * 1024
