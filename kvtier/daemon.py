@@ -207,6 +207,7 @@ class Daemon:
         and undo what was done."""
         if self.disk is not None:
             self.disk.prepare()
+            await self.disk.load_index()  # whole at once, or rebuilt by a scan once serving
         opened: list[Tier] = []
         sock = None
         try:
@@ -238,7 +239,8 @@ class Daemon:
         if peer_tier is not None and self.config.peer.dns is not None:
             self.scheduler.every(self.config.peer.dns_interval, lambda: spawn(peer_tier.refresh()))
         if self.disk is not None:
-            spawn(self.disk.rebuild_index())  # serves meanwhile: unscanned keys read RETRY
+            # Serves meanwhile: without an index loaded, unscanned keys read RETRY.
+            spawn(self.disk.rebuild_index())
         shared, handoff = self.shared, self.handoff
         handoff_task = None
         if shared is not None and handoff is not None:
@@ -326,11 +328,15 @@ class Daemon:
             if self.peer_port is not None
             else "disabled",
             self.ram.capacity,
-            f"{self.disk.root} ({self.disk.capacity} bytes)"
+            f"{self.disk.root} ({self.disk.capacity} bytes; index: {self._index_loaded()})"
             if self.disk is not None
             else "disabled",
         )
         self.ready.set()
+
+    def _index_loaded(self) -> str:
+        loaded = self.disk.loaded if self.disk is not None else None
+        return "none" if loaded is None else loaded.describe()
 
     async def _shutdown(self, runner: web.AppRunner | None) -> None:
         log.info(

@@ -521,8 +521,23 @@ class _Collector(Collector):
                 st.enospc,
             ),
             ("kvtier_disk_write_errors", "Writes that failed for any reason", st.write_errors),
+            (
+                "kvtier_disk_index_compactions",
+                "Snapshots of the disk index written (its journal compacted)",
+                st.index_compactions,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "kvtier_disk_index_load_seconds",
+            "Seconds the disk index took to load from its files at start (0 after a scan)",
+            value=st.index_load_seconds if st.index_loaded_from == "snapshot" else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_disk_index_journal_bytes",
+            "Bytes journalled since the disk index's last snapshot",
+            value=st.index_journal_bytes,
+        )
         yield GaugeMetricFamily(
             "kvtier_disk_index_rebuild_progress",
             "Fraction of the disk index rebuilt since start (1 = complete)",

@@ -182,6 +182,7 @@ class ThreadedDaemon(ThreadedLoop):
         await daemon.ready.wait()
         if daemon.disk is not None and daemon.disk.scan_done is not None:
             await daemon.disk.scan_done
+        await daemon.settle()  # (the rebuild's compaction, after the scan)
 
     def stop_measuring(self, until: Callable[[], bool] | None = None) -> None:
         """Stop recording once ``until()`` holds and the background work the

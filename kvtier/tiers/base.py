@@ -71,6 +71,12 @@ class DiskStats(TierStats):
     writes_in_flight: int = 0
     index_buckets_scanned: int = 0
     index_buckets_total: int = 0
+    #: how the index was loaded at start: "snapshot" (its files) or "scan"
+    index_loaded_from: str = ""
+    index_load_seconds: float = 0.0
+    #: bytes journalled since the index's last snapshot, and snapshots written
+    index_journal_bytes: int = 0
+    index_compactions: int = 0
     filesystem_free_bytes: int = 0
     filesystem_size_bytes: int = 0
 

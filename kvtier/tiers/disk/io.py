@@ -37,7 +37,7 @@ from kvtier.tiers.disk.format import (
 log = logging.getLogger("kvtier.disk")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -69,7 +69,7 @@ def write_block(
         unlink_all([tmp])
         raise
     if fsync:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def read_block(root: Path, key: bytes) -> memoryview:
@@ -104,7 +104,7 @@ def sync_paths(paths: Sequence[Path]) -> None:
             os.close(fd)
         dirs.add(path.parent)
     for d in dirs:
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,15 @@ is torn anyway (power loss before its data reached the disk) fails its
 length or checksum check and is discarded, never served. Temporary files
 left by a crash are removed at start.
 
+The index persists (``<root>/index/``, :mod:`~kvtier.tiers.disk.journaling`):
+each block file put in place is journalled (ADD) by the I/O thread that
+renamed it, each one removed (REMOVE) by the thread that unlinked it, so a
+start loads the snapshot, replays the journal and answers from a whole
+index at once; a pass over the block files then adds any the journal
+missed, one bucket at a time. Without usable index files a start scans
+the block files as before (lookups of keys not indexed yet answer RETRY
+meanwhile), journalling what it finds, and compacts once it is done.
+
 Durability (``fsync``):
 
 * ``none`` - no fsync: survives a process crash, not a power loss;
@@ -45,12 +54,15 @@ from kvtier.tiers.base import DiskStats, LocalTier
 from kvtier.tiers.budget import Budget, Gone
 from kvtier.tiers.disk.format import CorruptBlock, block_path, file_size
 from kvtier.tiers.disk.io import (
+    ScanResult,
     read_block,
     scan_bucket,
     sync_paths,
     unlink_all,
     write_block,
 )
+from kvtier.tiers.disk.journal import Op, Record
+from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, IndexJournal, Loaded
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
 
 log = logging.getLogger("kvtier.disk")
@@ -73,6 +85,7 @@ class DiskTier(LocalTier):
         fsync: FsyncPolicy = "batch",
         io_threads: int = 4,
         policy: EvictionPolicy[bytes] | None = None,
+        compact_after: int = COMPACT_AFTER_BYTES,
     ) -> None:
         self.root = Path(root)
         #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
@@ -80,6 +93,7 @@ class DiskTier(LocalTier):
         self.fsync = fsync
         #: the disk's I/O threads: every blocking file operation runs here
         self.executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
+        self.io_threads = io_threads
         #: a write or unlink of each key in flight; a second write waits for it
         self._writing: dict[bytes, asyncio.Future[None]] = {}
         #: keys deleted while their file write was in flight: unlinked once it lands
@@ -100,6 +114,14 @@ class DiskTier(LocalTier):
         self._write_gen = 0
         self._synced_gen = 0
         self._syncing: asyncio.Future[None] | None = None
+        #: the index's files: what a start loads instead of scanning
+        self.journal = IndexJournal(
+            self.root / "index", fsync_each=fsync == "always", compact_after=compact_after
+        )
+        #: how the index was loaded at start (None: not yet)
+        self.loaded: Loaded | None = None
+        #: a compaction of the index's files in flight
+        self._compacting: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -122,6 +144,25 @@ class DiskTier(LocalTier):
             (self.root / f"{i:02x}").mkdir(exist_ok=True)
         self._scanned = asyncio.get_running_loop().create_future()
 
+    async def load_index(self) -> Loaded:
+        """Load the index from its files, before the daemon serves: whole at
+        once (no scan pending), or nothing (the scan that follows rebuilds it)."""
+        assert self._scanned is not None, "prepare() first"
+        # (a thread of its own: before the daemon serves, nothing else waits on it)
+        loaded = await asyncio.to_thread(self.journal.load)
+        self.loaded = loaded
+        if loaded.index is not None:
+            budget = self.budget
+            for key, size in loaded.index.items():
+                budget.admit(key, size)
+            self._scanned.set_result(None)  # lookups answer from the index now
+            if self.used_bytes > self.capacity:  # (a smaller disk.capacity than last run)
+                await self._shrink_to_capacity()
+            log.info("disk index loaded: %s", loaded.describe())
+        else:
+            log.info("disk index: no usable index files (%s); scanning the blocks", loaded.reason)
+        return loaded
+
     @property
     def scanning(self) -> bool:
         return self._scanned is not None and not self._scanned.done()
@@ -131,26 +172,36 @@ class DiskTier(LocalTier):
         return self._scanned
 
     async def rebuild_index(self) -> None:
-        """Scan every bucket into the index; ``scan_done`` resolves however it ends."""
+        """Scan every bucket into the index; ``scan_done`` resolves however it
+        ends. After an index loaded from its files, a gentle pass (one bucket
+        at a time) that adds the block files the journal missed; otherwise
+        the rebuild, as many buckets at once as there are I/O threads, and
+        a compaction that marks the index whole once it is done."""
         assert self._scanned is not None, "prepare() first"
         loop = asyncio.get_running_loop()
+        reconcile = self._scanned.done()
         found = 0
-        # Scan as many buckets at once as there are I/O threads; merge in order.
-        scans = [
-            loop.run_in_executor(self.executor, scan_bucket, self.root / f"{i:02x}")
-            for i in range(256)
-        ]
+        buckets = [self.root / f"{i:02x}" for i in range(256)]
+        ahead = 1 if reconcile else self.io_threads
+        scans: list[asyncio.Future[ScanResult]] = []
         try:
-            for i, scan in enumerate(scans):
-                result = await scan
+            for i in range(256):
+                while len(scans) < min(i + ahead, 256):
+                    bucket = buckets[len(scans)]
+                    scans.append(loop.run_in_executor(self.executor, scan_bucket, bucket))
+                result = await scans[i]
+                added: list[Record] = []
                 for key, size in result.entries:
                     if key not in self.budget and key not in self._writing:
                         self.budget.admit(key, size)
-                        found += 1
+                        added.append(Record(Op.ADD, key, size))
+                found += len(added)
+                if added:
+                    await loop.run_in_executor(self.executor, self.journal.append, added)
                 self.temp_removed += result.temp_removed
                 self.corrupt += result.corrupt_removed
                 self.buckets_scanned = i + 1
-                if (i + 1) % 64 == 0:
+                if (i + 1) % 64 == 0 and not reconcile:
                     log.info(
                         "disk index rebuild: %d/256 buckets, %d blocks, %d bytes",
                         i + 1,
@@ -164,17 +215,76 @@ class DiskTier(LocalTier):
                 scan.cancel()  # only if the rebuild itself was cancelled
             if not self._scanned.done():
                 self._scanned.set_result(None)
+        if not reconcile:
+            await self.compact()  # the snapshot marks the index whole
         log.info(
-            "disk index rebuilt: %d blocks, %d bytes; removed %d temporary and %d corrupt files",
+            "disk index %s: %d blocks %s, %d bytes; removed %d temporary and %d corrupt files",
+            "reconciled with the block files" if reconcile else "rebuilt",
             found,
+            "added" if reconcile else "found",
             self.used_bytes,
             self.temp_removed,
             self.corrupt,
         )
 
+    async def compact(self) -> None:
+        """Compact the index's files into a new snapshot (one at a time)."""
+        while self._compacting is not None:
+            await asyncio.shield(self._compacting)
+        loop = asyncio.get_running_loop()
+        self._compacting = done = loop.run_in_executor(self.executor, self.journal.compact)
+        try:
+            await asyncio.shield(done)
+        finally:
+            if self._compacting is done and done.done():
+                self._compacting = None
+
+    def _compact_if_due(self) -> None:
+        """Start a compaction in the background once the journal has grown."""
+        if not self.journal.due or self._compacting is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._compacting = done = loop.run_in_executor(self.executor, self.journal.compact)
+
+        def ended(fut: asyncio.Future[None]) -> None:
+            if self._compacting is fut:
+                self._compacting = None
+            if not fut.cancelled() and (exc := fut.exception()) is not None:
+                log.warning("compacting the disk index's files failed: %s", exc)
+
+        done.add_done_callback(ended)
+
     async def _shrink_to_capacity(self) -> None:
-        victims = self._evict(0)  # until indexed plus in-flight bytes fit
-        await asyncio.get_running_loop().run_in_executor(self.executor, unlink_all, victims)
+        victims = self.budget.evict_for(0)  # until indexed plus in-flight bytes fit
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._unlink, victims)
+
+    # -- files and their journal records (on the I/O threads)
+
+    def _unlink(self, keys: Sequence[bytes]) -> None:
+        """Unlink the keys' files, then journal that they are gone."""
+        try:
+            unlink_all([self.path_of(k) for k in keys])
+        finally:
+            self.journal.append([Record(Op.REMOVE, k) for k in keys])
+
+    def _write_file(
+        self, path: Path, key: bytes, value: Buffer, size: int, victims: Sequence[bytes]
+    ) -> None:
+        """Write ``key``'s file (first unlinking the victims' files), then
+        journal both: the ADD is on stable storage with the file when the
+        policy syncs."""
+        gone = [Record(Op.REMOVE, k) for k in victims]
+        paths = [self.path_of(k) for k in victims]
+        try:
+            write_block(path, key, value, self.fsync == "always", paths)
+        except BaseException:
+            self.journal.append(gone)
+            raise
+        self.journal.append([*gone, Record(Op.ADD, key, size)])
+
+    def _sync_files(self, paths: Sequence[Path]) -> None:
+        sync_paths(paths)
+        self.journal.sync()
 
     # -- index (synchronous)
 
@@ -188,11 +298,10 @@ class DiskTier(LocalTier):
     def __len__(self) -> int:
         return len(self.budget)
 
-    def _evict(self, need: int, key: bytes | None = None) -> list[Path]:
+    def _evict(self, need: int, key: bytes | None = None) -> list[bytes]:
         """Remove victims from the index (making room for ``key``'s namespace,
-        when known); returns their paths to unlink."""
-        victims = self.budget.evict_for(need, key)
-        return [self.path_of(k) for k in victims]
+        when known); returns their keys, whose files to unlink."""
+        return self.budget.evict_for(need, key)
 
     # -- reads
 
@@ -215,8 +324,10 @@ class DiskTier(LocalTier):
             path = self.path_of(key)
             log.warning("discarding corrupt block %s (%s): %s", key.hex(), path, exc)
             self.corrupt += 1
-            self._forget(key)
-            await asyncio.get_running_loop().run_in_executor(self.executor, unlink_all, [path])
+            if key in self.budget:
+                self.budget.drop_pins(key)
+                self.budget.remove(key, Gone.LOST)
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._unlink, [key])
             return None
         except OSError as exc:
             raise TierError(f"disk: reading {self.path_of(key)} failed: {exc}") from exc
@@ -227,10 +338,13 @@ class DiskTier(LocalTier):
         return value
 
     def _forget(self, key: bytes) -> None:
-        """``key``'s file is missing or corrupt: the disk does not hold it."""
+        """``key``'s file is missing, or its write failed: the disk does not hold it."""
         if key in self.budget:
             self.budget.drop_pins(key)
             self.budget.remove(key, Gone.LOST)
+            # (a REMOVE journalled after a later write's ADD only costs the
+            # next start that write's block, found again by its pass)
+            self.executor.submit(self.journal.append, [Record(Op.REMOVE, key)])
 
     async def _landed(self, key: bytes) -> None:
         """Return once no write (or unlink) of ``key`` is in flight: each that
@@ -269,14 +383,14 @@ class DiskTier(LocalTier):
             deleted = False
             try:
                 await loop.run_in_executor(
-                    self.executor, write_block, path, key, value, self.fsync == "always", victims
+                    self.executor, self._write_file, path, key, value, size, victims
                 )
                 self.writes += 1
                 self.written_bytes += len(value)
                 # Deleted meanwhile: unlinked before a later write of the key starts.
                 deleted = key in self._deleted_while_writing
                 if deleted:
-                    await loop.run_in_executor(self.executor, unlink_all, [path])
+                    await loop.run_in_executor(self.executor, self._unlink, [key])
             except OSError as exc:
                 self.write_errors += 1
                 self._forget(key)  # not held after all
@@ -303,10 +417,11 @@ class DiskTier(LocalTier):
                 except NoRoom:
                     late = []
                 if late:
-                    await loop.run_in_executor(self.executor, unlink_all, late)
+                    await loop.run_in_executor(self.executor, self._unlink, late)
             if self.fsync == "batch":
                 self._dirty.append(path)
                 self._write_gen += 1
+            self._compact_if_due()
         if durable and self.fsync == "batch":
             await self.sync()
 
@@ -327,7 +442,7 @@ class DiskTier(LocalTier):
                 gen = self._write_gen
                 self._syncing = loop.create_future()
                 try:
-                    await loop.run_in_executor(self.executor, sync_paths, paths)
+                    await loop.run_in_executor(self.executor, self._sync_files, paths)
                     self._synced_gen = max(self._synced_gen, gen)
                 finally:
                     fut, self._syncing = self._syncing, None
@@ -351,7 +466,7 @@ class DiskTier(LocalTier):
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._writing[key] = done
-        unlink = loop.run_in_executor(self.executor, unlink_all, [self.path_of(key)])
+        unlink = loop.run_in_executor(self.executor, self._unlink, [key])
 
         def finished(_f: asyncio.Future[None]) -> None:
             if self._writing.get(key) is done:
@@ -382,7 +497,10 @@ class DiskTier(LocalTier):
     async def close(self) -> None:
         if self.fsync == "batch" and self._dirty:
             await self.sync()
+        if self._compacting is not None:
+            await asyncio.wait([self._compacting])  # (a failure is logged where it ends)
         self.executor.shutdown(wait=True)
+        self.journal.close()
 
     def filesystem(self) -> tuple[int, int]:
         """(free bytes, size) of the filesystem holding the blocks; (0, 0) if unknown."""
@@ -410,6 +528,12 @@ class DiskTier(LocalTier):
             writes_in_flight=len(self._writing),
             index_buckets_scanned=self.buckets_scanned,
             index_buckets_total=self.buckets_total,
+            index_loaded_from=""
+            if self.loaded is None
+            else ("snapshot" if self.loaded.index is not None else "scan"),
+            index_load_seconds=self.loaded.seconds if self.loaded is not None else 0.0,
+            index_journal_bytes=self.journal.journal_bytes,
+            index_compactions=self.journal.compactions,
             filesystem_free_bytes=fs_free,
             filesystem_size_bytes=fs_size,
         )

@@ -1,0 +1,252 @@
+"""The disk index's files: reading them at start, appending, compacting.
+
+The acting half of :mod:`kvtier.tiers.disk.journal` (the format). Every
+method blocks: the disk tier calls them on its I/O threads, never on the
+event loop. Appends come from several threads at once; each record is
+written whole under one lock, so records of one key keep the order in
+which the tier made its changes (the tier never runs two file operations
+of one key at once).
+
+A start (:meth:`IndexJournal.load`) trusts the index only with a snapshot:
+the newest one, then every journal of its generation or later (a torn
+tail, a crash in the middle of an append, ends its journal). Without one,
+or with one that cannot be read, the files are removed and the tier scans
+its block files instead, journalling what it finds; when that scan ends
+the tier compacts (:meth:`IndexJournal.compact`), and the snapshot it
+writes marks the index whole. Each start appends to a journal of its own.
+
+Compaction rotates to a new journal under the lock, then writes the next
+snapshot (the last one with the journals since replayed) aside, renames
+it into place and removes what it replaces: a crash at any point leaves
+either the old snapshot and its journals or the new one, both whole.
+
+Invariants: after :meth:`load` returns an index, that index is the
+snapshot's with every whole journal record since applied in order;
+``journal_bytes`` counts the bytes appended since the last snapshot; a
+record is on stable storage when :meth:`append` returns with ``fsync``
+``always``, or once :meth:`sync` returns. Imports the format and the tier's
+file I/O only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.tiers.disk.io import fsync_dir
+from kvtier.tiers.disk.journal import (
+    IndexFormatError,
+    Kind,
+    Record,
+    decode,
+    encode_all,
+    header,
+    journal_name,
+    parse_name,
+    plan_start,
+    replay,
+    snapshot_name,
+    snapshot_records,
+)
+
+log = logging.getLogger("kvtier.disk")
+
+#: a journal this much larger than nothing is compacted into a new snapshot
+COMPACT_AFTER_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What a start found: the index (None: scan the block files), and how."""
+
+    index: dict[bytes, int] | None
+    #: the snapshot's generation, and the journal records replayed after it
+    snapshot: int | None
+    records: int
+    #: a journal ended in a torn record (a crash in the middle of an append)
+    torn: bool
+    #: why the files could not be used (``index`` None)
+    reason: str
+    seconds: float
+
+    def describe(self) -> str:
+        if self.index is None:
+            return f"scan ({self.reason})"
+        torn = ", a torn tail dropped" if self.torn else ""
+        return (
+            f"snapshot {self.snapshot} + {self.records} journal records{torn}, "
+            f"{len(self.index)} blocks in {self.seconds:.2f}s"
+        )
+
+
+class IndexJournal:
+    def __init__(
+        self, directory: Path, *, fsync_each: bool, compact_after: int = COMPACT_AFTER_BYTES
+    ) -> None:
+        self.directory = Path(directory)
+        #: fsync the journal after each append (the tier's ``fsync = "always"``)
+        self.fsync_each = fsync_each
+        self.compact_after = compact_after
+        self._lock = threading.Lock()
+        self._fd = -1
+        #: the journal appended to now, and the snapshot the index replays from
+        self.generation = 0
+        self.base: int | None = None
+        #: bytes appended since the last snapshot
+        self.journal_bytes = 0
+        self.appended = 0
+        self.compactions = 0
+
+    def __repr__(self) -> str:
+        state = "open" if self._fd >= 0 else "closed"
+        return (
+            f"<IndexJournal {self.directory} {state} snapshot={self.base} "
+            f"journal={self.generation} bytes={self.journal_bytes} "
+            f"compactions={self.compactions}>"
+        )
+
+    @property
+    def due(self) -> bool:
+        """Whether the journals since the snapshot are worth compacting."""
+        return self.journal_bytes >= self.compact_after
+
+    # -- start
+
+    def load(self) -> Loaded:
+        """Read the index, then open a journal for this run's changes."""
+        started = time.monotonic()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        base, journals = plan_start(os.listdir(self.directory))
+        index: dict[bytes, int] | None = None
+        records, torn, reason = 0, False, ""
+        try:
+            if base is None:
+                raise IndexFormatError("no snapshot")
+            self.base = base
+            index = {}
+            replay(index, self._read(Kind.SNAPSHOT, base, whole=True))
+            for gen in journals:
+                decoded = decode(self._bytes(journal_name(gen)), Kind.JOURNAL, gen)
+                replay(index, decoded.records)
+                records += len(decoded.records)
+                torn = torn or decoded.torn
+        except (IndexFormatError, OSError) as exc:
+            index, reason = None, str(exc)
+        if index is None:
+            self._remove(lambda _kind, _gen: True)
+            self.base, self.generation = None, 0
+        else:
+            assert base is not None
+            self.generation = max([base, *journals]) + 1
+            self.journal_bytes = sum(
+                os.path.getsize(self.directory / journal_name(g)) for g in journals
+            )
+        self._fd = self._begin(self.generation)
+        return Loaded(index, base, records, torn, reason, time.monotonic() - started)
+
+    # -- appends
+
+    def append(self, records: Sequence[Record]) -> None:
+        """Write ``records`` at the journal's end (whole, in order)."""
+        if not records:
+            return
+        data = encode_all(records)
+        with self._lock:
+            if self._fd < 0:
+                return  # closed: the next start scans what this run left unjournalled
+            _write_all(self._fd, data)
+            self.journal_bytes += len(data)
+            self.appended += len(records)
+            if self.fsync_each:
+                os.fsync(self._fd)
+
+    def sync(self) -> None:
+        """Put every record appended so far on stable storage."""
+        with self._lock:
+            if self._fd >= 0:
+                os.fsync(self._fd)
+
+    # -- compaction
+
+    def compact(self) -> None:
+        """Write the next snapshot (see the module); one at a time."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            old = self.generation
+            fd = self._begin(old + 1)
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd, self.generation = fd, old + 1
+            self.journal_bytes = 0
+        base = self.base
+        index: dict[bytes, int] = {}
+        if base is not None:
+            replay(index, self._read(Kind.SNAPSHOT, base, whole=True))
+        for gen in range(0 if base is None else base, old + 1):
+            with contextlib.suppress(FileNotFoundError):
+                replay(index, decode(self._bytes(journal_name(gen)), Kind.JOURNAL, gen).records)
+        final = self.directory / snapshot_name(old + 1)
+        aside = final.with_name(final.name + ".tmp")
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, header(Kind.SNAPSHOT, old + 1) + encode_all(snapshot_records(index)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(aside, final)
+        fsync_dir(self.directory)
+        self.base = old + 1
+        self.compactions += 1
+        self._remove(lambda kind, gen: gen <= old if kind is Kind.JOURNAL else gen < old + 1)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = -1
+
+    # -- files
+
+    def _begin(self, generation: int) -> int:
+        path = self.directory / journal_name(generation)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        _write_all(fd, header(Kind.JOURNAL, generation))
+        os.fsync(fd)
+        fsync_dir(self.directory)
+        return fd
+
+    def _bytes(self, name: str) -> bytes:
+        return (self.directory / name).read_bytes()
+
+    def _read(self, kind: Kind, generation: int, *, whole: bool) -> list[Record]:
+        decoded = decode(self._bytes(snapshot_name(generation)), kind, generation)
+        if whole and decoded.torn:
+            raise IndexFormatError(f"snapshot {generation} is damaged at byte {decoded.end}")
+        return decoded.records
+
+    def _remove(self, which: Callable[[Kind, int], bool]) -> None:
+        """Remove the index files ``which(kind, generation)`` picks, and strays."""
+        for name in os.listdir(self.directory):
+            parsed = parse_name(name)
+            if parsed is None:
+                if name.endswith(".tmp"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.directory / name)
+                continue
+            if which(*parsed):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / name)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

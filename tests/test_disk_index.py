@@ -1,0 +1,241 @@
+"""The disk index persists: a snapshot and a journal, loaded at start instead of a scan."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier import Client
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.journal import (
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    IndexFormatError,
+    Kind,
+    Op,
+    Record,
+    decode,
+    encode,
+    encode_all,
+    header,
+    plan_start,
+)
+from kvtier.tiers.disk.journaling import IndexJournal
+from tests.helpers import DaemonProcess
+
+MiB = 1024 * 1024
+
+records_st = st.lists(
+    st.builds(
+        Record,
+        st.sampled_from(Op),
+        st.binary(min_size=1, max_size=40),
+        st.integers(0, 2**40),
+    ),
+    max_size=12,
+)
+
+
+@given(records_st, st.data())
+def test_a_journal_cut_anywhere_reads_as_its_whole_records(
+    records: list[Record], data: st.DataObject
+) -> None:
+    body = [encode(r) for r in records]
+    file = header(Kind.JOURNAL, 7) + b"".join(body)
+    whole = decode(file, Kind.JOURNAL, 7)
+    assert whole.records == records and whole.end == len(file) and not whole.torn
+    cut = data.draw(st.integers(HEADER.size, len(file)))
+    got = decode(file[:cut], Kind.JOURNAL, 7)
+    ends = [HEADER.size + sum(len(b) for b in body[: i + 1]) for i in range(len(body))]
+    n = sum(1 for e in ends if e <= cut)
+    assert got.records == records[:n]
+    assert got.torn == (cut > (ends[n - 1] if n else HEADER.size))
+
+
+def test_a_flipped_byte_ends_the_journal_at_its_record() -> None:
+    records = [Record(Op.ADD, b"k%d" % i, 100 + i) for i in range(5)]
+    file = bytearray(header(Kind.JOURNAL, 1) + encode_all(records))
+    at = HEADER.size + len(encode(records[0])) * 2 + 15  # inside the third record
+    file[at] ^= 0x40
+    got = decode(bytes(file), Kind.JOURNAL, 1)
+    assert got.records == records[:2] and got.torn
+
+
+def test_files_of_another_kind_version_or_generation_are_refused() -> None:
+    good = header(Kind.SNAPSHOT, 3)
+    assert decode(good, Kind.SNAPSHOT, 3).records == []
+    for data, kind, gen in (
+        (good, Kind.JOURNAL, 3),
+        (good, Kind.SNAPSHOT, 4),
+        (HEADER.pack(MAGIC, FORMAT_VERSION + 1, Kind.SNAPSHOT, 0, 3), Kind.SNAPSHOT, 3),
+        (b"XXXX" + good[4:], Kind.SNAPSHOT, 3),
+        (good[:5], Kind.SNAPSHOT, 3),
+    ):
+        with pytest.raises(IndexFormatError):
+            decode(data, kind, gen)
+
+
+def test_a_start_reads_the_newest_snapshot_and_the_journals_since() -> None:
+    names = [
+        "snapshot.2",
+        "journal.1",
+        "journal.2",
+        "journal.3",
+        "snapshot.1",
+        "x",
+        "snapshot.3.tmp",
+    ]
+    assert plan_start(names) == (2, [2, 3])
+    assert plan_start(["journal.0"]) == (None, [0])
+    assert plan_start([]) == (None, [])
+
+
+def test_the_index_files_survive_compaction_and_a_torn_tail(tmp_path: Path) -> None:
+    first = IndexJournal(tmp_path, fsync_each=False)
+    loaded = first.load()
+    assert loaded.index is None and "no snapshot" in loaded.reason
+    first.append([Record(Op.ADD, b"a", 10), Record(Op.ADD, b"b", 20)])
+    first.compact()  # snapshot.1: a, b
+    first.append([Record(Op.REMOVE, b"a"), Record(Op.ADD, b"c", 30)])
+    first.close()
+    assert sorted(os.listdir(tmp_path)) == ["journal.1", "snapshot.1"]
+    with open(tmp_path / "journal.1", "ab") as fh:  # a crash in the middle of an append
+        fh.write(encode(Record(Op.ADD, b"d", 40))[:9])
+
+    second = IndexJournal(tmp_path, fsync_each=False)
+    loaded = second.load()
+    assert loaded.index == {b"b": 20, b"c": 30}
+    assert (loaded.snapshot, loaded.records, loaded.torn) == (1, 2, True)
+    assert second.generation == 2  # this run's changes go to a journal of their own
+    second.append([Record(Op.ADD, b"e", 50)])
+    second.close()
+    third = IndexJournal(tmp_path, fsync_each=False)
+    assert third.load().index == {b"b": 20, b"c": 30, b"e": 50}
+    third.close()
+
+
+def test_a_damaged_snapshot_means_a_scan_and_fresh_files(tmp_path: Path) -> None:
+    first = IndexJournal(tmp_path, fsync_each=False)
+    first.load()
+    first.append([Record(Op.ADD, b"a", 10)])
+    first.compact()
+    first.close()
+    snapshot = tmp_path / "snapshot.1"
+    data = bytearray(snapshot.read_bytes())
+    data[-3] ^= 0xFF
+    snapshot.write_bytes(bytes(data))
+    second = IndexJournal(tmp_path, fsync_each=False)
+    loaded = second.load()
+    assert loaded.index is None and "damaged" in loaded.reason
+    assert os.listdir(tmp_path) == ["journal.0"]  # the unusable files are gone
+    second.close()
+
+
+async def test_a_restarted_tier_answers_from_its_index_before_any_scan(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    first = DiskTier(root, 10 * MiB, fsync="batch")
+    first.prepare()
+    assert (await first.load_index()).index is None
+    await first.rebuild_index()  # nothing to find; the snapshot marks the index whole
+    keys = [b"key-%d" % i for i in range(30)]
+    for i, key in enumerate(keys):
+        await first.write(key, bytes([i]) * 5000, durable=True)
+    for key in keys[:10]:
+        assert await first.remove(key)
+    await first.close()
+
+    second = DiskTier(root, 10 * MiB)
+    second.prepare()
+    loaded = await second.load_index()
+    assert loaded.index is not None and len(loaded.index) == 20
+    assert not second.scanning  # lookups answer from the index at once
+    assert [second.contains(k) for k in keys] == [False] * 10 + [True] * 20
+    await second.rebuild_index()  # the pass over the files finds nothing new
+    assert len(second) == 20
+    for i, key in enumerate(keys[10:], start=10):
+        assert bytes(await second.read(key) or b"") == bytes([i]) * 5000
+    await second.close()
+
+
+async def test_a_long_journal_is_compacted_in_the_background(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "data", 10 * MiB, fsync="none", compact_after=1000)
+    tier.prepare()
+    await tier.load_index()
+    await tier.rebuild_index()
+    before = tier.journal.compactions
+    for i in range(60):
+        await tier.write(b"k%d" % i, b"v" * 100)
+    await tier.close()  # waits for a compaction in flight
+    assert tier.journal.compactions > before
+    again = DiskTier(tmp_path / "data", 10 * MiB)
+    again.prepare()
+    loaded = await again.load_index()
+    assert loaded.index is not None and len(loaded.index) == 60
+    await again.close()
+
+
+async def test_kill_9_while_writers_store_and_delete_keeps_every_acknowledged_block(
+    sock_dir: Path,
+) -> None:
+    """Writers store durably and plainly and delete while the daemon is
+    killed; after a restart from the index files every durable block is
+    there, byte for byte, no deleted block comes back, no key reads wrong
+    bytes, and no temporary file is left."""
+    rng = random.Random(5)
+    proc = DaemonProcess(sock_dir, "--ram-capacity", "2MiB").start()
+    durable: dict[bytes, bytes] = {}
+    deleted: set[bytes] = set()
+    every: dict[bytes, bytes] = {}
+    stop = asyncio.Event()
+    enough = asyncio.Event()  # 60 durable blocks acknowledged: time to kill
+
+    async def writer(w: int) -> None:
+        async with await Client.connect(proc.socket_path) as c:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                key = b"w%d-%d" % (w, n)
+                value = rng.randbytes(rng.choice((1000, 20_000, 70_000)))
+                every[key] = value
+                if n % 3 == 0:
+                    await c.put(key, value, durable=True)
+                    durable[key] = value
+                    if len(durable) >= 60:
+                        enough.set()
+                else:
+                    await c.put(key, value)
+                if n % 5 == 0:
+                    gone = b"w%d-%d" % (w, n - 3)
+                    await c.delete(gone)
+                    deleted.add(gone)
+                    durable.pop(gone, None)
+
+    tasks = [asyncio.create_task(writer(w)) for w in range(8)]
+    await enough.wait()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+    restarted = DaemonProcess(sock_dir, "--ram-capacity", "2MiB").start()
+    assert any("index: snapshot" in line for line in restarted.lines), restarted.lines
+    async with await Client.connect(restarted.socket_path) as c:
+        keys = list(every)
+        got = [v for i in range(0, len(keys), 8) for v in await c.get_many(keys[i : i + 8])]
+    for key, value in zip(keys, got, strict=True):
+        if key in deleted:
+            assert value is None, key
+        elif value is not None:
+            assert bytes(value) == every[key], key
+        if key in durable:
+            assert value is not None and bytes(value) == durable[key], key
+    assert not list(Path(restarted.data_dir).glob("*/*.tmp-*"))
+    assert restarted.stop() == 0
