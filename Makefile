@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: soak-restart bench-restart test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -172,6 +172,18 @@ bench-engines: $(VLLM_STAMP) $(LMCACHE_STAMP) $(SGLANG_STAMP)
 	  --markdown docs/bench-engines.md
 
 # Pages loaded and stored through the SGLang backend vs memcpy of the same bytes.
+# The daemon killed (-9) under 8 writers, again and again: every durable block
+# back after each restart (tests/test_disk_index.py; TRIALS=n, 200 by default).
+TRIALS ?= 200
+soak-restart: $(STAMP)
+	KVTIER_RESTART_TRIALS=$(TRIALS) $(BIN)/pytest -q -n $(PYTEST_WORKERS) tests/test_disk_index.py -k kill_9
+
+# How soon a restarted daemon answers from its whole disk index: 2,000,000
+# block files, a start that scans them against one that loads the index files
+# (benchmarks/restart.py; RESTART_ARGS="--blocks N" for another count).
+bench-restart: $(STAMP)
+	$(BIN)/python -m benchmarks.restart --markdown docs/bench-restart.md $(RESTART_ARGS)
+
 bench-sglang: $(SGLANG_STAMP)
 	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(SGLANG_VENV)/bin/python -m benchmarks.sglang
 

@@ -411,6 +411,18 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_disk_check(args: argparse.Namespace) -> int:
+    from kvtier.tiers.disk.check import check_data_dir
+
+    root = Path(args.data_dir)
+    if not root.is_dir():
+        print(f"kvtier: {root} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    report = check_data_dir(root)
+    print("\n".join(report.lines()))
+    return EXIT_OK if report.ok else EXIT_ERROR
+
+
 def cmd_config_reference(args: argparse.Namespace) -> int:
     from kvtier.configdoc import render
 
@@ -553,6 +565,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config_check)
     r = csub.add_parser("reference", help="print the configuration reference (Markdown)")
     r.set_defaults(func=cmd_config_reference)
+
+    p = sub.add_parser("disk", help="disk tier tools")
+    dsub = p.add_subparsers(dest="disk_command", required=True, metavar="SUBCOMMAND")
+    d = dsub.add_parser(
+        "check",
+        help="verify a data directory offline: its index files against its block files, "
+        "and every block's checksum (exit 1 if anything is wrong)",
+    )
+    d.add_argument("data_dir", metavar="DATA_DIR", help="the disk tier's directory (disk.path)")
+    d.set_defaults(func=cmd_disk_check)
     return parser
 
 

@@ -148,7 +148,7 @@ def test_holdings_feed_every_change_of_the_local_tiers_indexes_in_its_step() -> 
     events, table = EventLog(), ReservationTable()
     invalidated: list[bytes] = []
     holdings = Holdings(
-        [(EventTier.RAM, ram), (EventTier.DISK, disk)], table, events, invalidated.append
+        [(EventTier.RAM, ram), (EventTier.DISK, disk)], table, events, invalidated.extend
     )
     ram.put(b"a", b"x" * 10)
     written: list[tuple[FeedOp, bytes]] = []

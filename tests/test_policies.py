@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
+from kvtier.collector import held_off
 from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy, Mode, SeenFilter
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import POLICIES, LRUPolicy, make_policy
@@ -235,3 +238,32 @@ def test_the_lru_order_of_a_history_arc_is_its_two_lists_merged_by_last_access()
     for key in list(policy._t1):
         policy.remove(key)
     assert list(policy.candidates()) == list(policy._t2)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_loaded_index_evicts_oldest_first_like_keys_admitted_in_turn(name: str) -> None:
+    """Keys admitted at once at start (a loaded index) leave in the order
+    keys admitted one by one would, and are counted alike."""
+    keys = [b"key-%03d" % i for i in range(50)]
+    loaded, admitted = Budget(500, make_policy(name)), Budget(500, make_policy(name))
+    loaded.admit_many(dict.fromkeys(keys, 10))
+    for key in keys:
+        admitted.admit(key, 10)
+    assert (loaded.used, len(loaded)) == (admitted.used, len(admitted)) == (500, 50)
+    assert loaded.evict_for(100) == admitted.evict_for(100) == keys[:10]
+    with pytest.raises(AssertionError):
+        loaded.admit_many({keys[20]: 10})  # a key is admitted once
+
+
+def test_the_collector_is_held_off_inside_the_block_and_restored_after() -> None:
+    assert gc.isenabled()
+    with held_off():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(KeyError), held_off():
+            raise KeyError("in the block")
+        assert not gc.isenabled()  # as it was
+    finally:
+        gc.enable()

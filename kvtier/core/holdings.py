@@ -31,8 +31,10 @@ tiers' index watch and the shared records only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 
+from kvtier import collector
 from kvtier.core.events import EventLog
 from kvtier.core.writes import ReservationTable
 from kvtier.model import EventKind, EventTier, FeedOp, FeedRecords
@@ -73,7 +75,7 @@ class Holdings:
         tiers: Sequence[tuple[EventTier, LocalTier]],
         pending: ReservationTable,
         events: EventLog,
-        invalidate: Callable[[bytes], None],
+        invalidate: Callable[[Sequence[bytes]], None],
     ) -> None:
         self.events = events
         self.pending = pending
@@ -98,9 +100,7 @@ class Holdings:
     # -- changes (from the tiers' indexes and the pending table)
 
     def held(self, watch: TierWatch, keys: Sequence[bytes]) -> None:
-        invalidate = self._invalidate
-        for key in keys:
-            invalidate(key)
+        self._invalidate(keys)
         write = self._write
         if write is not None:
             others = watch.others
@@ -111,9 +111,7 @@ class Holdings:
             self.events.emit_many(EventKind.STORED, keys, watch.tier)
 
     def gone(self, watch: TierWatch, keys: Sequence[bytes], why: Gone) -> None:
-        invalidate = self._invalidate
-        for key in keys:
-            invalidate(key)
+        self._invalidate(keys)
         others = watch.others
         last = [k for k in keys if not any(t.contains(k) for t in others)]
         if not last:
@@ -134,18 +132,18 @@ class Holdings:
         now (``scan``: the disk index rebuild, while it runs), then every
         change, through ``write``, in the step it is made."""
         assert self._write is None, "one lookup process per daemon"
-        records: FeedRecords = [(FeedOp.RESET, b"")]
-        seen: set[bytes] = set()
-        for tier in self._tiers:
-            for key in tier.indexed():
-                if key not in seen:
-                    seen.add(key)
-                    records.append((FeedOp.HELD, key))
-        records += [(FeedOp.PENDING, r.key) for r in self.pending.all()]
-        scanning = scan is not None and not scan.done()
-        if scanning:
-            records.append((FeedOp.SCANNING, b""))
-        write(records)
+        with collector.held_off():  # (a record per key held: millions, at once)
+            holding = [tier for tier in self._tiers if len(tier.budget)]
+            held: Iterable[bytes] = holding[0].budget if len(holding) == 1 else {}
+            if len(holding) > 1:  # (a key held by two tiers is named once)
+                held = dict.fromkeys(itertools.chain.from_iterable(t.budget for t in holding))
+            records: FeedRecords = [(FeedOp.RESET, b"")]
+            records += zip(itertools.repeat(FeedOp.HELD), held)
+            records += [(FeedOp.PENDING, r.key) for r in self.pending.all()]
+            scanning = scan is not None and not scan.done()
+            if scanning:
+                records.append((FeedOp.SCANNING, b""))
+            write(records)
         self._write = write
         self.pending.watch(self._pending)
         if scan is not None and scanning:

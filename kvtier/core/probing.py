@@ -126,6 +126,13 @@ class RemoteProbes:
         for slot in self.slots:
             slot.probes.invalidate(key)
 
+    def invalidate_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`invalidate` of each key (a tier's index changed by many)."""
+        for slot in self.slots:
+            invalidate = slot.probes.invalidate
+            for key in keys:
+                invalidate(key)
+
     def expire(self, now: float) -> None:
         for slot in self.slots:
             slot.probes.expire(now)

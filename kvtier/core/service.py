@@ -130,7 +130,7 @@ class Service:
             local.append((EventTier.DISK, disk))
         #: the one place where what the local tiers hold changes is told, and
         #: tells the kept verdicts, the lookup process's feed and the events
-        self.holdings = Holdings(local, table, self.events, self.probing.invalidate)
+        self.holdings = Holdings(local, table, self.events, self.probing.invalidate_many)
         writers = [spec.writer(self.probing.invalidate) for spec in remotes]
         if disk is not None:
             policy = WritePolicy(disk_cfg.write_policy)

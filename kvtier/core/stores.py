@@ -246,11 +246,26 @@ class Stores:
         that also asks them."""
         check_keys(self.c.limits, keys)
         deleted = self.delete_local(keys)
-        if not remote or not self.c.probing.slots:
+        disk = self.c.disk
+        # Answered once the disk's files are gone and journalled: a block
+        # deleted never comes back with a restart.
+        unlinks = disk.in_flight(keys) if disk is not None else []
+        remotes = remote and bool(self.c.probing.slots)
+        if not remotes and not unlinks:
             return deleted
-        return self._delete_remote(keys, deleted)
+        return self._delete_rest(keys, deleted, unlinks, remotes)
 
-    async def _delete_remote(self, keys: Sequence[bytes], deleted: list[bool]) -> list[bool]:
+    async def _delete_rest(
+        self,
+        keys: Sequence[bytes],
+        deleted: list[bool],
+        unlinks: list[asyncio.Future[None]],
+        remotes: bool,
+    ) -> list[bool]:
+        if unlinks:
+            await asyncio.wait(unlinks)  # (never cancels them)
+        if not remotes:
+            return deleted
         slots = self.c.probing.slots
         results = await asyncio.gather(
             *(slot.tier.delete(keys) for slot in slots), return_exceptions=True

@@ -58,7 +58,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -210,6 +210,14 @@ class ARCPolicy:
         if len(b2) > c:
             while len(b2) > c:
                 b2.popitem(last=False)
+
+    def admit_many(self, keys: Sequence[bytes]) -> None:
+        """Keys resident at start (a loaded index), oldest first: each in T1
+        as recent once, no ghost or history looked up (none knows them)."""
+        start = self._tick
+        self._t1.update(zip(keys, range(start + 1, start + 1 + len(keys)), strict=True))
+        self._tick = start + len(keys)
+        self.c = max(self.c, len(self))
 
     def touch(self, key: bytes) -> None:
         self._tick = now = self._tick + 1

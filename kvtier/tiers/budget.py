@@ -24,7 +24,7 @@ the index changed.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, plan_eviction
@@ -117,6 +117,18 @@ class Budget:
         self.used += size
         self._policy.admit(key, cold)
         self.watch.held((key,))
+
+    def admit_many(self, index: Mapping[bytes, int]) -> None:
+        """Each key of ``index`` resident now with its size, in order (a
+        loaded index), none admitted yet; told to the watch once."""
+        sizes = self._sizes
+        assert sizes.keys().isdisjoint(index), "a key is admitted once"
+        sizes.update(index)
+        self.used += sum(index.values())
+        keys = list(index)
+        self._policy.admit_many(keys)
+        if keys:
+            self.watch.held(keys)
 
     def touch(self, key: bytes) -> None:
         self._policy.touch(key)

@@ -7,7 +7,7 @@ A policy only orders keys. The tier decides which of them may actually go
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy
@@ -20,6 +20,11 @@ class EvictionPolicy(Protocol[K]):
     def admit(self, key: K, cold: bool = False) -> None:
         """``key`` became resident; ``cold`` (a writer's TAIL hint): put it first
         in the eviction order, where it stays unless it is touched."""
+
+    def admit_many(self, keys: Sequence[K]) -> None:
+        """Keys resident at start (a loaded index), in order, none resident
+        yet: as :meth:`admit` of each in turn, except that a policy may
+        place them as a fresh policy would, with no history of them."""
 
     def touch(self, key: K) -> None:
         """``key`` was read or written again."""
@@ -56,6 +61,9 @@ class LRUPolicy(Generic[K]):
     def admit(self, key: K, cold: bool = False) -> None:
         self._order[key] = None
         self._order.move_to_end(key, last=not cold)
+
+    def admit_many(self, keys: Sequence[K]) -> None:
+        self._order.update(dict.fromkeys(keys))
 
     def touch(self, key: K) -> None:
         if key in self._order:

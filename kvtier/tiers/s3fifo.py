@@ -19,7 +19,7 @@ keys set aside; G holds only non-resident keys, at most as many as M can.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 
 class S3FIFOPolicy:
@@ -42,6 +42,10 @@ class S3FIFOPolicy:
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main) + len(self._aside)
+
+    def admit_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.admit(key)
 
     def admit(self, key: bytes, cold: bool = False) -> None:
         self._restore()

@@ -25,7 +25,7 @@ Imports the policy protocol and the shared records only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.model import namespace_name, namespace_of
@@ -79,6 +79,10 @@ class Shares:
         return self.quotas.get(ns, OPEN)
 
     # -- the eviction policy protocol, per namespace
+
+    def admit_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.admit(key)
 
     def admit(self, key: bytes, cold: bool = False) -> None:
         ns = namespace_of(key)

@@ -10,23 +10,28 @@ gone. A later generation's snapshot is the replay of the one before
 every journal of that generation or later.
 
 Both files are a header (magic, format version, kind, generation) and
-then records, each framed by its payload's length and XXH3-64, so a torn
-tail (a crash in the middle of an append) ends the file where the last
-whole record ends and is never misread: :func:`decode` returns the records
-before it and where they end. A file of another format version, kind or
+then frames of records (one append's, or up to ``FRAME_RECORDS`` of a
+snapshot's, in columns: a start reads millions in a few seconds), each
+framed by its payload's length and XXH3-64, so a torn tail (a crash in
+the middle of an append) ends the file where the last whole frame ends
+and is never misread: :func:`decode` returns the frames before it and
+where they end. A file of another format version, kind or
 generation is :class:`IndexFormatError` (the tier then falls back to
 scanning its block files).
 
-Invariants: ``decode(header + b"".join(records))`` returns every record
-in order; a prefix of that cut anywhere returns the whole records before
-the cut, and ``torn`` is true exactly when bytes follow them; a flipped
-byte in a record ends the file at that record. Imports xxhash only.
+Invariants: ``decode(header + frames)`` returns every record in order; a
+prefix of that cut anywhere returns the whole frames before the cut, and
+``torn`` is true exactly when bytes follow them; a flipped byte in a frame
+ends the file at that frame. Imports xxhash only.
 """
 
 from __future__ import annotations
 
+import array
 import enum
+import itertools
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -37,12 +42,13 @@ MAGIC = b"KVTI"
 FORMAT_VERSION = 1
 #: magic, format version, kind, reserved, generation
 HEADER = struct.Struct("<4sBBHQ")
-#: a record's frame: payload length, XXH3-64 of the payload
+#: a frame: payload length, XXH3-64 of the payload
 FRAME = struct.Struct("<IQ")
-#: a record's payload: op, key length, file size (the key follows)
-ENTRY = struct.Struct("<BHQ")
-#: no record is larger (a key is at most 65,535 bytes)
-MAX_RECORD = ENTRY.size + 0xFFFF
+#: a frame's payload: the count of its records, then their ops (a byte
+#: each), key lengths (u16 each), file sizes (u64 each) and keys, in columns
+COUNT = struct.Struct("<I")
+#: records written in one frame at most (a snapshot's are cut into frames)
+FRAME_RECORDS = 4096
 
 
 class IndexFormatError(Exception):
@@ -68,29 +74,73 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
+class Batch:
+    """One frame's records, in columns."""
+
+    ops: bytes
+    keys: list[bytes]
+    sizes: array.array[int]
+
+    @property
+    def adds_only(self) -> bool:
+        return self.ops.count(Op.ADD) == len(self.ops)
+
+    def records(self) -> Iterator[Record]:
+        for op, key, size in zip(self.ops, self.keys, self.sizes, strict=True):
+            yield Record(Op(op), key, size)
+
+
+@dataclass(frozen=True, slots=True)
 class Decoded:
-    records: list[Record]
-    #: bytes of the file that hold its header and whole records
+    batches: list[Batch]
+    #: bytes of the file that hold its header and whole frames
     end: int
-    #: bytes followed the last whole record (a torn append, or damage)
+    #: bytes followed the last whole frame (a torn append, or damage)
     torn: bool
+
+    @property
+    def records(self) -> list[Record]:
+        return [r for b in self.batches for r in b.records()]
+
+    @property
+    def count(self) -> int:
+        return sum(len(b.ops) for b in self.batches)
 
 
 def header(kind: Kind, generation: int) -> bytes:
     return HEADER.pack(MAGIC, FORMAT_VERSION, kind, 0, generation)
 
 
-def encode(record: Record) -> bytes:
-    payload = ENTRY.pack(record.op, len(record.key), record.size) + record.key
+def encode(records: Sequence[Record]) -> bytes:
+    """One frame of ``records`` (at most ``FRAME_RECORDS``): appended whole, or torn whole."""
+    ops = bytes(r.op for r in records)
+    lens = array.array("H", (len(r.key) for r in records))
+    sizes = array.array("Q", (r.size for r in records))
+    if _SWAP:
+        lens.byteswap()
+        sizes.byteswap()
+    payload = b"".join(
+        (COUNT.pack(len(records)), ops, lens.tobytes(), sizes.tobytes(), *(r.key for r in records))
+    )
     return FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
 
 
 def encode_all(records: Iterable[Record]) -> bytes:
-    return b"".join(encode(r) for r in records)
+    """``records`` in frames of at most ``FRAME_RECORDS``."""
+    out: list[bytes] = []
+    chunk: list[Record] = []
+    for r in records:
+        chunk.append(r)
+        if len(chunk) == FRAME_RECORDS:
+            out.append(encode(chunk))
+            chunk = []
+    if chunk:
+        out.append(encode(chunk))
+    return b"".join(out)
 
 
 def decode(data: bytes | memoryview, kind: Kind, generation: int) -> Decoded:
-    """The whole records of an index file of ``kind`` and ``generation``;
+    """The whole frames of an index file of ``kind`` and ``generation``;
     raises :class:`IndexFormatError` for a file that is not one."""
     view = memoryview(data)
     if len(view) < HEADER.size:
@@ -102,36 +152,72 @@ def decode(data: bytes | memoryview, kind: Kind, generation: int) -> Decoded:
         raise IndexFormatError(f"format version {version}, not {FORMAT_VERSION}")
     if got_kind != kind or got_gen != generation:
         raise IndexFormatError(f"kind {got_kind} of generation {got_gen}, not {kind} {generation}")
-    records: list[Record] = []
+    batches: list[Batch] = []
     at = HEADER.size
     while at + FRAME.size <= len(view):
         length, digest = FRAME.unpack_from(view, at)
         start = at + FRAME.size
-        if not ENTRY.size <= length <= MAX_RECORD or start + length > len(view):
+        if start + length > len(view):
             break
         payload = view[start : start + length]
         if xxhash.xxh3_64_intdigest(payload) != digest:
             break
-        op, key_len, size = ENTRY.unpack_from(payload, 0)
-        if op not in (Op.ADD, Op.REMOVE) or ENTRY.size + key_len != length:
+        batch = _batch(payload)
+        if batch is None:
             break
-        records.append(Record(Op(op), bytes(payload[ENTRY.size :]), size))
+        batches.append(batch)
         at = start + length
-    return Decoded(records, at, at < len(view))
+    return Decoded(batches, at, at < len(view))
 
 
-def replay(index: dict[bytes, int], records: Iterable[Record]) -> dict[bytes, int]:
-    """``index`` (key -> file size) with ``records`` applied in order, in place."""
-    for r in records:
-        if r.op is Op.ADD:
-            index[r.key] = r.size
-        else:
-            index.pop(r.key, None)
+def _batch(payload: memoryview) -> Batch | None:
+    """A frame's records; None for a payload that does not add up."""
+    if len(payload) < COUNT.size:
+        return None
+    (n,) = COUNT.unpack_from(payload, 0)
+    at = COUNT.size
+    ops = bytes(payload[at : at + n])
+    lens, sizes = array.array("H"), array.array("Q")
+    lens.frombytes(payload[at + n : at + 3 * n])
+    sizes.frombytes(payload[at + 3 * n : at + 11 * n])
+    if _SWAP:
+        lens.byteswap()
+        sizes.byteswap()
+    at += 11 * n
+    if len(ops) != n or len(sizes) != n or at + sum(lens) != len(payload):
+        return None
+    if any(op != Op.ADD and op != Op.REMOVE for op in set(ops)):
+        return None
+    raw = bytes(payload[at:])
+    if n and min(lens) == max(lens):  # keys of one length (a namespace's): at a stride
+        step = lens[0]
+        keys = [raw[i : i + step] for i in range(0, n * step, step)]
+    else:
+        ends = list(itertools.accumulate(lens))
+        keys = [raw[end - length : end] for end, length in zip(ends, lens, strict=True)]
+    return Batch(ops, keys, sizes)
+
+
+def replay(index: dict[bytes, int], batches: Iterable[Batch]) -> dict[bytes, int]:
+    """``index`` (key -> file size) with ``batches`` applied in order, in place."""
+    for b in batches:
+        if b.adds_only:
+            index.update(zip(b.keys, b.sizes, strict=True))
+            continue
+        for op, key, size in zip(b.ops, b.keys, b.sizes, strict=True):
+            if op == Op.ADD:
+                index[key] = size
+            else:
+                index.pop(key, None)
     return index
 
 
 def snapshot_records(index: dict[bytes, int]) -> Iterator[Record]:
     return (Record(Op.ADD, key, size) for key, size in index.items())
+
+
+#: the columns are little-endian on disk
+_SWAP = sys.byteorder != "little"
 
 
 def snapshot_name(generation: int) -> str:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from kvtier.tiers.disk.io import fsync_dir
 from kvtier.tiers.disk.journal import (
+    Batch,
     IndexFormatError,
     Kind,
     Record,
@@ -122,33 +123,22 @@ class IndexJournal:
         """Read the index, then open a journal for this run's changes."""
         started = time.monotonic()
         self.directory.mkdir(parents=True, exist_ok=True)
-        base, journals = plan_start(os.listdir(self.directory))
-        index: dict[bytes, int] | None = None
-        records, torn, reason = 0, False, ""
-        try:
-            if base is None:
-                raise IndexFormatError("no snapshot")
-            self.base = base
-            index = {}
-            replay(index, self._read(Kind.SNAPSHOT, base, whole=True))
-            for gen in journals:
-                decoded = decode(self._bytes(journal_name(gen)), Kind.JOURNAL, gen)
-                replay(index, decoded.records)
-                records += len(decoded.records)
-                torn = torn or decoded.torn
-        except (IndexFormatError, OSError) as exc:
-            index, reason = None, str(exc)
-        if index is None:
+        found = read_index(self.directory)
+        if found.index is None:
             self._remove(lambda _kind, _gen: True)
             self.base, self.generation = None, 0
         else:
-            assert base is not None
-            self.generation = max([base, *journals]) + 1
-            self.journal_bytes = sum(
-                os.path.getsize(self.directory / journal_name(g)) for g in journals
-            )
+            self.base, self.generation = found.snapshot, found.last + 1
+            self.journal_bytes = found.journal_bytes
         self._fd = self._begin(self.generation)
-        return Loaded(index, base, records, torn, reason, time.monotonic() - started)
+        return Loaded(
+            found.index,
+            found.snapshot,
+            found.records,
+            found.torn,
+            found.reason,
+            time.monotonic() - started,
+        )
 
     # -- appends
 
@@ -188,10 +178,11 @@ class IndexJournal:
         base = self.base
         index: dict[bytes, int] = {}
         if base is not None:
-            replay(index, self._read(Kind.SNAPSHOT, base, whole=True))
+            replay(index, _snapshot(self.directory, base))
         for gen in range(0 if base is None else base, old + 1):
             with contextlib.suppress(FileNotFoundError):
-                replay(index, decode(self._bytes(journal_name(gen)), Kind.JOURNAL, gen).records)
+                data = (self.directory / journal_name(gen)).read_bytes()
+                replay(index, decode(data, Kind.JOURNAL, gen).batches)
         final = self.directory / snapshot_name(old + 1)
         aside = final.with_name(final.name + ".tmp")
         fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -223,15 +214,6 @@ class IndexJournal:
         fsync_dir(self.directory)
         return fd
 
-    def _bytes(self, name: str) -> bytes:
-        return (self.directory / name).read_bytes()
-
-    def _read(self, kind: Kind, generation: int, *, whole: bool) -> list[Record]:
-        decoded = decode(self._bytes(snapshot_name(generation)), kind, generation)
-        if whole and decoded.torn:
-            raise IndexFormatError(f"snapshot {generation} is damaged at byte {decoded.end}")
-        return decoded.records
-
     def _remove(self, which: Callable[[Kind, int], bool]) -> None:
         """Remove the index files ``which(kind, generation)`` picks, and strays."""
         for name in os.listdir(self.directory):
@@ -244,6 +226,52 @@ class IndexJournal:
             if which(*parsed):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.directory / name)
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """The index as its files hold it (None: they cannot be used, ``reason``)."""
+
+    index: dict[bytes, int] | None
+    snapshot: int | None
+    #: the newest generation of a file read
+    last: int
+    records: int
+    torn: bool
+    journal_bytes: int
+    reason: str
+
+
+def read_index(directory: Path) -> Found:
+    """The index the files in ``directory`` hold: the newest snapshot, then
+    every journal since (a torn tail ends its journal). Changes nothing."""
+    names = os.listdir(directory) if directory.is_dir() else []
+    base, journals = plan_start(names)
+    records, torn, size = 0, False, 0
+    try:
+        if base is None:
+            raise IndexFormatError("no snapshot")
+        index: dict[bytes, int] = {}
+        replay(index, _snapshot(directory, base))
+        for gen in journals:
+            data = (directory / journal_name(gen)).read_bytes()
+            decoded = decode(data, Kind.JOURNAL, gen)
+            replay(index, decoded.batches)
+            records += decoded.count
+            torn = torn or decoded.torn
+            size += len(data)
+    except (IndexFormatError, OSError) as exc:
+        return Found(None, None, 0, 0, False, 0, str(exc))
+    return Found(index, base, max([base, *journals]), records, torn, size, "")
+
+
+def _snapshot(directory: Path, generation: int) -> list[Batch]:
+    """A snapshot's records; a snapshot is whole or not used at all."""
+    data = (directory / snapshot_name(generation)).read_bytes()
+    decoded = decode(data, Kind.SNAPSHOT, generation)
+    if decoded.torn:
+        raise IndexFormatError(f"snapshot {generation} is damaged at byte {decoded.end}")
+    return decoded.batches
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
+from kvtier import collector
 from kvtier.errors import TierError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.base import DiskStats, LocalTier
@@ -148,13 +149,13 @@ class DiskTier(LocalTier):
         """Load the index from its files, before the daemon serves: whole at
         once (no scan pending), or nothing (the scan that follows rebuilds it)."""
         assert self._scanned is not None, "prepare() first"
-        # (a thread of its own: before the daemon serves, nothing else waits on it)
-        loaded = await asyncio.to_thread(self.journal.load)
+        with collector.held_off():  # (millions of keys, built at once)
+            # (a thread of its own: before the daemon serves, nothing else waits on it)
+            loaded = await asyncio.to_thread(self.journal.load)
+            if loaded.index is not None:
+                self.budget.admit_many(loaded.index)
         self.loaded = loaded
         if loaded.index is not None:
-            budget = self.budget
-            for key, size in loaded.index.items():
-                budget.admit(key, size)
             self._scanned.set_result(None)  # lookups answer from the index now
             if self.used_bytes > self.capacity:  # (a smaller disk.capacity than last run)
                 await self._shrink_to_capacity()
@@ -475,6 +476,12 @@ class DiskTier(LocalTier):
 
         unlink.add_done_callback(finished)
         return True
+
+    def in_flight(self, keys: Sequence[bytes]) -> list[asyncio.Future[None]]:
+        """The file operations of ``keys`` in flight (a write, or the unlink a
+        delete began): once they are done, each key's file is as the index
+        says and journalled so."""
+        return [f for k in keys if (f := self._writing.get(k)) is not None]
 
     async def remove(self, key: bytes) -> bool:
         found = self.discard(key)
