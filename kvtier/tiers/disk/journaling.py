@@ -58,7 +58,7 @@ from kvtier.tiers.disk.journal import (
 
 log = logging.getLogger("kvtier.disk")
 
-#: a journal this much larger than nothing is compacted into a new snapshot
+#: journals past this many bytes since the last snapshot are compacted into a new one
 COMPACT_AFTER_BYTES = 64 * 1024 * 1024
 
 
@@ -87,6 +87,8 @@ class Loaded:
 
 
 class IndexJournal:
+    """One disk tier's index files under ``directory`` (see the module)."""
+
     def __init__(
         self, directory: Path, *, fsync_each: bool, compact_after: int = COMPACT_AFTER_BYTES
     ) -> None:
