@@ -124,7 +124,7 @@ def test_the_index_files_survive_compaction_and_a_torn_tail(tmp_path: Path) -> N
     second = IndexJournal(tmp_path, fsync_each=False)
     loaded = second.load()
     assert loaded.index == {b"b": 20, b"c": 30}
-    assert (loaded.snapshot, loaded.records, loaded.torn) == (1, 2, True)
+    assert (loaded.found.snapshot, loaded.found.records, loaded.found.torn) == (1, 2, True)
     assert second.generation == 2  # this run's changes go to a journal of their own
     second.append([Record(Op.ADD, b"e", 50)])
     second.close()

@@ -64,25 +64,28 @@ COMPACT_AFTER_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """What a start found: the index (None: scan the block files), and how."""
+    """What a start found (:class:`Found`), and how long reading it took."""
 
-    index: dict[bytes, int] | None
-    #: the snapshot's generation, and the journal records replayed after it
-    snapshot: int | None
-    records: int
-    #: a journal ended in a torn record (a crash in the middle of an append)
-    torn: bool
-    #: why the files could not be used (``index`` None)
-    reason: str
+    found: Found
     seconds: float
 
+    @property
+    def index(self) -> dict[bytes, int] | None:
+        """The index (None: scan the block files)."""
+        return self.found.index
+
+    @property
+    def reason(self) -> str:
+        return self.found.reason
+
     def describe(self) -> str:
-        if self.index is None:
-            return f"scan ({self.reason})"
-        torn = ", a torn tail dropped" if self.torn else ""
+        found = self.found
+        if found.index is None:
+            return f"scan ({found.reason})"
+        torn = ", a torn tail dropped" if found.torn else ""
         return (
-            f"snapshot {self.snapshot} + {self.records} journal records{torn}, "
-            f"{len(self.index)} blocks in {self.seconds:.2f}s"
+            f"snapshot {found.snapshot} + {found.records} journal records{torn}, "
+            f"{len(found.index)} blocks in {self.seconds:.2f}s"
         )
 
 
@@ -133,14 +136,7 @@ class IndexJournal:
             self.base, self.generation = found.snapshot, found.last + 1
             self.journal_bytes = found.journal_bytes
         self._fd = self._begin(self.generation)
-        return Loaded(
-            found.index,
-            found.snapshot,
-            found.records,
-            found.torn,
-            found.reason,
-            time.monotonic() - started,
-        )
+        return Loaded(found, time.monotonic() - started)
 
     # -- appends
 
@@ -235,13 +231,16 @@ class Found:
     """The index as its files hold it (None: they cannot be used, ``reason``)."""
 
     index: dict[bytes, int] | None
+    #: the snapshot's generation, and the journal records replayed after it
     snapshot: int | None
-    #: the newest generation of a file read
-    last: int
     records: int
+    #: a journal ended in a torn record (a crash in the middle of an append)
     torn: bool
-    journal_bytes: int
+    #: why the files could not be used (``index`` None)
     reason: str
+    #: the newest generation of a file read, and the journals' bytes
+    last: int = 0
+    journal_bytes: int = 0
 
 
 def read_index(directory: Path) -> Found:
@@ -263,8 +262,8 @@ def read_index(directory: Path) -> Found:
             torn = torn or decoded.torn
             size += len(data)
     except (IndexFormatError, OSError) as exc:
-        return Found(None, None, 0, 0, False, 0, str(exc))
-    return Found(index, base, max([base, *journals]), records, torn, size, "")
+        return Found(None, None, 0, False, str(exc))
+    return Found(index, base, records, torn, "", max([base, *journals]), size)
 
 
 def _snapshot(directory: Path, generation: int) -> list[Batch]:
