@@ -286,3 +286,45 @@ async def test_disk_check_verifies_a_data_directory_offline(
     assert "1 corrupt" in out and "checksum mismatch" in out
     assert "2 entries without a file" in out and out.rstrip().endswith("NOT OK")
     assert cli.main(["disk", "check", str(tmp_path / "nowhere")]) == 2
+
+
+@pytest.mark.parametrize("damage", ["torn journal", "corrupt snapshot", "older format"])
+async def test_a_daemon_restarts_through_damaged_or_older_index_files(
+    sock_dir: Path, damage: str
+) -> None:
+    """A torn journal tail is dropped and the rest loaded; a corrupt
+    snapshot, or one of another format version, means a scan, logged, never
+    a failed start; every durable block is served either way."""
+    keys = [b"durable-%d" % i for i in range(20)]
+    proc = DaemonProcess(sock_dir).start()
+    async with await Client.connect(proc.socket_path) as c:
+        await c.put_many(keys, [bytes([i]) * 4000 for i in range(20)], durable=True)
+    assert proc.stop() == 0
+    index = Path(proc.data_dir) / "index"
+    (snapshot,) = index.glob("snapshot.*")
+    (journal,) = sorted(index.glob("journal.*"))[-1:]
+    if damage == "torn journal":
+        with open(journal, "ab") as fh:
+            fh.write(encode([Record(Op.ADD, b"never-written", 4000)])[:-3])
+    elif damage == "corrupt snapshot":  # (a frame whose checksum does not match)
+        frame = bytearray(encode([Record(Op.ADD, b"k", 4000)]))
+        frame[-1] ^= 0xFF
+        snapshot.write_bytes(snapshot.read_bytes() + bytes(frame))
+    else:
+        data = bytearray(snapshot.read_bytes())
+        data[4] = FORMAT_VERSION + 1  # the version byte after the magic
+        snapshot.write_bytes(bytes(data))
+
+    restarted = DaemonProcess(sock_dir).start()
+    try:
+        (ready,) = [line for line in restarted.lines if "kvtier ready" in line]
+        if damage == "torn journal":
+            assert "index: snapshot" in ready and "torn tail dropped" in ready, ready
+        else:
+            assert "index: scan" in ready, ready
+        async with await Client.connect(restarted.socket_path) as c:
+            await c.lookup(keys, wait=30.0)
+            got = await c.get_many(keys)
+    finally:
+        assert restarted.stop() == 0
+    assert [bytes(g or b"") for g in got] == [bytes([i]) * 4000 for i in range(20)]
