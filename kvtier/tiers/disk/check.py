@@ -14,15 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.tiers.base import block_checksum
-from kvtier.tiers.disk.format import (
-    HEADER,
-    SUFFIX,
-    TMP_MARK,
-    CorruptBlock,
-    block_name,
-    parse_header,
-)
+from kvtier.tiers.disk.format import SUFFIX, TMP_MARK, CorruptBlock, block_name
+from kvtier.tiers.disk.io import check_block
 from kvtier.tiers.disk.journaling import read_index
 
 
@@ -86,11 +79,9 @@ def check_data_dir(root: Path) -> Report:
             path = Path(entry.path)
             data = path.read_bytes()
             try:
-                key, _value_len, digest = parse_header(data, len(data))
+                key, _value = check_block(data)
                 if block_name(key) + SUFFIX != entry.name:
                     raise CorruptBlock("file name does not match its key")
-                if block_checksum(key, memoryview(data)[HEADER.size + len(key) :]) != digest:
-                    raise CorruptBlock("checksum mismatch")
             except CorruptBlock as exc:
                 report.corrupt.append((path, str(exc)))
                 continue

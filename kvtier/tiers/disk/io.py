@@ -76,13 +76,20 @@ def read_block(root: Path, key: bytes) -> memoryview:
     """``key``'s block under ``root`` (its path found here, off the event loop)."""
     with open(block_path(root, key), "rb") as fh:
         data = fh.read()
-    got_key, _value_len, digest = parse_header(data, len(data))
+    got_key, value = check_block(data)
     if got_key != key:
         raise CorruptBlock("file holds another key")
+    return value
+
+
+def check_block(data: bytes) -> tuple[bytes, memoryview]:
+    """(key, value) of a whole block file's bytes; raises CorruptBlock when
+    its header, length or checksum does not hold."""
+    key, _value_len, digest = parse_header(data, len(data))
     value = memoryview(data)[HEADER.size + len(key) :]
     if block_checksum(key, value) != digest:
         raise CorruptBlock("checksum mismatch")
-    return value
+    return key, value
 
 
 def unlink_all(paths: Sequence[Path]) -> None:

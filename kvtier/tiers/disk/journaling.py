@@ -106,7 +106,6 @@ class IndexJournal:
         self.base: int | None = None
         #: bytes appended since the last snapshot
         self.journal_bytes = 0
-        self.appended = 0
         self.compactions = 0
 
     def __repr__(self) -> str:
@@ -150,7 +149,6 @@ class IndexJournal:
                 return  # closed: the next start scans what this run left unjournalled
             _write_all(self._fd, data)
             self.journal_bytes += len(data)
-            self.appended += len(records)
             if self.fsync_each:
                 os.fsync(self._fd)
 

@@ -231,19 +231,15 @@ class DiskTier(LocalTier):
     async def compact(self) -> None:
         """Compact the index's files into a new snapshot (one at a time)."""
         while self._compacting is not None:
-            await asyncio.shield(self._compacting)
-        loop = asyncio.get_running_loop()
-        self._compacting = done = loop.run_in_executor(self.executor, self.journal.compact)
-        try:
-            await asyncio.shield(done)
-        finally:
-            if self._compacting is done and done.done():
-                self._compacting = None
+            await asyncio.wait([self._compacting])
+        await asyncio.shield(self._start_compaction())
 
     def _compact_if_due(self) -> None:
         """Start a compaction in the background once the journal has grown."""
-        if not self.journal.due or self._compacting is not None:
-            return
+        if self.journal.due and self._compacting is None:
+            self._start_compaction()
+
+    def _start_compaction(self) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
         self._compacting = done = loop.run_in_executor(self.executor, self.journal.compact)
 
@@ -254,6 +250,7 @@ class DiskTier(LocalTier):
                 log.warning("compacting the disk index's files failed: %s", exc)
 
         done.add_done_callback(ended)
+        return done
 
     async def _shrink_to_capacity(self) -> None:
         victims = self.budget.evict_for(0)  # until indexed plus in-flight bytes fit
