@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier import Client, cli
+from kvtier.model import namespace_of, namespace_prefix
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.journal import (
     FORMAT_VERSION,
@@ -31,6 +32,8 @@ from kvtier.tiers.disk.journal import (
     snapshot_records,
 )
 from kvtier.tiers.disk.journaling import IndexJournal
+from kvtier.tiers.policy import make_policy
+from kvtier.tiers.shares import Quota, Shares
 from tests.helpers import DaemonProcess
 
 MiB = 1024 * 1024
@@ -173,6 +176,128 @@ async def test_a_restarted_tier_answers_from_its_index_before_any_scan(tmp_path:
     assert len(second) == 20
     for i, key in enumerate(keys[10:], start=10):
         assert bytes(await second.read(key) or b"") == bytes([i]) * 5000
+    await second.close()
+
+
+async def test_the_pass_over_the_files_adds_unknown_files_and_drops_lost_entries(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "data"
+    first = DiskTier(root, 10 * MiB, fsync="batch")
+    first.prepare()
+    await first.load_index()
+    await first.rebuild_index()
+    keys = [b"key-%d" % i for i in range(40)]
+    for key in keys:
+        await first.write(key, key * 100, durable=True)
+    await first.close()
+    # While the daemon is stopped: ten files go behind its back, and a block
+    # the index never heard of appears (its journal record lost).
+    for key in keys[:10]:
+        first.path_of(key).unlink()
+    stray = DiskTier(tmp_path / "other", 10 * MiB, fsync="none")
+    stray.prepare()
+    await stray.load_index()
+    await stray.rebuild_index()
+    await stray.write(b"unjournalled", b"u" * 700)
+    await stray.close()
+    os.rename(stray.path_of(b"unjournalled"), first.path_of(b"unjournalled"))
+
+    second = DiskTier(root, 10 * MiB, fsync="batch")
+    second.prepare()
+    loaded = await second.load_index()
+    assert loaded.index is not None and len(loaded.index) == 40  # as journalled
+    assert all(second.contains(k) for k in keys)
+    await second.rebuild_index()  # the gentle pass
+    assert [second.contains(k) for k in keys] == [False] * 10 + [True] * 30
+    assert second.contains(b"unjournalled")
+    assert bytes(await second.read(b"unjournalled") or b"") == b"u" * 700
+    await second.close()
+
+    third = DiskTier(root, 10 * MiB)
+    third.prepare()
+    loaded = await third.load_index()  # the pass journalled both
+    assert loaded.index is not None
+    assert sorted(loaded.index) == sorted([*keys[10:], b"unjournalled"])
+    await third.close()
+
+
+async def test_an_entry_whose_file_lands_during_the_check_is_kept(tmp_path: Path) -> None:
+    """A lost entry is checked again while no write of its key can begin: a
+    write waits for the check, and the check never drops a file in place."""
+    tier = DiskTier(tmp_path / "data", 10 * MiB, fsync="none", io_threads=1)
+    tier.prepare()
+    await tier.load_index()
+    await tier.rebuild_index()
+    await tier.write(b"a", b"1" * 100)
+    await tier.write(b"b", b"2" * 100)
+    tier.path_of(b"a").unlink()  # lost behind the tier's back
+    gate = asyncio.Event()
+    started = asyncio.Event()
+
+    def hold() -> None:  # occupies the one I/O thread until the gate opens
+        started.set()
+        asyncio.run_coroutine_threadsafe(gate.wait(), loop).result()
+
+    loop = asyncio.get_running_loop()
+    blocker = loop.run_in_executor(tier.executor, hold)
+    await started.wait()
+    check = asyncio.create_task(tier._drop_missing([b"a", b"b"]))
+    await asyncio.sleep(0)  # allow-sleep: let the check claim its keys
+    rewrite = asyncio.create_task(tier.write(b"a", b"3" * 100))
+    await asyncio.sleep(0)  # allow-sleep: let the write find the check in flight
+    assert tier.stats().writes_in_flight == 2  # the check holds both keys; the write waits
+    assert not rewrite.done()
+    gate.set()
+    await blocker
+    assert await check == 1  # a's file was gone, b's is in place
+    await rewrite  # a write after the drop: a fresh entry, its ADD after the REMOVE
+    assert tier.contains(b"a") and tier.contains(b"b")
+    assert bytes(await tier.read(b"a") or b"") == b"3" * 100
+    await tier.close()
+    again = DiskTier(tmp_path / "data", 10 * MiB)
+    again.prepare()
+    loaded = await again.load_index()
+    assert loaded.index is not None and sorted(loaded.index) == [b"a", b"b"]
+    await again.close()
+
+
+@pytest.mark.parametrize("kind", ["lru", "s3fifo", "arc"])
+async def test_namespaces_bytes_and_quotas_start_from_the_index(tmp_path: Path, kind: str) -> None:
+    def tier() -> DiskTier:
+        shares = Shares(
+            64 * 1024,
+            {b"a": Quota(max=20 * 1024), b"b": Quota()},
+            lambda: make_policy(kind),
+        )
+        return DiskTier(tmp_path / "data", 64 * 1024, fsync="none", policy=shares)
+
+    first = tier()
+    first.prepare()
+    await first.load_index()
+    await first.rebuild_index()
+    for i in range(30):  # a's max keeps it near 20 KiB; b takes the rest
+        await first.write(namespace_prefix(b"a") + b"%d" % i, b"x" * 1000)
+        await first.write(namespace_prefix(b"b") + b"%d" % i, b"y" * 500)
+    await first.write(b"plain", b"z" * 300)  # the default namespace
+    before = first.stats()
+    assert first.budget.shares is not None
+    held = dict(first.budget.shares.used)
+    await first.close()
+
+    second = tier()
+    second.prepare()
+    loaded = await second.load_index()
+    assert loaded.index is not None
+    assert second.budget.shares is not None
+    assert second.budget.shares.used == held
+    assert second.stats().used_bytes == before.used_bytes
+    # a's quota holds from the loaded bytes on: its new blocks evict its own oldest
+    oldest_a = next(k for k in loaded.index if namespace_of(k) == b"a")
+    await second.write(namespace_prefix(b"a") + b"new", b"x" * 1000)
+    assert not second.contains(oldest_a)
+    assert second.budget.shares.used[b"a"] <= 20 * 1024
+    assert second.budget.shares.used[b"b"] == held[b"b"]
     await second.close()
 
 

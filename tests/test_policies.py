@@ -1,13 +1,17 @@
-"""Eviction policies alone and under a Budget: ARC, history ARC, S3-FIFO, the seen filter."""
+"""Eviction policies alone and under a Budget: LRU and its backlog of loaded keys,
+ARC, history ARC, S3-FIFO, the seen filter."""
 
 from __future__ import annotations
 
 import gc
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.collector import held_off
 from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy, Mode, SeenFilter
+from kvtier.tiers.backlog import Backlog
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import POLICIES, LRUPolicy, make_policy
 from kvtier.tiers.ram import RamTier
@@ -267,3 +271,81 @@ def test_the_collector_is_held_off_inside_the_block_and_restored_after() -> None
         assert not gc.isenabled()  # as it was
     finally:
         gc.enable()
+
+
+ops_st = st.lists(
+    st.tuples(st.sampled_from(["take", "discard", "put_back"]), st.integers(0, 2999)),
+    max_size=300,
+)
+
+
+@given(st.integers(0, 3000), ops_st)
+def test_a_backlog_keeps_its_members_in_order_whatever_leaves(
+    n: int, ops: list[tuple[str, int]]
+) -> None:
+    """A Backlog against a plain list of its members, under takes from the
+    front, removals from anywhere and keys put back at the front; past its
+    slack the list is compacted and the order holds."""
+    keys = [k(i) for i in range(n)]
+    backlog = Backlog(dict.fromkeys(keys, 1) if n % 2 else keys, slack=n % 7)
+    model = list(keys)
+    taken: list[bytes] = []
+    for op, i in ops:
+        if op == "take" and model:
+            taken.append(backlog.pop_first())
+            assert taken[-1] == model.pop(0)
+        elif op == "discard":
+            assert backlog.discard(k(i)) == (k(i) in model)
+            if k(i) in model:
+                model.remove(k(i))
+        elif op == "put_back" and taken:
+            key = taken.pop()
+            if key not in model:
+                backlog.push_first(key)
+                model.insert(0, key)
+        assert len(backlog) == len(model)
+    assert list(backlog) == model
+    assert len(backlog._order) <= 3 * (len(model) + n % 7) + 1
+    assert all(key in backlog for key in model)
+    assert (backlog.first() if model else None) == (model[0] if model else None)
+
+
+@given(
+    st.integers(1, 400), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 499)), max_size=200)
+)
+def test_lru_with_a_loaded_backlog_orders_keys_as_one_by_one(
+    n: int, ops: list[tuple[int, int]]
+) -> None:
+    """LRU's loaded keys wait in a backlog: under admits (cold ones too),
+    touches, removals and evictions, its order is that of an LRU whose keys
+    were admitted one by one."""
+    keys = [k(i) for i in range(n)]
+    loaded, plain = LRUPolicy[bytes](), LRUPolicy[bytes]()
+    loaded.admit_many(dict.fromkeys(keys, 1))
+    for key in keys:
+        plain.admit(key)
+    resident = set(keys)
+    for op, i in ops:
+        key = k(i)
+        if op in (0, 1) and key not in resident:
+            loaded.admit(key, cold=op == 1)
+            plain.admit(key, cold=op == 1)
+            resident.add(key)
+        elif op == 2:
+            loaded.touch(key)
+            plain.touch(key)
+        elif op == 3:
+            loaded.touch_many([key, k(i // 2)])
+            plain.touch_many([key, k(i // 2)])
+        elif op == 4 and key in resident:
+            loaded.remove(key)
+            plain.remove(key)
+            resident.discard(key)
+        elif op == 5 and resident:
+            victim = next(iter(plain.candidates()))
+            assert next(iter(loaded.candidates())) == victim
+            loaded.evict(victim)
+            plain.evict(victim)
+            resident.discard(victim)
+        assert len(loaded) == len(plain) == len(resident)
+    assert list(loaded.candidates()) == list(plain.candidates())

@@ -58,7 +58,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import xxhash
 
@@ -211,7 +211,7 @@ class ARCPolicy:
             while len(b2) > c:
                 b2.popitem(last=False)
 
-    def admit_many(self, keys: Sequence[bytes]) -> None:
+    def admit_many(self, keys: Mapping[bytes, object]) -> None:
         """Keys resident at start (a loaded index), oldest first: each in T1
         as recent once, no ghost or history looked up (none knows them)."""
         start = self._tick

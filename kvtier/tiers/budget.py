@@ -125,10 +125,9 @@ class Budget:
         assert sizes.keys().isdisjoint(index), "a key is admitted once"
         sizes.update(index)
         self.used += sum(index.values())
-        keys = list(index)
-        self._policy.admit_many(keys)
-        if keys:
-            self.watch.held(keys)
+        self._policy.admit_many(index)
+        if index:
+            self.watch.held(list(index))
 
     def touch(self, key: bytes) -> None:
         self._policy.touch(key)

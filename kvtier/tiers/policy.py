@@ -6,11 +6,13 @@ A policy only orders keys. The tier decides which of them may actually go
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
 from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy
+from kvtier.tiers.backlog import Backlog
 from kvtier.tiers.s3fifo import S3FIFOPolicy
 
 K = TypeVar("K", bound=Hashable)
@@ -21,10 +23,11 @@ class EvictionPolicy(Protocol[K]):
         """``key`` became resident; ``cold`` (a writer's TAIL hint): put it first
         in the eviction order, where it stays unless it is touched."""
 
-    def admit_many(self, keys: Sequence[K]) -> None:
-        """Keys resident at start (a loaded index), in order, none resident
-        yet: as :meth:`admit` of each in turn, except that a policy may
-        place them as a fresh policy would, with no history of them."""
+    def admit_many(self, keys: Mapping[K, object]) -> None:
+        """The keys of ``keys`` (a loaded index; its values are not the
+        policy's), resident at start, in order, none resident yet: as
+        :meth:`admit` of each in turn, except that a policy may place them
+        as a fresh policy would, with no history of them."""
 
     def touch(self, key: K) -> None:
         """``key`` was read or written again."""
@@ -47,41 +50,61 @@ class EvictionPolicy(Protocol[K]):
 
 
 class LRUPolicy(Generic[K]):
-    """Least recently used first."""
+    """Least recently used first; a key admitted cold first of all.
+
+    Three queues in eviction order: the keys admitted cold (the latest
+    first), the keys a start loaded (a :class:`~kvtier.tiers.backlog.Backlog`,
+    built at once where an ordered dict builds a node per key), then every
+    other key, least recently used first. A touch moves a key to the end.
+    """
 
     def __init__(self) -> None:
+        self._cold: OrderedDict[K, None] = OrderedDict()
+        self._loaded: Backlog[K] = Backlog()
         self._order: OrderedDict[K, None] = OrderedDict()
 
     def __repr__(self) -> str:
-        return f"<LRUPolicy keys={len(self._order)}>"
+        return f"<LRUPolicy keys={len(self)} cold={len(self._cold)} loaded={len(self._loaded)}>"
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._cold) + len(self._loaded) + len(self._order)
 
     def admit(self, key: K, cold: bool = False) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key, last=not cold)
+        if cold:
+            self._cold[key] = None
+            self._cold.move_to_end(key, last=False)
+        else:
+            self._order[key] = None
 
-    def admit_many(self, keys: Sequence[K]) -> None:
-        self._order.update(dict.fromkeys(keys))
+    def admit_many(self, keys: Mapping[K, object]) -> None:
+        if len(self) == 0:
+            self._loaded = Backlog(keys)
+        else:
+            self._order.update(dict.fromkeys(keys))
 
     def touch(self, key: K) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+        elif self._loaded.discard(key) or self._cold.pop(key, _ABSENT) is not _ABSENT:
+            order[key] = None
 
     def touch_many(self, keys: Iterable[K]) -> None:
-        order = self._order
         for key in keys:
-            if key in order:
-                order.move_to_end(key)
+            self.touch(key)
 
     def remove(self, key: K) -> None:
-        self._order.pop(key, None)
+        if self._order.pop(key, _ABSENT) is _ABSENT and not self._loaded.discard(key):
+            self._cold.pop(key, None)
 
     evict = remove
 
     def candidates(self) -> Iterator[K]:
-        return iter(self._order)
+        return itertools.chain(self._cold, self._loaded, self._order)
+
+
+#: what a pop of an absent key returns
+_ABSENT = object()
 
 
 class NoRoom(Exception):

@@ -19,7 +19,7 @@ keys set aside; G holds only non-resident keys, at most as many as M can.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 
 
 class S3FIFOPolicy:
@@ -43,7 +43,7 @@ class S3FIFOPolicy:
     def __len__(self) -> int:
         return len(self._small) + len(self._main) + len(self._aside)
 
-    def admit_many(self, keys: Sequence[bytes]) -> None:
+    def admit_many(self, keys: Mapping[bytes, object]) -> None:
         for key in keys:
             self.admit(key)
 

@@ -25,7 +25,7 @@ Imports the policy protocol and the shared records only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from kvtier.model import namespace_name, namespace_of
@@ -80,9 +80,21 @@ class Shares:
 
     # -- the eviction policy protocol, per namespace
 
-    def admit_many(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self.admit(key)
+    def admit_many(self, keys: Mapping[bytes, object]) -> None:
+        """Each namespace's keys to its policy's ``admit_many``, in order."""
+        groups: dict[bytes, dict[bytes, object]] = {}
+        for key, value in keys.items():
+            ns = namespace_of(key)
+            group = groups.get(ns)
+            if group is None:
+                group = groups[ns] = {}
+            group[key] = value
+        for ns, group in groups.items():
+            policy = self.policies.get(ns)
+            if policy is None:
+                policy = self.policies[ns] = self._make_policy()
+            policy.admit_many(group)
+            self.used[ns] = self.used.get(ns, 0) + sum(map(self.size_of, group))
 
     def admit(self, key: bytes, cold: bool = False) -> None:
         ns = namespace_of(key)

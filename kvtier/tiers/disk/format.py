@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 MAGIC = b"KVTB"
@@ -30,6 +31,20 @@ class CorruptBlock(Exception):
 
 def block_name(key: bytes) -> str:
     return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+
+def bucket_of(key: bytes) -> int:
+    """The bucket (0-255) holding ``key``'s file: its name's first byte."""
+    return hashlib.blake2b(key, digest_size=16).digest()[0]
+
+
+def by_bucket(keys: Iterable[bytes]) -> list[list[bytes]]:
+    """``keys`` in 256 lists, by the bucket holding each one's file."""
+    buckets: list[list[bytes]] = [[] for _ in range(256)]
+    blake2b = hashlib.blake2b
+    for key in keys:
+        buckets[blake2b(key, digest_size=16).digest()[0]].append(key)
+    return buckets
 
 
 def block_path(root: Path, key: bytes) -> Path:

@@ -15,7 +15,7 @@ import logging
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.model import Buffer
@@ -116,17 +116,24 @@ def sync_paths(paths: Sequence[Path]) -> None:
 
 @dataclass(slots=True)
 class ScanResult:
-    entries: list[tuple[bytes, int]]  # key, file size
+    #: (key, file size) of each file read (every file, or those not ``known``)
+    entries: list[tuple[bytes, int]]
+    #: the ``known`` keys whose file is not in the directory
+    missing: list[bytes] = field(default_factory=list)
     temp_removed: int = 0
     corrupt_removed: int = 0
 
 
-def scan_bucket(bucket: Path) -> ScanResult:
-    """Index one fan-out directory: headers only; torn and stray files go."""
+def scan_bucket(bucket: Path, known: Sequence[bytes] = ()) -> ScanResult:
+    """Index one fan-out directory: headers only, of the files not ``known``
+    (keys this bucket holds, whose files are only listed); torn and stray
+    files go."""
     result = ScanResult([])
+    names = {block_name(key) + SUFFIX: key for key in known}
     try:
         it = os.scandir(bucket)
     except FileNotFoundError:
+        result.missing = list(known)
         return result
     with it:
         for entry in it:
@@ -137,6 +144,8 @@ def scan_bucket(bucket: Path) -> ScanResult:
                 continue
             if not name.endswith(SUFFIX):
                 continue
+            if names and names.pop(name, None) is not None:
+                continue  # known: listed, not read
             try:
                 size = entry.stat().st_size
                 with open(entry.path, "rb") as fh:
@@ -152,4 +161,10 @@ def scan_bucket(bucket: Path) -> ScanResult:
                 result.corrupt_removed += 1
                 continue
             result.entries.append((key, size))
+    result.missing = list(names.values())
     return result
+
+
+def missing_files(paths: Sequence[Path]) -> list[bool]:
+    """Whether each file is absent (checked again, now)."""
+    return [not os.path.exists(path) for path in paths]

@@ -15,10 +15,12 @@ The index persists (``<root>/index/``, :mod:`~kvtier.tiers.disk.journaling`):
 each block file put in place is journalled (ADD) by the I/O thread that
 renamed it, each one removed (REMOVE) by the thread that unlinked it, so a
 start loads the snapshot, replays the journal and answers from a whole
-index at once; a pass over the block files then adds any the journal
-missed, one bucket at a time. Without usable index files a start scans
-the block files as before (lookups of keys not indexed yet answer RETRY
-meanwhile), journalling what it finds, and compacts once it is done.
+index at once; a pass over the block files then, one bucket at a time,
+adds the files the journal missed and drops the entries whose file is
+gone (each checked again while no write of its key can begin). Without
+usable index files a start scans the block files as before (lookups of
+keys not indexed yet answer RETRY meanwhile), journalling what it finds,
+and compacts once it is done.
 
 Durability (``fsync``):
 
@@ -53,9 +55,10 @@ from kvtier.errors import TierError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.base import DiskStats, LocalTier
 from kvtier.tiers.budget import Budget, Gone
-from kvtier.tiers.disk.format import CorruptBlock, block_path, file_size
+from kvtier.tiers.disk.format import CorruptBlock, block_path, by_bucket, file_size
 from kvtier.tiers.disk.io import (
     ScanResult,
+    missing_files,
     read_block,
     scan_bucket,
     sync_paths,
@@ -175,22 +178,30 @@ class DiskTier(LocalTier):
     async def rebuild_index(self) -> None:
         """Scan every bucket into the index; ``scan_done`` resolves however it
         ends. After an index loaded from its files, a gentle pass (one bucket
-        at a time) that adds the block files the journal missed; otherwise
-        the rebuild, as many buckets at once as there are I/O threads, and
-        a compaction that marks the index whole once it is done."""
+        at a time, each listed: only files the index does not know are
+        read) that adds the block files the journal missed and drops the
+        entries whose file is gone; otherwise the rebuild, as many buckets
+        at once as there are I/O threads, and a compaction that marks the
+        index whole once it is done."""
         assert self._scanned is not None, "prepare() first"
         loop = asyncio.get_running_loop()
         reconcile = self._scanned.done()
-        found = 0
+        found = dropped = 0
         buckets = [self.root / f"{i:02x}" for i in range(256)]
         ahead = 1 if reconcile else self.io_threads
+        known: list[list[bytes]] = [[] for _ in range(256)]
         scans: list[asyncio.Future[ScanResult]] = []
         try:
+            if reconcile:
+                known = await loop.run_in_executor(self.executor, by_bucket, list(self.budget))
             for i in range(256):
                 while len(scans) < min(i + ahead, 256):
-                    bucket = buckets[len(scans)]
-                    scans.append(loop.run_in_executor(self.executor, scan_bucket, bucket))
+                    j = len(scans)
+                    scans.append(
+                        loop.run_in_executor(self.executor, scan_bucket, buckets[j], known[j])
+                    )
                 result = await scans[i]
+                known[i] = []
                 added: list[Record] = []
                 for key, size in result.entries:
                     if key not in self.budget and key not in self._writing:
@@ -199,6 +210,8 @@ class DiskTier(LocalTier):
                 found += len(added)
                 if added:
                     await loop.run_in_executor(self.executor, self.journal.append, added)
+                if result.missing:
+                    dropped += await self._drop_missing(result.missing)
                 self.temp_removed += result.temp_removed
                 self.corrupt += result.corrupt_removed
                 self.buckets_scanned = i + 1
@@ -218,15 +231,23 @@ class DiskTier(LocalTier):
                 self._scanned.set_result(None)
         if not reconcile:
             await self.compact()  # the snapshot marks the index whole
-        log.info(
-            "disk index %s: %d blocks %s, %d bytes; removed %d temporary and %d corrupt files",
-            "reconciled with the block files" if reconcile else "rebuilt",
-            found,
-            "added" if reconcile else "found",
-            self.used_bytes,
-            self.temp_removed,
-            self.corrupt,
-        )
+            log.info(
+                "disk index rebuilt: %d blocks found, %d bytes; "
+                "removed %d temporary and %d corrupt files",
+                found,
+                self.used_bytes,
+                self.temp_removed,
+                self.corrupt,
+            )
+        else:
+            log.info(
+                "disk index reconciled with the block files: %d blocks added, %d whose "
+                "file was gone dropped; removed %d temporary and %d corrupt files",
+                found,
+                dropped,
+                self.temp_removed,
+                self.corrupt,
+            )
 
     async def compact(self) -> None:
         """Compact the index's files into a new snapshot (one at a time)."""
@@ -270,15 +291,22 @@ class DiskTier(LocalTier):
     ) -> None:
         """Write ``key``'s file (first unlinking the victims' files), then
         journal both: the ADD is on stable storage with the file when the
-        policy syncs."""
+        policy syncs; a write that fails journals the key gone."""
         gone = [Record(Op.REMOVE, k) for k in victims]
         paths = [self.path_of(k) for k in victims]
         try:
             write_block(path, key, value, self.fsync == "always", paths)
         except BaseException:
-            self.journal.append(gone)
+            self.journal.append([*gone, Record(Op.REMOVE, key)])
             raise
         self.journal.append([*gone, Record(Op.ADD, key, size)])
+
+    def _remove_missing(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys whose file is absent, journalled as gone."""
+        absent = missing_files([self.path_of(k) for k in keys])
+        gone = [k for k, a in zip(keys, absent, strict=True) if a]
+        self.journal.append([Record(Op.REMOVE, k) for k in gone])
+        return gone
 
     def _sync_files(self, paths: Sequence[Path]) -> None:
         sync_paths(paths)
@@ -316,7 +344,7 @@ class DiskTier(LocalTier):
                 self.executor, read_block, self.root, key
             )
         except FileNotFoundError:
-            self._forget(key)
+            await self._drop_missing([key])
             return None
         except CorruptBlock as exc:
             path = self.path_of(key)
@@ -336,13 +364,42 @@ class DiskTier(LocalTier):
         return value
 
     def _forget(self, key: bytes) -> None:
-        """``key``'s file is missing, or its write failed: the disk does not hold it."""
+        """``key``'s file write failed: the disk does not hold it (the I/O
+        thread journals what became of the file)."""
         if key in self.budget:
             self.budget.drop_pins(key)
             self.budget.remove(key, Gone.LOST)
-            # (a REMOVE journalled after a later write's ADD only costs the
-            # next start that write's block, found again by its pass)
-            self.executor.submit(self.journal.append, [Record(Op.REMOVE, key)])
+
+    async def _drop_missing(self, keys: Sequence[bytes]) -> int:
+        """Drop the keys whose file was found gone (a read, the pass over the
+        files), journalled. Each is checked again while no write of it can
+        begin, so a file that landed meanwhile keeps its entry and a later
+        write's ADD always follows the REMOVE. Returns how many went."""
+        loop = asyncio.get_running_loop()
+        keys = [k for k in keys if k in self.budget and k not in self._writing]
+        if not keys:
+            return 0
+        done: asyncio.Future[None] = loop.create_future()
+        for key in keys:
+            self._writing[key] = done
+        try:
+            gone = await loop.run_in_executor(self.executor, self._remove_missing, keys)
+            for key in gone:
+                if key in self.budget:
+                    self.budget.drop_pins(key)
+                    self.budget.remove(key, Gone.LOST)
+            # Deleted meanwhile with its file still there: unlinked before a write begins.
+            present = set(keys).difference(gone)
+            deleted = [k for k in present if k in self._deleted_while_writing]
+            if deleted:
+                await loop.run_in_executor(self.executor, self._unlink, deleted)
+        finally:
+            for key in keys:
+                self._deleted_while_writing.discard(key)
+                if self._writing.get(key) is done:
+                    del self._writing[key]
+            done.set_result(None)
+        return len(gone)
 
     async def _landed(self, key: bytes) -> None:
         """Return once no write (or unlink) of ``key`` is in flight: each that
