@@ -76,6 +76,8 @@ class Started:
             ],
             stderr=subprocess.PIPE,
             text=True,
+            # (compiled bytecode cached, as an installed daemon has it)
+            env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
         )
         self.lines: list[tuple[float, str]] = []
         self.ready = threading.Event()

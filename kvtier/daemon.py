@@ -238,9 +238,10 @@ class Daemon:
         peer_tier = self.peer_tier
         if peer_tier is not None and self.config.peer.dns is not None:
             self.scheduler.every(self.config.peer.dns_interval, lambda: spawn(peer_tier.refresh()))
-        if self.disk is not None:
+        disk = self.disk
+        if disk is not None and disk.scanning:
             # Serves meanwhile: without an index loaded, unscanned keys read RETRY.
-            spawn(self.disk.rebuild_index())
+            spawn(disk.rebuild_index())
         shared, handoff = self.shared, self.handoff
         handoff_task = None
         if shared is not None and handoff is not None:
@@ -264,6 +265,10 @@ class Daemon:
             await self.server.start(sock, spawn)
             await self._start_peer_listener(spawn)
             self._announce()
+            if disk is not None and not disk.scanning:
+                # The pass over the files of an index loaded whole: after the
+                # start, not competing with the lookup process's first snapshot.
+                spawn(disk.rebuild_index())
             await self._stop.wait()
         finally:
             for task in (handoff_task, publishing):

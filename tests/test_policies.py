@@ -4,6 +4,7 @@ ARC, history ARC, S3-FIFO, the seen filter."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import given
@@ -13,7 +14,7 @@ from kvtier.collector import held_off
 from kvtier.tiers.arc import ARCPolicy, HistoryARCPolicy, Mode, SeenFilter
 from kvtier.tiers.backlog import Backlog
 from kvtier.tiers.budget import Budget
-from kvtier.tiers.policy import POLICIES, LRUPolicy, make_policy
+from kvtier.tiers.policy import POLICIES, EvictionPolicy, LRUPolicy, make_policy
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.s3fifo import S3FIFOPolicy
 
@@ -310,20 +311,54 @@ def test_a_backlog_keeps_its_members_in_order_whatever_leaves(
     assert (backlog.first() if model else None) == (model[0] if model else None)
 
 
+class _ARCLoadedInT1(ARCPolicy):
+    """ARC placing loaded keys in T1 itself, as each admitted in turn."""
+
+    def admit_many(self, keys: Mapping[bytes, object]) -> None:
+        for key in keys:
+            self.admit(key)
+
+
+class _HARCLoadedInT1(HistoryARCPolicy):
+    """History ARC placing loaded keys straight in T1 (no history, no shadows)."""
+
+    def admit_many(self, keys: Mapping[bytes, object]) -> None:
+        start = self._tick
+        self._t1.update(zip(keys, range(start + 1, start + 1 + len(keys)), strict=True))
+        self._tick = start + len(keys)
+        self.c = max(self.c, len(self))
+
+
+#: a policy keeping loaded keys in a backlog, and one without, ordering alike
+BACKLOG_PAIRS: dict[str, tuple[type[EvictionPolicy[bytes]], type[EvictionPolicy[bytes]] | None]] = {
+    "lru": (LRUPolicy, None),
+    "arc": (ARCPolicy, _ARCLoadedInT1),
+    "harc": (HistoryARCPolicy, _HARCLoadedInT1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKLOG_PAIRS))
 @given(
-    st.integers(1, 400), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 499)), max_size=200)
+    n=st.integers(1, 400),
+    ops=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 599)), max_size=300),
 )
-def test_lru_with_a_loaded_backlog_orders_keys_as_one_by_one(
-    n: int, ops: list[tuple[int, int]]
+def test_loaded_keys_in_a_backlog_order_evictions_as_keys_in_the_queue_itself(
+    name: str, n: int, ops: list[tuple[int, int]]
 ) -> None:
-    """LRU's loaded keys wait in a backlog: under admits (cold ones too),
-    touches, removals and evictions, its order is that of an LRU whose keys
-    were admitted one by one."""
+    """A policy's loaded keys wait in a backlog: under admits (cold ones
+    too), touches, removals and evictions, its order is that of the same
+    policy whose loaded keys went into its queue itself (for LRU: admitted
+    one by one)."""
+    make, reference = BACKLOG_PAIRS[name]
     keys = [k(i) for i in range(n)]
-    loaded, plain = LRUPolicy[bytes](), LRUPolicy[bytes]()
+    loaded = make()
+    plain = make() if reference is None else reference()
     loaded.admit_many(dict.fromkeys(keys, 1))
-    for key in keys:
-        plain.admit(key)
+    if reference is None:
+        for key in keys:
+            plain.admit(key)
+    else:
+        plain.admit_many(dict.fromkeys(keys, 1))
     resident = set(keys)
     for op, i in ops:
         key = k(i)
@@ -341,7 +376,7 @@ def test_lru_with_a_loaded_backlog_orders_keys_as_one_by_one(
             loaded.remove(key)
             plain.remove(key)
             resident.discard(key)
-        elif op == 5 and resident:
+        elif op in (5, 6) and resident:
             victim = next(iter(plain.candidates()))
             assert next(iter(loaded.candidates())) == victim
             loaded.evict(victim)

@@ -62,6 +62,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import xxhash
 
+from kvtier.tiers.backlog import Backlog
+
 _hash = xxhash.xxh3_64_intdigest  # deterministic: replays give the same figures
 
 _BITS_PER_KEY = 10
@@ -153,6 +155,11 @@ class ARCPolicy:
         #: (a count of accesses: the older of the two heads is the LRU key)
         self._t1: OrderedDict[bytes, int] = OrderedDict()
         self._t2: OrderedDict[bytes, int] = OrderedDict()
+        #: the keys a start loaded, part of T1: after its cold keys (ticks
+        #: below 0), before the rest (ticks above every loaded key's);
+        #: their ticks are 0 (a Backlog, built at once where T1 builds a
+        #: node per key; None: nothing loaded)
+        self._loaded: Backlog[bytes] | None = None
         self._tick = 0
         #: cold keys (TAIL hints) enter T1 at its LRU end with ticks below 0,
         #: each older than the last, so T1 stays in order of its ticks
@@ -166,12 +173,23 @@ class ARCPolicy:
 
     def __repr__(self) -> str:
         return (
-            f"<{type(self).__name__} t1={len(self._t1)} t2={len(self._t2)} "
+            f"<{type(self).__name__} t1={len(self._t1) + len(self._loaded or ())} "
+            f"t2={len(self._t2)} "
             f"b1={len(self._b1)} b2={len(self._b2)} p={self.p}>"
         )
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        loaded = self._loaded
+        return len(self._t1) + len(self._t2) + (0 if loaded is None else len(loaded))
+
+    def _t1_items(self) -> Iterator[tuple[bytes, int]]:
+        """T1's keys and ticks, least recently used first: the cold ones,
+        the loaded ones, then the rest."""
+        items = iter(self._t1.items())
+        loaded = self._loaded
+        if not loaded:
+            return items
+        return _with_loaded(items, loaded)
 
     def _frequent(self, key: bytes) -> bool:
         """Whether a key admitted without a ghost hit starts in T2."""
@@ -198,7 +216,8 @@ class ARCPolicy:
             self._t1.move_to_end(key, last=False)
         else:
             self._t1[key] = now
-        c = len(self._t1) + len(self._t2)
+        loaded = self._loaded
+        c = len(self._t1) + len(self._t2) + (0 if loaded is None else len(loaded))
         if c > self.c:
             self.c = c
         c = self.c
@@ -214,9 +233,13 @@ class ARCPolicy:
     def admit_many(self, keys: Mapping[bytes, object]) -> None:
         """Keys resident at start (a loaded index), oldest first: each in T1
         as recent once, no ghost or history looked up (none knows them)."""
-        start = self._tick
-        self._t1.update(zip(keys, range(start + 1, start + 1 + len(keys)), strict=True))
-        self._tick = start + len(keys)
+        if len(self) == 0:
+            self._loaded = Backlog(keys)
+            self._tick = max(self._tick, 0) + 1  # (later ticks above the loaded keys' 0)
+        else:
+            start = self._tick
+            self._t1.update(zip(keys, range(start + 1, start + 1 + len(keys)), strict=True))
+            self._tick = start + len(keys)
         self.c = max(self.c, len(self))
 
     def touch(self, key: bytes) -> None:
@@ -227,10 +250,12 @@ class ARCPolicy:
         elif key in self._t2:
             self._t2.move_to_end(key)
             self._t2[key] = now
+        elif self._loaded is not None and self._loaded.discard(key):
+            self._t2[key] = now
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         """:meth:`touch` of each key in turn, in one call."""
-        t1, t2 = self._t1, self._t2
+        t1, t2, loaded = self._t1, self._t2, self._loaded
         now = self._tick
         for key in keys:
             now += 1
@@ -240,12 +265,18 @@ class ARCPolicy:
             elif key in t1:
                 del t1[key]
                 t2[key] = now
+            elif loaded is not None and loaded.discard(key):
+                t2[key] = now
         self._tick = now
 
     def remove(self, key: bytes) -> None:
         """Deleted: forgotten, not remembered as a ghost."""
-        self._t1.pop(key, None)
-        self._t2.pop(key, None)
+        if (
+            self._t1.pop(key, _ABSENT) is _ABSENT
+            and self._t2.pop(key, _ABSENT) is _ABSENT
+            and self._loaded is not None
+        ):
+            self._loaded.discard(key)
 
     def evict(self, key: bytes) -> None:
         """Evicted to make room: remembered in its ghost list."""
@@ -254,15 +285,23 @@ class ARCPolicy:
                 del live[key]
                 ghost[key] = None
                 return
+        if self._loaded is not None and self._loaded.discard(key):
+            self._b1[key] = None
 
     def candidates(self) -> Iterator[bytes]:
-        t1, t2 = self._t1, self._t2
-        first, second = (t1, t2) if len(t1) > self.p or not t2 else (t2, t1)
-        yield from first
-        yield from second
+        t1 = (key for key, _ in self._t1_items())
+        if len(self._t1) + len(self._loaded or ()) > self.p or not self._t2:
+            yield from t1
+            yield from self._t2
+        else:
+            yield from self._t2
+            yield from t1
 
     def evict_first(self) -> None:
         """Evict the first of :meth:`candidates` (there is one)."""
+        if self._loaded:  # (the first may be a loaded key)
+            self.evict(next(self.candidates()))
+            return
         t1, t2 = self._t1, self._t2
         if len(t1) > self.p or not t2:
             key, _ = t1.popitem(last=False)
@@ -455,19 +494,37 @@ class HistoryARCPolicy(ARCPolicy):
             return super().candidates()
         # T1 and T2 are each in order of last access: merged by it, they
         # give every resident key least recently used first.
-        t1, t2 = self._t1, self._t2
-        if not t1 or not t2:
-            return iter(t1 or t2)
-        return _merge_by_access(t1, t2)
+        t1, t2 = self._t1_items(), self._t2
+        if not t2:
+            return (key for key, _ in t1)
+        if not self._t1 and not self._loaded:
+            return iter(t2)
+        return _merge_by_access(t1, iter(t2.items()))
 
     _seen_before = False
 
 
-def _merge_by_access(t1: OrderedDict[bytes, int], t2: OrderedDict[bytes, int]) -> Iterator[bytes]:
-    """The keys of two lists, each in order of last access, merged by it
-    (T1's first on a tie): what ``heapq.merge`` gives, with less set-up for
-    the one or two keys an eviction usually takes."""
-    first, second = iter(t1.items()), iter(t2.items())
+def _with_loaded(
+    items: Iterator[tuple[bytes, int]], loaded: Backlog[bytes]
+) -> Iterator[tuple[bytes, int]]:
+    """T1's ``items`` with the loaded keys (tick 0) between its cold ones
+    (ticks below 0) and the rest."""
+    for key, tick in items:
+        if tick >= 0:
+            yield from ((k, 0) for k in loaded)
+            yield key, tick
+            yield from items
+            return
+        yield key, tick
+    yield from ((k, 0) for k in loaded)
+
+
+def _merge_by_access(
+    first: Iterator[tuple[bytes, int]], second: Iterator[tuple[bytes, int]]
+) -> Iterator[bytes]:
+    """The keys of two lists (non-empty), each in order of last access,
+    merged by it (T1's first on a tie): what ``heapq.merge`` gives, with less
+    set-up for the one or two keys an eviction usually takes."""
     one: tuple[bytes, int] | None = next(first)
     two: tuple[bytes, int] | None = next(second)
     while one is not None and two is not None:
@@ -498,6 +555,9 @@ class _HistoryShadow(ARCPolicy):
 
     _seen_before = False
 
+
+#: what a pop of an absent key returns
+_ABSENT = object()
 
 #: one key in SAMPLE feeds the shadow caches
 SAMPLE = 8

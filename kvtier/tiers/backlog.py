@@ -40,7 +40,8 @@ class Backlog(Generic[K]):
         self._head = 0
 
     def __repr__(self) -> str:
-        return f"<Backlog keys={len(self._members)} dead={self._dead}>"
+        dead = len(self._order) - self._head - len(self._members)
+        return f"<Backlog keys={len(self._members)} dead={dead}>"
 
     def __len__(self) -> int:
         return len(self._members)
@@ -50,11 +51,6 @@ class Backlog(Generic[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._members
-
-    @property
-    def _dead(self) -> int:
-        """Entries past the head whose key left."""
-        return len(self._order) - self._head - len(self._members)
 
     def __iter__(self) -> Iterator[K]:
         """The members, oldest first (skipping the keys that left)."""
@@ -79,30 +75,32 @@ class Backlog(Generic[K]):
     def pop_first(self) -> K:
         """Take the oldest member (IndexError when empty)."""
         key = self.first()
-        del self._members[key]
+        members = self._members
+        del members[key]
         self._head += 1
-        self._tidy()
+        limit = len(members) + self._slack
+        if len(self._order) - self._head - len(members) > limit:
+            self._compact()
+        elif self._head > limit:
+            del self._order[: self._head]  # (no reference kept to keys long gone)
+            self._head = 0
         return key
 
     def discard(self, key: K) -> bool:
         """Remove ``key`` wherever it is; whether it was a member."""
-        if key not in self._members:
+        members = self._members
+        if key not in members:
             return False
-        del self._members[key]
-        self._tidy()
+        del members[key]
+        if len(self._order) - self._head - len(members) > len(members) + self._slack:
+            self._compact()
         return True
 
-    def _tidy(self) -> None:
-        """Drop the entries before the head, or every dead one, once they
-        outnumber the members by more than the slack (amortized: each drop
-        is paid for by the removals since the last)."""
-        limit = len(self._members) + self._slack
-        if self._dead > limit:
-            self._order = [k for k in self._order[self._head :] if k in self._members]
-            self._head = 0
-        elif self._head > limit:
-            del self._order[: self._head]  # (no reference kept to keys long gone)
-            self._head = 0
+    def _compact(self) -> None:
+        """Keep only the members' entries: the dead ones outnumbered them
+        (amortized: paid for by the removals since the last compaction)."""
+        self._order = [k for k in self._order[self._head :] if k in self._members]
+        self._head = 0
 
     def push_first(self, key: K) -> None:
         """Put back at the front a key taken from there (:meth:`pop_first`)."""

@@ -44,8 +44,14 @@ class S3FIFOPolicy:
         return len(self._small) + len(self._main) + len(self._aside)
 
     def admit_many(self, keys: Mapping[bytes, object]) -> None:
-        for key in keys:
-            self.admit(key)
+        if len(self) or self._ghost:
+            for key in keys:
+                self.admit(key)
+            return
+        # (a fresh policy: each key into S, as admit would put it, built at once)
+        self._small = OrderedDict.fromkeys(keys)
+        self._freq = dict.fromkeys(keys, 0)
+        self.c = max(self.c, len(self))
 
     def admit(self, key: bytes, cold: bool = False) -> None:
         self._restore()
