@@ -108,25 +108,38 @@ class FeedRing:
     def write(self, records: list[tuple[FeedOp, bytes]]) -> bool:
         """Append ``records`` (all or none); False when they do not fit."""
         written, read = self._head[_WRITTEN], self._head[_READ]
-        size, data, pack = self.size, self._data, _FEED_HEAD.pack_into
+        size, data = self.size, self._data
         free = size - ((written - read) & _MASK)
-        pos = written
-        for op, key in records:
-            at = pos % size
-            need = _FEED_HEAD.size + len(key)
-            if need > size:
-                raise ValueError(f"a feed record of {need} bytes is larger than the ring")
-            gap = size - at if at + need > size else 0  # the rest of the ring, skipped
-            if ((pos - written) & _MASK) + gap + need > free:
+        pack = _FEED_HEAD.pack
+        # Every record's bytes at once, then copied in one piece, or two where
+        # the ring wraps (a snapshot is millions of records).
+        parts = [pack(op, len(key)) + key for op, key in records]
+        if max(map(len, parts), default=0) > size:
+            need = max(map(len, parts))
+            raise ValueError(f"a feed record of {need} bytes is larger than the ring")
+        blob = b"".join(parts)
+        total = len(blob)
+        if total > free:
+            return False
+        at = written % size
+        if at + total <= size:
+            data[at : at + total] = blob
+        else:  # the records that fit before the ring's end, the gap, the rest
+            room, cut = size - at, 0
+            for part in parts:
+                if cut + len(part) > room:
+                    break
+                cut += len(part)
+            gap = room - cut
+            total += gap
+            if total > free:
                 return False
+            view = memoryview(blob)
+            data[at : at + cut] = view[:cut]
             if gap:
-                data[at] = _PAD
-                pos += gap
-                at = 0
-            pack(data, at, op, len(key))
-            data[at + _FEED_HEAD.size : at + need] = key
-            pos += need
-        self._head[_WRITTEN] = pos & _MASK  # published
+                data[at + cut] = _PAD
+            data[: len(blob) - cut] = view[cut:]
+        self._head[_WRITTEN] = (written + total) & _MASK  # published
         return True
 
     def read(self) -> list[tuple[FeedOp, bytes]]:
