@@ -16,7 +16,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.config import (
     Config,
@@ -43,12 +43,14 @@ from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.base import Tier
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.keyfiles import read_keyring
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.tiers.peer import Peer, PeerCounters, PeerTier
 from kvtier.tiers.peers import RendezvousPicker
 from kvtier.tiers.policy import EvictionPolicy, make_policy
 from kvtier.tiers.ram import Arena, RamTier
 from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.sealing import Codec, Keyring, Keys, Sealer
 from kvtier.tiers.shares import Quota, Shares
 from kvtier.wire import SharedOffer
 
@@ -86,6 +88,8 @@ class Parts:
     peer_server: Server[Ops] | None
     #: KV events for routers on ZMQ (None unless ``events.endpoint``)
     publisher: KVEventPublisher | None = None
+    #: the namespaces' encryption keys, read again on SIGHUP (:func:`keyrings_of`)
+    keys: Keys = field(default_factory=Keys)
 
     def __repr__(self) -> str:
         remotes = [spec.tier.name for spec in self.remotes]
@@ -118,6 +122,17 @@ def quotas_of(config: Config, ram_bytes: int) -> tuple[dict[bytes, Quota], dict[
     return ram, disk
 
 
+def keyrings_of(config: Config) -> dict[bytes, Keyring]:
+    """The namespaces' keys, read from their files (``[namespaces.<name>]
+    encryption_key_file``); raises ConfigError naming the namespace and the
+    file that is missing, unreadable, open to others or not a key."""
+    return {
+        namespace_id(name): read_keyring(name, nc.encryption_key_file, nc.encryption_old_key_files)
+        for name, nc in config.namespaces.items()
+        if nc.encryption_key_file is not None
+    }
+
+
 def access_of(config: Config) -> NamespaceAccess:
     """Who may use which namespace, from ``[namespaces.<name>] uids``."""
     return NamespaceAccess(
@@ -148,6 +163,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     benchmarks inject doubles, or real tiers built with a test clock); a bare
     tier gets write policy none."""
     node_id = secrets.token_hex(8)
+    keys = Keys(keyrings_of(config))
     ram_bytes = config.ram.capacity_bytes()
     shc, sc, pc = config.shared, config.server, config.peer
     arena = staging = None
@@ -176,11 +192,12 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             policy=tier_policy(
                 config.disk.policy, disk_bytes, disk_quotas if shared_tiers else None
             ),
+            sealer=Sealer(keys),
         )
     if remote_tiers is None:
         remotes = [
             RemoteSpec(
-                build_remote_tier(tc, config.lookup),
+                build_remote_tier(tc, config.lookup, keys),
                 WritePolicy(tc.write_policy),
                 tc.max_pending_write_bytes,
             )
@@ -273,6 +290,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         server=server,
         peer_server=peer_server,
         publisher=build_publisher(config.events, service),
+        keys=keys,
     )
     _watch(parts)
     return parts
@@ -390,7 +408,12 @@ def build_peer_tier(pc: PeerConfig, node_id: str) -> PeerTier:
     return PeerTier(PEER_TIER, picker, counters, replicas=pc.replicas)
 
 
-def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig) -> Tier:
+def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig, keys: Keys) -> Tier:
     if isinstance(tc, S3TierConfig):
-        return S3Tier(tc, probe_timeout=lookup.probe_timeout, load_timeout=lookup.load_timeout)
+        return S3Tier(
+            tc,
+            probe_timeout=lookup.probe_timeout,
+            load_timeout=lookup.load_timeout,
+            sealer=Sealer(keys, Codec[tc.codec.upper()]),
+        )
     return MemoryRemoteTier(tc.name)

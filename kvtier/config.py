@@ -329,11 +329,21 @@ class NamespaceConfig(Section):
     #: local users that may use the namespace (checked at HELLO with the
     #: socket's credentials); none: every user the socket admits
     uids: list[int] | None = None
+    #: the key sealing the namespace's blocks (AES-256-GCM) wherever they
+    #: leave RAM: disk files, remote tiers, pushes to peers (docs/security.md);
+    #: a file of 32 bytes (raw, hex or base64) that only its owner may read;
+    #: unset: its blocks are stored plain. SIGHUP reads the key files again
+    encryption_key_file: Path | None = None
+    #: older keys the namespace's blocks may still be sealed under: read,
+    #: never written (a rotation lists the previous key here)
+    encryption_old_key_files: list[Path] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _min_below_max(self) -> NamespaceConfig:
         if self.ram_max is not None and self.ram_min > self.ram_max:
             raise ValueError(f"ram_min ({self.ram_min}) is above ram_max ({self.ram_max})")
+        if self.encryption_old_key_files and self.encryption_key_file is None:
+            raise ValueError("encryption_old_key_files without an encryption_key_file")
         return self
 
 

@@ -30,6 +30,7 @@ from kvtier.build import (
     access_of,
     build,
     handoff_path,
+    keyrings_of,
     quotas_of,
 )
 from kvtier.config import Config, split_address
@@ -138,9 +139,11 @@ class Daemon:
             return
         try:
             new = self._reread()
+            rings = keyrings_of(new)  # (the key files again, even where the paths are as they were)
         except ConfigError as exc:
             log.error("reload failed; the running configuration is kept:\n%s", exc)
             return
+        self.parts.keys.replace(rings)
         live = Live(
             writers={w.name: w for w in self.service.propagation.writers},
             shared=self.shared,

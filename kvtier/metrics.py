@@ -503,6 +503,41 @@ class _Collector(Collector):
             cap.add_metric([st.name], st.capacity_bytes)
             evictions.add_metric([st.name], st.evictions)
         yield from (used, blocks, cap, evictions)
+        yield from self._sealing([st for st in stats if st.seal_failures is not None])
+
+    def _sealing(self, stats: list[TierStats]) -> Iterator[Metric]:
+        sealed = CounterMetricFamily(
+            "kvtier_sealed_bytes",
+            "Plain bytes of blocks encrypted where they left RAM for a tier "
+            "(namespaces with an encryption key)",
+            labels=["tier"],
+        )
+        opened = CounterMetricFamily(
+            "kvtier_opened_bytes",
+            "Plain bytes of blocks decrypted where they came back from a tier",
+            labels=["tier"],
+        )
+        packed = CounterMetricFamily(
+            "kvtier_codec_bytes",
+            "Bytes a tier's codec was given (side=in) and made of them (side=out); "
+            "out / in is its compression ratio's inverse",
+            labels=["tier", "side"],
+        )
+        failures = CounterMetricFamily(
+            "kvtier_seal_failures",
+            "Blocks that did not open, answered as misses, by reason: no_key (sealed "
+            "under a key not configured), auth (altered, moved or another key's), plain "
+            "(not sealed where its namespace seals), format",
+            labels=["tier", "reason"],
+        )
+        for st in stats:
+            sealed.add_metric([st.name], st.sealed_bytes or 0)
+            opened.add_metric([st.name], st.opened_bytes or 0)
+            packed.add_metric([st.name, "in"], st.packed_in_bytes or 0)
+            packed.add_metric([st.name, "out"], st.packed_out_bytes or 0)
+            for reason, n in (st.seal_failures or {}).items():
+                failures.add_metric([st.name, reason], n)
+        yield from (sealed, opened, packed, failures)
 
     def _disk(self, st: DiskStats) -> Iterator[Metric]:
         for name, doc, value in (

@@ -17,6 +17,8 @@ from kvtier.errors import ConfigError
 from kvtier.sizes import MiB
 
 WritePolicy = Literal["write-through", "write-back", "none"]
+#: a remote tier's compression of the blocks it sends
+Codec = Literal["none", "zstd"]
 
 
 class MemoryTierConfig(Section):
@@ -74,6 +76,10 @@ class S3TierConfig(Section):
     breaker_failures: int = Field(default=5, ge=1)
     #: seconds the breaker stays open before one trial request
     breaker_reset: float = Field(default=5.0, gt=0)
+    #: compress blocks before they are sealed and sent ("zstd"; each block
+    #: stays as it is where it does not shrink): worth it only where the
+    #: link is slower than the codec (docs/security.md has the figures)
+    codec: Codec = "none"
 
 
 RemoteTierConfig = Annotated[MemoryTierConfig | S3TierConfig, Field(discriminator="kind")]

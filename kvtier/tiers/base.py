@@ -37,11 +37,19 @@ class TierStats:
     used_bytes: int
     blocks: int
     evictions: int = 0
+    #: a tier that seals blocks (:mod:`kvtier.tiers.sealing`; None: it does
+    #: not): plain bytes encrypted and decrypted, bytes given to its codec
+    #: and the bytes it made of them, blocks that did not open by reason
+    sealed_bytes: int | None = None
+    opened_bytes: int | None = None
+    packed_in_bytes: int | None = None
+    packed_out_bytes: int | None = None
+    seal_failures: dict[str, int] | None = None
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, object]:
         """The STATS reply's entry for this tier: every field but the name
         (fields a tier does not have, None, are left out)."""
-        out: dict[str, int] = {}
+        out: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name != "name" and value is not None:

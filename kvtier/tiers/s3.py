@@ -39,6 +39,7 @@ from kvtier.errors import TierError
 from kvtier.model import NAMESPACE_MARK, Buffer
 from kvtier.tiers.base import S3Stats, Tier, block_checksum
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.sealing import Sealer, SealError
 
 log = logging.getLogger("kvtier.s3")
 
@@ -104,11 +105,14 @@ class S3Tier(Tier):
         clock: Callable[[], float] = time.monotonic,
         probe_timeout: float | None = None,
         load_timeout: float | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         """``probe_timeout`` and ``load_timeout`` are the deadlines of the callers
         of HEAD and GET (kvtier's [lookup] settings): each request ends within
         its share of them, retries and connection set-up included."""
         self.cfg = cfg
+        #: seals (and packs) blocks before they are sent (None: sent as they are)
+        self.sealer = sealer
         #: overall bound of one request, by op
         self.deadlines = {
             "head": _within(cfg.op_timeout, probe_timeout),
@@ -276,9 +280,17 @@ class S3Tier(Tier):
             log.warning("%s: object for key %s is corrupt: %s", self.name, key.hex(), exc)
             return None
         self.counters.bytes_in.value += len(data)
-        return data
+        if self.sealer is None or not self.sealer.active:
+            return data
+        try:  # (a thread: decrypting and unpacking take the block's time)
+            return bytes(await asyncio.to_thread(self.sealer.open, key, data))
+        except SealError as exc:  # (counted by the sealer, by reason)
+            log.warning("%s: object for key %s does not open: %s", self.name, key.hex(), exc)
+            return None
 
     async def _put(self, key: bytes, value: Buffer) -> None:
+        if self.sealer is not None and self.sealer.active:
+            value = await asyncio.to_thread(self.sealer.seal, key, value)
         body = bytes(value)
 
         async def call() -> None:
@@ -318,7 +330,7 @@ class S3Tier(Tier):
         return [False] * len(keys)
 
     def stats(self) -> S3Stats:
-        return S3Stats(
+        stats = S3Stats(
             name=self.name,
             capacity_bytes=0,
             used_bytes=0,
@@ -326,6 +338,9 @@ class S3Tier(Tier):
             corrupt=int(self.counters.corrupt.value),
             breaker_state=int(self.breaker.state),
         )
+        if self.sealer is not None:
+            self.sealer.counts.fill(stats)
+        return stats
 
 
 def _within(op_timeout: float, caller_deadline: float | None) -> float:

@@ -68,6 +68,7 @@ from kvtier.tiers.disk.io import (
 from kvtier.tiers.disk.journal import Op, Record
 from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, IndexJournal, Loaded
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
+from kvtier.tiers.sealing import Sealer, SealError
 
 log = logging.getLogger("kvtier.disk")
 
@@ -90,8 +91,11 @@ class DiskTier(LocalTier):
         io_threads: int = 4,
         policy: EvictionPolicy[bytes] | None = None,
         compact_after: int = COMPACT_AFTER_BYTES,
+        sealer: Sealer | None = None,
     ) -> None:
         self.root = Path(root)
+        #: seals the blocks of namespaces with a key (None: every block plain)
+        self.sealer = sealer
         #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
         self.budget = Budget(capacity, policy)
         self.fsync = fsync
@@ -289,17 +293,25 @@ class DiskTier(LocalTier):
     def _write_file(
         self, path: Path, key: bytes, value: Buffer, size: int, victims: Sequence[bytes]
     ) -> None:
-        """Write ``key``'s file (first unlinking the victims' files), then
-        journal both: the ADD is on stable storage with the file when the
-        policy syncs; a write that fails journals the key gone."""
+        """Write ``key``'s file, sealed where its namespace has a key (first
+        unlinking the victims' files), then journal both: the ADD is on
+        stable storage with the file when the policy syncs; a write that
+        fails journals the key gone."""
         gone = [Record(Op.REMOVE, k) for k in victims]
         paths = [self.path_of(k) for k in victims]
         try:
+            if self.sealer is not None:
+                value = self.sealer.seal(key, value)
             write_block(path, key, value, self.fsync == "always", paths)
         except BaseException:
             self.journal.append([*gone, Record(Op.REMOVE, key)])
             raise
         self.journal.append([*gone, Record(Op.ADD, key, size)])
+
+    def _read_file(self, key: bytes) -> Buffer:
+        """``key``'s value from its file, opened where it was sealed."""
+        value = read_block(self.root, key)
+        return value if self.sealer is None else self.sealer.open(key, value)
 
     def _remove_missing(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys whose file is absent, journalled as gone."""
@@ -341,15 +353,18 @@ class DiskTier(LocalTier):
         self.budget.touch(key)
         try:
             value = await asyncio.get_running_loop().run_in_executor(
-                self.executor, read_block, self.root, key
+                self.executor, self._read_file, key
             )
         except FileNotFoundError:
             await self._drop_missing([key])
             return None
-        except CorruptBlock as exc:
+        except (CorruptBlock, SealError) as exc:
             path = self.path_of(key)
-            log.warning("discarding corrupt block %s (%s): %s", key.hex(), path, exc)
-            self.corrupt += 1
+            if isinstance(exc, SealError):  # (counted by the sealer, by reason)
+                log.warning("discarding block %s (%s) that does not open: %s", key.hex(), path, exc)
+            else:
+                log.warning("discarding corrupt block %s (%s): %s", key.hex(), path, exc)
+                self.corrupt += 1
             if key in self.budget:
                 self.budget.drop_pins(key)
                 self.budget.remove(key, Gone.LOST)
@@ -421,7 +436,9 @@ class DiskTier(LocalTier):
         if key in self.budget:
             self.budget.touch(key)
         else:
-            size = file_size(key, len(value))
+            size = file_size(
+                key, len(value) if self.sealer is None else self._sealed_len(key, value)
+            )
             if size > self.capacity:
                 raise ValueTooLargeError(
                     f"block of {size} bytes is larger than the disk tier ({self.capacity} bytes)"
@@ -479,6 +496,12 @@ class DiskTier(LocalTier):
             self._compact_if_due()
         if durable and self.fsync == "batch":
             await self.sync()
+
+    def _sealed_len(self, key: bytes, value: Buffer) -> int:
+        assert self.sealer is not None
+        size = self.sealer.sealed_size(key, len(value))
+        assert size is not None, "the disk tier has no codec"
+        return size
 
     @property
     def unsynced_writes(self) -> int:
@@ -573,7 +596,7 @@ class DiskTier(LocalTier):
 
     def stats(self) -> DiskStats:
         fs_free, fs_size = self.filesystem()
-        return DiskStats(
+        stats = DiskStats(
             name=self.name,
             capacity_bytes=self.capacity,
             used_bytes=self.used_bytes,
@@ -598,3 +621,6 @@ class DiskTier(LocalTier):
             filesystem_free_bytes=fs_free,
             filesystem_size_bytes=fs_size,
         )
+        if self.sealer is not None:
+            self.sealer.counts.fill(stats)
+        return stats
