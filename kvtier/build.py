@@ -26,6 +26,7 @@ from kvtier.config import (
     RemoteTierConfig,
     S3TierConfig,
 )
+from kvtier.core.local import SealedView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.service import Service
 from kvtier.core.shared.blocks import SharedBlocks
@@ -205,10 +206,12 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         ]
     else:
         remotes = [t if isinstance(t, RemoteSpec) else RemoteSpec(t) for t in remote_tiers]
+    #: one sealer between peers, both ways (its counts are the peer tier's)
+    peer_sealer = Sealer(keys, Codec[pc.codec.upper()])
     peer_tier = None
     if pc.enabled:
         # First among the remote tiers: a peer answers faster than S3.
-        peer_tier = build_peer_tier(pc, node_id)
+        peer_tier = build_peer_tier(pc, node_id, peer_sealer)
         push = WritePolicy.WRITE_THROUGH if pc.push == "owner" else WritePolicy.NONE
         remotes.insert(0, RemoteSpec(peer_tier, push, pc.max_pending_push_bytes))
     scheduler = Scheduler(
@@ -248,7 +251,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     ops = op_table(
         service, node_id, shared=shared, offer=offer, events=service, access=access_of(config)
     )
-    peer_ops = op_table(service.local(PEER_TIER), node_id)
+    peer_ops = op_table(SealedView(service.local(PEER_TIER), peer_sealer), node_id)
     server = Server(
         ops,
         max_frame=int(sc.max_frame_bytes),
@@ -379,7 +382,7 @@ def handoff_path(config: Config) -> str:
     return f"{config.server.socket_path}.shm"
 
 
-def build_peer_tier(pc: PeerConfig, node_id: str) -> PeerTier:
+def build_peer_tier(pc: PeerConfig, node_id: str, sealer: Sealer | None = None) -> PeerTier:
     """The peer tier over ``pc``'s members, ranked by rendezvous hashing."""
     counters = PeerCounters()
     tls = pc.client_tls()
@@ -405,7 +408,7 @@ def build_peer_tier(pc: PeerConfig, node_id: str) -> PeerTier:
     picker = RendezvousPicker(
         make_peer, members=pc.members, dns=pc.dns, self_address=pc.self_address()
     )
-    return PeerTier(PEER_TIER, picker, counters, replicas=pc.replicas)
+    return PeerTier(PEER_TIER, picker, counters, replicas=pc.replicas, sealer=sealer)
 
 
 def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig, keys: Keys) -> Tier:

@@ -144,6 +144,10 @@ class PeerConfig(Section):
     #: pushes beyond this many bytes in flight are dropped and counted; each
     #: counts its block plus 8 KiB (the push's own memory)
     max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)
+    #: compress blocks sent to and from peers before they are sealed
+    #: ("zstd"; a block that does not shrink is sent as it is): worth it only
+    #: where links are slower than the codec (docs/security.md)
+    codec: Codec = "none"
     #: seconds to connect and authenticate (HELLO) to a peer
     connect_timeout: float = Field(default=1.0, gt=0)
     #: bound of one request to a peer (a GET of one block included)

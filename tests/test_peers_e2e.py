@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier import BlockingClient, Client, State
+from kvtier.model import namespace_prefix
 from kvtier.tiers.rendezvous import owner, ranked
 from tests.helpers import DaemonProcess, free_port, metric_value, short_tmpdir
 
@@ -21,8 +23,10 @@ TOKEN = "e2e-peer-token"
 class Fleet:
     """N daemons that list each other as peers."""
 
-    def __init__(self, n: int, replicas: int = 1, **lookup: float | str) -> None:
+    def __init__(self, n: int, replicas: int = 1, extra: str = "", **lookup: float | str) -> None:
         self.replicas = replicas
+        #: more of each daemon's configuration file
+        self.extra = extra
         self.dirs = [short_tmpdir() for _ in range(n)]
         self.lookup = {"verdict_ttl": 0.5, **lookup}
         self.daemons: list[DaemonProcess] = []
@@ -52,7 +56,7 @@ class Fleet:
             f'[peer]\nlisten = "{self.addresses[i]}"\nmembers = [{members}]\n'
             f'token = "{TOKEN}"\nbreaker_reset = 0.3\nrequest_timeout = 3.0\n'
             f"replicas = {self.replicas}\n"
-            f"[lookup]\n{lookup}\n"
+            f"[lookup]\n{lookup}\n{self.extra}"
         )
         return DaemonProcess(
             self.dirs[i], "--config", str(config), "--ram-capacity", "64MiB"
@@ -248,3 +252,45 @@ def test_a_daemon_never_dials_itself(fleet: Fleet) -> None:
     text = fleet.daemons[0].scrape()
     assert f'peer="{fleet.addresses[0]}"' not in text
     assert f'kvtier_peer_up{{peer="{fleet.addresses[1]}"}} 1.0' in text
+
+
+def test_blocks_travel_sealed_between_peers_and_open_at_either_end() -> None:
+    """A namespace with a key: a block pushed to its owner is sealed by the
+    sender and opened by the owner's peer port; one loaded from its owner
+    is sealed there and opened here. Both ends serve plain bytes."""
+    keys = short_tmpdir()
+    keyfile = keys / "tenant-a.key"
+    keyfile.write_bytes(os.urandom(32))
+    keyfile.chmod(0o600)
+    fleet = Fleet(2, extra=f'[namespaces.tenant-a]\nencryption_key_file = "{keyfile}"\n')
+    try:
+        a, b = fleet.daemons
+        names = [addr.encode() for addr in fleet.addresses]
+
+        def owned_by(i: int, tag: str) -> bytes:
+            return next(
+                k
+                for n in range(10_000)
+                if owner(namespace_prefix(b"tenant-a") + (k := f"{tag}-{n}".encode()), names)
+                == names[i]
+            )
+
+        pushed, kept = owned_by(1, "pushed"), owned_by(0, "kept")
+        value = os.urandom(200_000)
+        with BlockingClient(a.socket_path, namespace="tenant-a") as ca:
+            ca.put(pushed, value)  # to B, its owner, in the background
+            ca.put(kept, value[::-1])  # A owns it: it stays here
+        with BlockingClient(b.socket_path, namespace="tenant-a") as cb:
+            assert cb.lookup([pushed], wait=5.0).states == [State.HIT]  # the push landed
+            assert bytes(cb.get(pushed) or b"") == value  # opened by B's peer port
+            assert cb.lookup([kept], wait=5.0).states == [State.HIT]
+            assert bytes(cb.get(kept) or b"") == value[::-1]  # sealed by A, opened by B
+        sealed = metric_value(a.scrape(), "kvtier_sealed_bytes_total", 'tier="peers"')
+        opened = metric_value(b.scrape(), "kvtier_opened_bytes_total", 'tier="peers"')
+        assert sealed >= 2 * len(value) and opened >= 2 * len(value)  # both ways
+        failures = metric_value(
+            b.scrape(), "kvtier_seal_failures_total", 'reason="auth",tier="peers"'
+        )
+        assert failures == 0
+    finally:
+        fleet.stop()

@@ -7,6 +7,10 @@ them. A block a peer pushes is kept locally (RAM, and the disk by its
 policy) and never written back out to a remote tier. Reservations, request
 tags and STATS belong to this node's own engines; the peer gate refuses
 them before they get here, and this view refuses them again.
+
+Between daemons, blocks travel sealed (:class:`SealedView`): a namespace's
+blocks are encrypted under its key, and packed by the peers' codec, from
+the daemon that sends them to the one that stores them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvtier.model import (
     Reserve,
     ReserveStatus,
 )
+from kvtier.tiers.sealing import Sealer
 
 
 class LocalView:
@@ -107,3 +112,103 @@ class LocalView:
 
     def stats(self) -> dict[str, Any]:
         raise ForbiddenError("peers may not read STATS")
+
+
+class SealedView:
+    """The peer port's service: a :class:`LocalView` whose blocks travel
+    sealed (:mod:`kvtier.tiers.sealing`). A pushed value is opened before
+    it is stored (one that does not open fails the PUT, counted), a value
+    asked for is sealed before it is sent, and its pin let go once the sealed
+    copy is made. Where no namespace has a key and the peers have no codec,
+    values pass as they are."""
+
+    def __init__(self, inner: LocalView, sealer: Sealer) -> None:
+        self._inner = inner
+        self.sealer = sealer
+        self.limits = inner.limits
+
+    def __repr__(self) -> str:
+        return f"<SealedView {self._inner!r} {self.sealer!r}>"
+
+    def lookup(
+        self, req: Lookup, cutoff: asyncio.Future[None] | None = None
+    ) -> LookupReply | Awaitable[LookupReply]:
+        return self._inner.lookup(req, cutoff)
+
+    def get(self, keys: Sequence[bytes]) -> list[Buffer | None] | Awaitable[list[Buffer | None]]:
+        values = self._inner.get(keys)
+        if not self.sealer.active:
+            return values
+        if isinstance(values, list):
+            return self._sealed(keys, values)
+        return self._sealed_later(keys, values)
+
+    def _sealed(self, keys: Sequence[bytes], values: list[Buffer | None]) -> list[Buffer | None]:
+        try:
+            return [
+                None if v is None else self.sealer.seal(k, v)
+                for k, v in zip(keys, values, strict=True)
+            ]
+        finally:
+            self._inner.unpin(keys, values)
+
+    async def _sealed_later(
+        self, keys: Sequence[bytes], values: Awaitable[list[Buffer | None]]
+    ) -> list[Buffer | None]:
+        return self._sealed(keys, await values)
+
+    def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
+        self._inner.unpin(keys, values)  # (a sealed copy pins nothing: a no-op for it)
+
+    def _opened(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[Buffer]:
+        return [self.sealer.open(k, v) for k, v in zip(keys, values, strict=True)]
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Buffer],
+        *,
+        copy: bool = False,
+        hints: bytes | None = None,
+    ) -> list[PutStatus]:
+        if self.sealer.active:
+            values = self._opened(keys, values)
+        return self._inner.put(keys, values, copy=copy, hints=hints)
+
+    def stage(self, length: int, key: bytes) -> memoryview | None:
+        # A sealed body is not the block it holds: received into a buffer of its own.
+        return None if self.sealer.active else self._inner.stage(length, key)
+
+    def drop_staged(self, value: Buffer) -> None:
+        self._inner.drop_staged(value)
+
+    def make_durable(
+        self, keys: Sequence[bytes], values: Sequence[Buffer | None]
+    ) -> Awaitable[None]:
+        if self.sealer.active:  # (the values as the PUT stored them, opened again)
+            values = [
+                None if v is None else self.sealer.open(k, v)
+                for k, v in zip(keys, values, strict=True)
+            ]
+        return self._inner.make_durable(keys, values)
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]:
+        return self._inner.delete(keys)
+
+    def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
+        return self._inner.reserve(req, owner)
+
+    def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
+        return self._inner.abort(keys, owner)
+
+    def release(self, tag: bytes) -> bool:
+        return self._inner.release(tag)
+
+    def connection_closed(self, owner: ConnId) -> None:
+        self._inner.connection_closed(owner)
+
+    def write_room(self) -> asyncio.Future[None] | None:
+        return self._inner.write_room()
+
+    def stats(self) -> dict[str, Any]:
+        return self._inner.stats()

@@ -48,6 +48,7 @@ from kvtier.model import Buffer, LookupMode, State
 from kvtier.tiers.base import PeerStats, Tier
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.peers import PeerPicker
+from kvtier.tiers.sealing import Sealer, SealError
 
 log = logging.getLogger("kvtier.peers")
 
@@ -222,9 +223,12 @@ class PeerTier(Tier):
         *,
         replicas: int = 1,
         max_hints: int = 65536,
+        sealer: Sealer | None = None,
     ) -> None:
         self.name = name
         self.picker = picker
+        #: seals the blocks pushed to peers, opens those they send (None: plain)
+        self.sealer = sealer
         self.counters = counters
         #: how many live nodes own each key (pushed to, asked in rank order)
         self.replicas = replicas
@@ -326,10 +330,33 @@ class PeerTier(Tier):
                         left.append(i)
         if failure is not None and all(v is None for v in values):
             raise failure  # nothing came: the load failed, as the core counts it
+        sealer = self.sealer
+        if sealer is not None and sealer.active:
+            values = await asyncio.to_thread(self._open_all, sealer, keys, values)
         return values
 
+    def _open_all(
+        self, sealer: Sealer, keys: Sequence[bytes], values: list[Buffer | None]
+    ) -> list[Buffer | None]:
+        """The values as their owners sealed them, opened; one that does not
+        open is a miss (counted by the sealer)."""
+        out: list[Buffer | None] = []
+        for key, value in zip(keys, values, strict=True):
+            try:
+                out.append(None if value is None else sealer.open(key, value))
+            except SealError as exc:
+                log.warning("%s: block %s from a peer does not open: %s", self.name, key.hex(), exc)
+                out.append(None)
+        return out
+
     async def batch_store(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
-        """Push each block to its other owners (this daemon, if one, keeps its own)."""
+        """Push each block to its other owners (this daemon, if one, keeps its
+        own), sealed where its namespace has a key."""
+        sealer = self.sealer
+        if sealer is not None and sealer.active:
+            values = await asyncio.to_thread(
+                lambda: [sealer.seal(k, v) for k, v in zip(keys, values, strict=True)]
+            )
         groups: dict[Peer, list[int]] = {}
         for i, key in enumerate(keys):
             for peer in self.picker.owners(key, self.replicas):
@@ -354,7 +381,10 @@ class PeerTier(Tier):
     def stats(self) -> PeerStats:
         peers = self.picker.peers()
         up = sum(p.up for p in peers)
-        return PeerStats(self.name, 0, 0, 0, peers=len(peers), peers_up=up)
+        stats = PeerStats(self.name, 0, 0, 0, peers=len(peers), peers_up=up)
+        if self.sealer is not None:
+            self.sealer.counts.fill(stats)
+        return stats
 
     async def open(self) -> None:
         await self.refresh()
