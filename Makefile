@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: soak-restart bench-restart test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: soak-restart bench-restart bench-encryption test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -184,6 +184,11 @@ soak-restart: $(STAMP)
 bench-restart: $(STAMP)
 	$(BIN)/python -m benchmarks.restart --markdown docs/bench-restart.md $(RESTART_ARGS)
 
+# What sealing blocks at rest costs through the disk and S3 tiers (plain and
+# sealed, alternated in one run), and zstd's ratio on KV-like bytes.
+bench-encryption: $(STAMP)
+	$(BIN)/python -m benchmarks.encryption --markdown docs/bench-encryption.md
+
 bench-sglang: $(SGLANG_STAMP)
 	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier $(SGLANG_VENV)/bin/python -m benchmarks.sglang
 
@@ -205,6 +210,7 @@ bench-deps: $(BENCH_STAMP)
 
 # BENCH_ARGS=--quick for a shorter run.
 bench: bench-deps
+	$(BIN)/python -m benchmarks.encryption --markdown docs/bench-encryption.md
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)
 	$(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 2%,5%,10%,20%,40% \

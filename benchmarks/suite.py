@@ -538,13 +538,11 @@ def format_ratios(rows: list[dict[str, Any]]) -> str:
 
 
 def engine_section() -> str:
-    """``make bench-e2e``'s, ``make bench-engines``' and ``make
-    bench-restart``'s tables (docs/bench-e2e.md, docs/bench-engines.md,
-    docs/bench-restart.md), those that were run: what an engine feels comes
-    first."""
-    paths = [
-        ROOT / "docs" / name for name in ("bench-e2e.md", "bench-engines.md", "bench-restart.md")
-    ]
+    """``make bench-e2e``'s, ``make bench-engines``', ``make bench-restart``'s
+    and ``make bench-encryption``'s tables (docs/bench-*.md), those that were
+    run: what an engine feels comes first."""
+    names = ("bench-e2e.md", "bench-engines.md", "bench-restart.md", "bench-encryption.md")
+    paths = [ROOT / "docs" / name for name in names]
     return "".join(path.read_text() + "\n" for path in paths if path.exists())
 
 

@@ -195,10 +195,14 @@ class Sealer:
         if ring is None:
             return HEADER.pack(MAGIC, FORMAT_VERSION, codec, 0, _NO_ID, _NO_NONCE) + payload
         head = HEADER.pack(MAGIC, FORMAT_VERSION, codec, _ENCRYPTED, ring.current, os.urandom(12))
-        sealed = ring.ciphers[ring.current].encrypt(head[-12:], payload, head + key)
+        sealed = bytearray(HEADER.size + len(payload) + TAG_BYTES)
+        sealed[: HEADER.size] = head
+        ring.ciphers[ring.current].encrypt_into(
+            head[-12:], payload, head + key, memoryview(sealed)[HEADER.size :]
+        )
         with self.counts.lock:
             self.counts.sealed_bytes += len(value)
-        return head + sealed
+        return sealed
 
     def open(self, key: bytes, data: Buffer) -> Buffer:
         """The value ``seal`` made ``data`` of; raises SealError (counted)."""
