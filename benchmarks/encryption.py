@@ -10,9 +10,9 @@ median of the rounds taken, so the machine's noise falls on both sides:
   the one the tests start), 1 MiB objects put and got, plain and sealed;
 * AES-256-GCM alone on 1 MiB;
 * zstd (levels 1 and 3) on KV-like bytes: bf16 and fp16 tensors of
-  normally distributed values (what a model's K and V hold; the engines'
-  tests here run models with random weights, whose caches are that too),
-  its ratio and speed.
+  normally distributed values (a stand-in for a model's K and V: their
+  sign and mantissa bits are near random, their exponents cluster), its
+  ratio and speed.
 
 Prints a table; ``--markdown`` writes it (docs/bench-encryption.md, which
 ``make bench`` includes in docs/benchmarks.md).

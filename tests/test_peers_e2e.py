@@ -13,8 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier import BlockingClient, Client, State
+from kvtier.errors import KvtierError
 from kvtier.model import namespace_prefix
 from kvtier.tiers.rendezvous import owner, ranked
+from kvtier.tiers.sealing import Keyring, Keys, Sealer
 from tests.helpers import DaemonProcess, free_port, metric_value, short_tmpdir
 
 TOKEN = "e2e-peer-token"
@@ -262,7 +264,11 @@ def test_blocks_travel_sealed_between_peers_and_open_at_either_end() -> None:
     keyfile = keys / "tenant-a.key"
     keyfile.write_bytes(os.urandom(32))
     keyfile.chmod(0o600)
-    fleet = Fleet(2, extra=f'[namespaces.tenant-a]\nencryption_key_file = "{keyfile}"\n')
+    fleet = Fleet(
+        2,
+        extra=f'[namespaces.tenant-a]\nencryption_key_file = "{keyfile}"\n'
+        f'[namespaces.tenant-b]\nencryption_key_file = "{keyfile}"\n',
+    )
     try:
         a, b = fleet.daemons
         names = [addr.encode() for addr in fleet.addresses]
@@ -292,5 +298,25 @@ def test_blocks_travel_sealed_between_peers_and_open_at_either_end() -> None:
             b.scrape(), "kvtier_seal_failures_total", 'reason="auth",tier="peers"'
         )
         assert failures == 0
+
+        # A push forged by a holder of the token: tenant-a's sealed block
+        # offered as tenant-b's (the same key material) is refused, never stored.
+        keyring = Keyring.of(keyfile.read_bytes())
+        sealer = Sealer(Keys({b"tenant-a": keyring, b"tenant-b": keyring}))
+        as_a = bytes(sealer.seal(namespace_prefix(b"tenant-a") + b"x", value))
+        forged = namespace_prefix(b"tenant-b") + b"x"
+
+        async def push() -> None:
+            peer = await Client.connect_tcp("127.0.0.1", fleet.ports[1], token=TOKEN.encode())
+            async with peer:
+                with pytest.raises(KvtierError, match="tag does not verify"):
+                    await peer.put(forged, as_a)
+                assert await peer.get(forged) is None
+
+        asyncio.run(push())
+        failures = metric_value(
+            b.scrape(), "kvtier_seal_failures_total", 'reason="auth",tier="peers"'
+        )
+        assert failures == 1
     finally:
         fleet.stop()
