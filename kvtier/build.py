@@ -358,6 +358,7 @@ def _watch(parts: Parts) -> None:
     m.watch_events(parts.service.events.stats)
     m.watch_namespaces(parts.service.namespace_stats, parts.config.metrics.max_namespaces)
     m.watch_tiers(lambda: [t.stats() for t in parts.service.tiers()])
+    m.watch_sources(parts.service.source_costs)
     if parts.disk is not None:
         m.watch_disk(parts.disk.stats)
     if parts.peer_tier is not None:

@@ -77,6 +77,8 @@ class _Sources:
     core: CoreCounters | None = None
     maps: Callable[[], MapSizes] | None = None
     tiers: Callable[[], Iterable[TierStats]] = lambda: ()
+    #: each source's load cost now (ttfb_seconds, throughput_bytes ...), by name
+    sources: Callable[[], dict[str, dict[str, float]]] = dict
     disk: Callable[[], DiskStats] | None = None
     s3: list[S3Tier] = field(default_factory=list)
     peers: PeerTier | None = None
@@ -103,6 +105,7 @@ class _Collector(Collector):
         if s.maps is not None:
             yield from self._maps(s.maps())
         yield from self._tiers(list(s.tiers()))
+        yield from self._sources(s.sources())
         if s.disk is not None:
             yield from self._disk(s.disk())
         yield from self._s3(s.s3)
@@ -436,6 +439,12 @@ class _Collector(Collector):
             "LOOKUPs that only peeked: answered without touching the eviction order",
             value=c.lookup_peeks.value,
         )
+        yield _counter(
+            "kvtier_lookup_budget_cut",
+            "Keys a LOOKUP's budget answered MISS (their loads would have ended past "
+            "it), by the tier they would have loaded from",
+            c.lookup_budget_cut,
+        )
         deferred = c.lookup_deferred_seconds
         family = HistogramMetricFamily(
             "kvtier_lookup_deferred_seconds",
@@ -504,6 +513,23 @@ class _Collector(Collector):
             evictions.add_metric([st.name], st.evictions)
         yield from (used, blocks, cap, evictions)
         yield from self._sealing([st for st in stats if st.seal_failures is not None])
+
+    def _sources(self, sources: dict[str, dict[str, float]]) -> Iterator[Metric]:
+        latency = GaugeMetricFamily(
+            "kvtier_source_latency_seconds",
+            "A source's time to its first byte, as estimated from the loads it served "
+            "(its prior before any); what a LOOKUP's budget is weighed against",
+            labels=["tier"],
+        )
+        throughput = GaugeMetricFamily(
+            "kvtier_source_throughput_bytes",
+            "A source's bytes a second past its first, as estimated from its loads",
+            labels=["tier"],
+        )
+        for name, cost in sources.items():
+            latency.add_metric([name], cost["ttfb_seconds"])
+            throughput.add_metric([name], cost["throughput_bytes"])
+        yield from (latency, throughput)
 
     def _sealing(self, stats: list[TierStats]) -> Iterator[Metric]:
         sealed = CounterMetricFamily(
@@ -688,6 +714,9 @@ class Metrics:
 
     def watch_tiers(self, stats: Callable[[], Iterable[TierStats]]) -> None:
         self._sources.tiers = stats
+
+    def watch_sources(self, costs: Callable[[], dict[str, dict[str, float]]]) -> None:
+        self._sources.sources = costs
 
     def watch_shared(self, stats: Callable[[], SharedStats]) -> None:
         self._sources.shared = stats

@@ -210,6 +210,10 @@ class Lookup:
     #: nodes): the answer as usual, but the eviction order is left as it was
     #: and nothing is read ahead from the disk
     peek: bool = False
+    #: seconds the engine would spend recomputing these keys' blocks: the
+    #: keys whose loads the daemon expects to finish past it answer MISS
+    #: (docs/lookup.md, "A lookup with a budget"); 0: no budget
+    budget: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)

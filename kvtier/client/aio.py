@@ -469,14 +469,27 @@ class Client:
         max_pending_wait: float = 0.0,
         request_tag: bytes = b"",
         peek: bool = False,
+        budget: float = 0.0,
         timeout: Timeout = ...,
     ) -> LookupReply:
         """Per-key states of ``keys`` and the usable prefix (``prefix_hits``, ``defer``).
 
         ``peek``: a look that is not a read (a router comparing nodes): the
-        daemon leaves its eviction order as it was and reads nothing ahead."""
+        daemon leaves its eviction order as it was and reads nothing ahead.
+        ``budget``: the seconds recomputing these blocks would take; the
+        keys the daemon expects to load only past it answer MISS
+        (docs/lookup.md)."""
         meta = wire.encode_lookup(
-            Lookup(list(keys), mode, window, wait, max_pending_wait, request_tag, peek=peek),
+            Lookup(
+                list(keys),
+                mode,
+                window,
+                wait,
+                max_pending_wait,
+                request_tag,
+                peek=peek,
+                budget=budget,
+            ),
             self._prefix,
         )
         # Requests of this client still in flight to the daemon come first,

@@ -219,6 +219,7 @@ class BlockingClient:
         max_pending_wait: float = 0.0,
         request_tag: bytes = b"",
         peek: bool = False,
+        budget: float = 0.0,
         timeout: Timeout = ...,
     ) -> LookupReply:
         return self._run(
@@ -230,6 +231,7 @@ class BlockingClient:
                 max_pending_wait=max_pending_wait,
                 request_tag=request_tag,
                 peek=peek,
+                budget=budget,
                 timeout=timeout,
             )
         )

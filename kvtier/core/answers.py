@@ -26,6 +26,7 @@ from typing import Any
 
 from kvtier.core.checks import check_lookup
 from kvtier.core.context import Context
+from kvtier.core.costs import budget_cut
 from kvtier.core.counts import (
     MAX_COUNTED_NAMESPACES,
     OTHER_NAMESPACE,
@@ -33,7 +34,15 @@ from kvtier.core.counts import (
 )
 from kvtier.core.deferral import DeferralTracker
 from kvtier.core.loads import Loads
-from kvtier.core.lookup import LookupPlan, SeenProbes, plan_lookup, prefix_answer, waits_for
+from kvtier.core.lookup import (
+    Location,
+    LookupPlan,
+    SeenProbes,
+    Where,
+    plan_lookup,
+    prefix_answer,
+    waits_for,
+)
 from kvtier.core.probing import Reach, RemoteSlot
 from kvtier.model import (
     DEFAULT_NAMESPACE,
@@ -140,6 +149,8 @@ class Answers:
                         states[i] = HIT
                         on_disk.append(i)
             settles: list[asyncio.Future[Any] | None] = []
+            if req.budget > 0:
+                self._cut(req, states, self._sources_local(keys, states, on_disk))
         else:
             locate = reach.locator.locate
             locations = [locate(key, now, seen) for key in keys]
@@ -153,6 +164,8 @@ class Answers:
             states, settles, on_disk = plan.states, plan.settles, plan.on_disk
             for slot, n in zip(slots, plan.cached, strict=True):
                 slot.cached.value += n
+            if req.budget > 0:  # (before the work starts: what it cut is not loaded)
+                self._cut(req, states, self._sources(keys, locations, states, slots), plan)
             if plan.joins or plan.probe or plan.promote:
                 self._start(plan, keys, slots, now, seen)
         hits, defer, bound_at = self._after_look(req, states, on_disk, now)
@@ -204,6 +217,82 @@ class Answers:
                 if states[i] == HIT:  # not one the reader's bound expired
                     self.loads.load_from_disk(keys[i])  # a key listed twice is read once
         return hits, defer, bound_at
+
+    def _sources_local(
+        self, keys: Sequence[bytes], states: bytearray, on_disk: list[int]
+    ) -> list[tuple[str, int] | None]:
+        """Where each HIT of a lookup that only local tiers answer loads
+        from, and its bytes."""
+        ram, disk = self.c.ram, self.c.disk
+        from_disk = set(on_disk)
+        out: list[tuple[str, int] | None] = []
+        for i, (key, state) in enumerate(zip(keys, states, strict=True)):
+            if state != HIT:
+                out.append(None)
+            elif disk is not None and i in from_disk:
+                out.append((disk.name, disk.budget.size_of(key)))
+            else:
+                out.append((ram.name, ram.budget.size_of(key)))
+        return out
+
+    def _sources(
+        self,
+        keys: Sequence[bytes],
+        locations: Sequence[Location],
+        states: bytearray,
+        slots: Sequence[RemoteSlot],
+    ) -> list[tuple[str, int] | None]:
+        """Where each key that may load (HIT or PENDING) loads from, and its
+        bytes where known (a pending write lands in RAM; a remote hit is its
+        tier's, of that tier's mean size)."""
+        ram, disk = self.c.ram, self.c.disk
+        out: list[tuple[str, int] | None] = []
+        for key, loc, state in zip(keys, locations, states, strict=True):
+            where = loc.where
+            if state not in (HIT, PENDING):
+                out.append(None)
+            elif where is Where.RAM:
+                out.append((ram.name, ram.budget.size_of(key)))
+            elif where is Where.DISK and disk is not None:
+                out.append((disk.name, disk.budget.size_of(key)))
+            elif where is Where.REMOTE:
+                out.append((slots[loc.remote].name, 0))
+            else:
+                out.append((ram.name, 0))  # a write in flight: it lands in RAM
+        return out
+
+    def _cut(
+        self,
+        req: Lookup,
+        states: bytearray,
+        sources: list[tuple[str, int] | None],
+        plan: LookupPlan | None = None,
+    ) -> None:
+        """Answer MISS for the keys past what ``req.budget`` can load
+        (:func:`~kvtier.core.costs.budget_cut`), counted by the tier each
+        would have loaded from; the plan's work for them is not started."""
+        cut = budget_cut(
+            [s[0] if s is not None else None for s in sources],
+            [s[1] if s is not None else 0 for s in sources],
+            self.c.costs,
+            req.budget,
+            self.loads.inflight,
+        )
+        if cut == len(states):
+            return
+        counted = self.c.counters.lookup_budget_cut
+        for i in range(cut, len(states)):
+            source = sources[i]
+            if source is not None:
+                counted.inc(source[0])
+            states[i] = MISS
+        if plan is not None:
+            plan.on_disk = [i for i in plan.on_disk if i < cut]
+            plan.probe = [(i, t) for i, t in plan.probe if i < cut]
+            plan.promote = [(i, t) for i, t in plan.promote if i < cut]
+            plan.joins = [j for j in plan.joins if j[0] < cut]
+            for i in range(cut, len(states)):
+                plan.settles[i] = None
 
     def _start(
         self,

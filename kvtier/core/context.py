@@ -1,8 +1,8 @@
 """What every part of the service works with, made once by the service.
 
 The limits and settings, the local tiers, the pending writes, the remote
-tiers' probes, the locator over all of them, the counters, the lifecycle
-and the clock: :class:`Context` holds one reference to each, so that the
+tiers' probes, the locator over all of them, the counters, the lifecycle,
+the clock and the sources' load costs: :class:`Context` holds one reference to each, so that the
 parts (:mod:`~kvtier.core.answers`, :mod:`~kvtier.core.loads`,
 :mod:`~kvtier.core.stores`) read the same ones. Invariants: made once,
 never changed; it owns nothing (each part's own state stays in the part).
@@ -12,9 +12,10 @@ Imports the core's parts' types, the tiers and the shared records.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.config import DiskConfig, LookupConfig
+from kvtier.core.costs import Costs
 from kvtier.core.counts import CoreCounters
 from kvtier.core.lifecycle import Lifecycle
 from kvtier.core.lookup import Locator
@@ -42,6 +43,8 @@ class Context:
     life: Lifecycle
     #: the clock every deadline and TTL is read on
     now: Callable[[], float]
+    #: what a load costs from each source, learnt from the loads done
+    costs: Costs = field(default_factory=Costs)
 
     def __repr__(self) -> str:
         return f"<Context {self.life!r} {self.pending!r}>"

@@ -74,6 +74,8 @@ class CoreCounters:
         self.put_hints = Counts("hint")
         self.put_tail = self.put_hints.bind("tail")
         self.lookup_peeks = Counts().bind()
+        #: keys a lookup's budget answered MISS, by the tier they would have loaded from
+        self.lookup_budget_cut = Counts("tier")
 
     def __repr__(self) -> str:
         return (

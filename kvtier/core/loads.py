@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -55,6 +56,8 @@ class Loads:
         self.stores = stores
         #: reads from the disk into RAM in flight, by key: every GET of the key joins one
         self._disk_loads: dict[bytes, asyncio.Future[None]] = {}
+        #: loads in flight by source (disk reads, promotions): a new one queues behind them
+        self.inflight: dict[str, int] = {}
         #: promotions counted by source tier and outcome, bound once
         self._promoted = {
             name: {o: c.counters.promotions.bind(name, o.value) for o in Promoted}
@@ -197,6 +200,9 @@ class Loads:
         promoted = self._promoted[disk.name]
         promoted[Promoted.STARTED].value += 1
         outcome = Promoted.FAILED
+        inflight = self.inflight
+        inflight[disk.name] = inflight.get(disk.name, 0) + 1
+        began, value = time.perf_counter(), None
         try:
             async with asyncio.timeout(self.c.cfg.load_timeout):
                 value = await disk.read(key)
@@ -212,6 +218,9 @@ class Loads:
         except Exception as exc:
             log.warning("%s: loading key %s failed: %s", disk.name, key.hex(), exc)
         finally:
+            inflight[disk.name] -= 1
+            if value is not None:  # (what it cost teaches the lookups' budgets)
+                self.c.costs.observe(disk.name, time.perf_counter() - began, len(value))
             promoted[outcome].value += 1
             if self._disk_loads.get(key) is done:
                 del self._disk_loads[key]
@@ -246,6 +255,9 @@ class Loads:
         ``finally`` whatever the load did."""
         key = res.key
         outcome = Promoted.FAILED
+        inflight = self.inflight
+        inflight[source] = inflight.get(source, 0) + 1
+        began, value = time.perf_counter(), None
         try:
             async with asyncio.timeout(self.c.cfg.load_timeout):
                 value = await load()
@@ -262,6 +274,9 @@ class Loads:
         except Exception as exc:
             log.warning("%s: loading key %s failed: %s", source, key.hex(), exc)
         finally:
+            inflight[source] -= 1
+            if value is not None:
+                self.c.costs.observe(source, time.perf_counter() - began, len(value))
             if failed is not None and outcome in (Promoted.FAILED, Promoted.ABSENT):
                 failed()
             self._promoted[source][outcome].value += 1

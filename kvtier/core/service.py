@@ -323,6 +323,22 @@ class Service:
             },
             "namespaces": {n.name: n.as_dict() for n in self.namespace_stats()},
             "writes": self.propagation.stats(),
+            "sources": self.source_costs(),
+        }
+
+    def source_costs(self) -> dict[str, dict[str, float]]:
+        """What a load costs from each source now (every tier a lookup may
+        load from: their priors until loads are observed)."""
+        costs = self.answers.c.costs
+        return {
+            t.name: {
+                "ttfb_seconds": (e := costs.of(t.name)).ttfb,
+                "throughput_bytes": e.throughput,
+                "block_bytes": e.block_bytes,
+                "loads_in_flight": self.loads.inflight.get(t.name, 0),
+                "loads": e.loads,
+            }
+            for t in self.tiers()
         }
 
 

@@ -18,7 +18,8 @@ pending is answered only where no remote tier could hold it and the disk
 index is complete (else the lookup is referred: the daemon probes, or
 answers RETRY); a lookup that would wait on a PENDING key (``wait``) or be
 bounded on one (``max_pending_wait``) is referred, as the daemon keeps the
-waits and the deferrals; the prefix answer is :func:`prefix_answer` of the
+waits and the deferrals, and so is one with a budget (the daemon knows
+what each load costs); the prefix answer is :func:`prefix_answer` of the
 same states; records apply in order, and ``RESET``
 forgets everything before it. Imports the core's lookup rules and the
 shared records only.
@@ -82,6 +83,8 @@ class Replica:
 
     def answer(self, req: Lookup) -> LookupReply | None:
         """The daemon's answer to ``req``, or None: refer it to the daemon."""
+        if req.budget > 0:
+            return None  # (the daemon knows what each load costs)
         keys = req.keys
         held, pending = self.held, self.pending
         window = req.window if req.mode == LookupMode.SLIDING_WINDOW else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import struct
 import sys
 from array import array
@@ -38,6 +39,7 @@ _U32 = struct.Struct("<I")
 _KEYS_HEAD = struct.Struct("<IH")  # count, uniform key length (0: a lengths array follows)
 _LOOKUP_HEAD = struct.Struct("<BBHdd")  # mode, flags, window, wait, max_pending_wait
 LOOKUP_PEEK = 0x01  # LOOKUP flag: a look that is not a read (Lookup.peek)
+LOOKUP_BUDGET = 0x02  # LOOKUP flag: a budget in seconds (f64) follows the head (Lookup.budget)
 _LOOKUP_REPLY_HEAD = struct.Struct("<IB3xI")  # prefix hits, defer, count
 
 #: Formats never depend on a request's size: arrays of u16/u32 go through
@@ -305,9 +307,10 @@ def encode_lookup(req: Lookup, prefix: bytes = b"") -> bytes:
     tag = req.request_tag
     if len(tag) > 255:
         raise CodecError("request tag longer than 255 bytes")
-    head = _LOOKUP_HEAD.pack(
-        int(req.mode), LOOKUP_PEEK if req.peek else 0, req.window, req.wait, req.max_pending_wait
-    )
+    flags = (LOOKUP_PEEK if req.peek else 0) | (LOOKUP_BUDGET if req.budget > 0 else 0)
+    head = _LOOKUP_HEAD.pack(int(req.mode), flags, req.window, req.wait, req.max_pending_wait)
+    if req.budget > 0:
+        head += _F64.pack(req.budget)
     return _after(head + _U8.pack(len(tag)) + tag, req.keys, prefix)
 
 
@@ -321,9 +324,17 @@ def decode_lookup(
         lookup_mode = LookupMode(mode)
     except ValueError as exc:
         raise CodecError(f"unknown lookup mode {mode}") from exc
-    if flags & ~LOOKUP_PEEK:
+    if flags & ~(LOOKUP_PEEK | LOOKUP_BUDGET):
         raise CodecError(f"unknown LOOKUP flags 0x{flags:02x}")
     offset = _LOOKUP_HEAD.size
+    budget = 0.0
+    if flags & LOOKUP_BUDGET:
+        if len(buf) < offset + _F64.size + 1:
+            raise CodecError("truncated LOOKUP budget")
+        (budget,) = _F64.unpack_from(buf, offset)
+        if not math.isfinite(budget) or budget <= 0:
+            raise CodecError(f"a LOOKUP budget is a positive number of seconds, not {budget}")
+        offset += _F64.size
     (tag_len,) = _U8.unpack_from(buf, offset)
     offset += 1
     tag = bytes(buf[offset : offset + tag_len])
@@ -332,7 +343,15 @@ def decode_lookup(
     keys, end, key_len = decode_keys(buf, offset + tag_len, max_keys, scope)
     _expect_end(buf, end)
     return Lookup(
-        keys, lookup_mode, window, wait, max_pending_wait, tag, key_len, bool(flags & LOOKUP_PEEK)
+        keys,
+        lookup_mode,
+        window,
+        wait,
+        max_pending_wait,
+        tag,
+        key_len,
+        bool(flags & LOOKUP_PEEK),
+        budget,
     )
 
 

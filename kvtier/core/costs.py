@@ -1,0 +1,143 @@
+"""What a load costs from each source, and how much of a lookup a budget buys. Pure.
+
+A cache hit is worth taking only if loading it beats computing it again.
+:class:`Costs` keeps, per source (``ram``, ``disk``, each remote tier by
+name), a moving estimate of its time to first byte and its throughput,
+learnt from the loads the daemon does (:meth:`Costs.observe`) and from
+priors before the first; the loads in flight on a source (a new load
+queues behind them) are the caller's count. :func:`budget_cut` reads them to decide, without any
+I/O, how long a prefix of a lookup's hits the engine can expect to load
+within its budget (the seconds it would spend recomputing those blocks):
+the keys past the cut answer MISS, so the engine loads the head and
+recomputes the tail.
+
+The model: each source's blocks up to a key cost its time to first byte
+once, plus their bytes and the blocks in flight on it (each of the
+source's mean size) at its throughput; the
+sources' costs add up (a conservative bound: loads from two sources may
+overlap). A load's time splits into the two estimates by size: a small
+load (at most ``SMALL_LOAD`` bytes) is mostly its time to first byte; a
+larger one's bytes over the time past its time to first byte is its
+throughput. Estimates are exponentially weighted (``ALPHA`` per load).
+
+Invariants: estimates stay positive and finite whatever is observed; a
+lookup without a budget is never cut; the cut is monotone (a larger budget
+never cuts earlier); keys that would not load cost nothing. Imports
+nothing of kvtier.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+#: weight of each new observation in the moving estimates
+ALPHA = 0.2
+#: a load this small measures mostly its time to first byte
+SMALL_LOAD = 64 * 1024
+#: bounds on what an estimate may become (a clock's glitch is not a cost)
+_MIN_SECONDS, _MAX_SECONDS = 1e-7, 60.0
+_MIN_RATE, _MAX_RATE = 1e5, 1e12
+
+
+@dataclass(slots=True)
+class Estimate:
+    """One source's cost: seconds to its first byte, then bytes a second."""
+
+    ttfb: float
+    throughput: float
+    #: loads observed (0: the prior still stands)
+    loads: int = 0
+    #: mean bytes of a block loaded from it (for blocks whose size is unknown)
+    block_bytes: float = 1 << 20
+
+    def seconds(self, nbytes: float, queued: int = 0) -> float:
+        """A load of ``nbytes`` started now, behind ``queued`` loads in flight."""
+        return self.ttfb + (nbytes + queued * self.block_bytes) / self.throughput
+
+
+#: priors before any load is observed: local memory, a local disk (NVMe's
+#: order), a peer on the same network, an object store
+PRIORS: Mapping[str, Estimate] = {
+    "ram": Estimate(ttfb=20e-6, throughput=5e9),
+    "disk": Estimate(ttfb=150e-6, throughput=1.5e9),
+    "peers": Estimate(ttfb=1e-3, throughput=1e9),
+}
+#: the prior of any other remote tier (an object store)
+REMOTE_PRIOR = Estimate(ttfb=30e-3, throughput=200e6)
+
+
+@dataclass
+class Costs:
+    """Every source's estimate (a source unseen so far starts from its prior)."""
+
+    sources: dict[str, Estimate] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{n}={e.ttfb * 1e3:.2f}ms/{e.throughput / 1e9:.2f}GB/s"
+            for n, e in self.sources.items()
+        )
+        return f"<Costs {shown}>"
+
+    def of(self, source: str) -> Estimate:
+        est = self.sources.get(source)
+        if est is None:
+            prior = PRIORS.get(source, REMOTE_PRIOR)
+            est = self.sources[source] = Estimate(prior.ttfb, prior.throughput)
+        return est
+
+    def observe(self, source: str, seconds: float, nbytes: int, blocks: int = 1) -> None:
+        """A load of ``blocks`` blocks, ``nbytes`` in all, took ``seconds``."""
+        if not math.isfinite(seconds) or seconds <= 0 or nbytes <= 0:
+            return  # (a load that failed or found nothing teaches nothing)
+        est = self.sources.get(source) or self.of(source)
+        est.loads += 1
+        if blocks > 0 and nbytes > 0:
+            est.block_bytes += ALPHA * (nbytes / blocks - est.block_bytes)
+        if nbytes <= SMALL_LOAD:
+            ttfb = min(max(seconds, _MIN_SECONDS), _MAX_SECONDS)
+            est.ttfb += ALPHA * (ttfb - est.ttfb)
+            return
+        transfer = max(seconds - est.ttfb, seconds / 10)  # (a time to first byte overestimated)
+        rate = min(max(nbytes / transfer, _MIN_RATE), _MAX_RATE)
+        est.throughput += ALPHA * (rate - est.throughput)
+
+
+def budget_cut(
+    sources: Sequence[str | None],
+    sizes: Sequence[int],
+    costs: Costs,
+    budget: float,
+    inflight: Mapping[str, int] | None = None,
+) -> int:
+    """How many of a lookup's keys, in order, can be loaded within ``budget``
+    seconds: ``sources[i]`` is where key ``i`` would load from (None: it
+    would not load, as a MISS; it costs nothing and does not end the count),
+    ``sizes[i]`` its bytes (0: unknown, the source's mean block);
+    ``inflight``: loads in flight per source, which a new one waits behind.
+    Returns ``len(sources)`` when everything fits or ``budget`` is 0 (none
+    set)."""
+    n = len(sources)
+    if budget <= 0:
+        return n
+    spent: dict[str, float] = {}  # per source: bytes so far
+    total = 0.0
+    for i in range(n):
+        source = sources[i]
+        if source is None:
+            continue
+        est = costs.of(source)
+        size = sizes[i] or est.block_bytes
+        before = spent.get(source)
+        if before is None:
+            spent[source] = size
+            queued = inflight.get(source, 0) if inflight else 0
+            total += est.seconds(size, queued)  # its first byte, the queue, its bytes
+        else:
+            spent[source] = before + size
+            total += size / est.throughput
+        if total > budget:
+            return i
+    return n

@@ -1,0 +1,140 @@
+"""Lookups that know what a load costs: the sources' estimates, the budget's
+cut (pure, table-driven), the wire field, and a daemon answering a budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier import Client, State
+from kvtier.core.costs import SMALL_LOAD, Costs, Estimate, budget_cut
+from kvtier.model import Lookup
+from kvtier.wire import CodecError, decode_lookup, encode_lookup
+from tests.helpers import running_daemon
+
+MiB = 1 << 20
+
+
+def known() -> Costs:
+    """RAM free, the disk 1 ms then 1 GB/s, S3 20 ms then 100 MB/s."""
+    return Costs(
+        {
+            "ram": Estimate(ttfb=0.0, throughput=1e15),
+            "disk": Estimate(ttfb=1e-3, throughput=1e9),
+            "s3": Estimate(ttfb=20e-3, throughput=100e6),
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("sources", "budget", "cut"),
+    [
+        # no budget: nothing is cut
+        (["disk"] * 4, 0.0, 4),
+        # RAM (nearly free here): a microsecond keeps eight MiB of it
+        (["ram"] * 8, 1e-6, 8),
+        # the disk: 1 ms + 1.05 ms for the first MiB, 1.05 ms each after
+        (["disk"] * 4, 2.0e-3, 0),
+        (["disk"] * 4, 2.1e-3, 1),
+        (["disk"] * 4, 3.2e-3, 2),
+        (["disk"] * 4, 1.0, 4),
+        # RAM's head, then the disk's tail: the cut falls in the tail
+        (["ram", "ram", "disk", "disk", "disk"], 3.2e-3, 4),
+        # S3's first byte alone is past a 10 ms budget
+        (["ram", "disk", "s3", "disk"], 10e-3, 2),
+        # a key that would not load (a MISS) costs nothing and cuts nothing
+        (["disk", None, "disk"], 3.2e-3, 3),
+        # both sources pay their first byte: 2.05 ms + 30.5 ms
+        (["disk", "s3"], 32e-3, 1),
+        (["disk", "s3"], 33e-3, 2),
+    ],
+)
+def test_a_budget_cuts_where_the_loads_would_end_past_it(
+    sources: list[str | None], budget: float, cut: int
+) -> None:
+    sizes = [MiB] * len(sources)
+    assert budget_cut(sources, sizes, known(), budget) == cut
+
+
+def test_loads_in_flight_and_unknown_sizes_count() -> None:
+    costs = known()
+    assert budget_cut(["disk"], [0], costs, 2.1e-3) == 1  # 0: the source's mean block (1 MiB)
+    # four reads in flight: a new one waits behind their mean MiB each
+    assert budget_cut(["disk"], [MiB], costs, 2.1e-3, {"disk": 4}) == 0
+    assert budget_cut(["disk"], [MiB], costs, 6.3e-3, {"disk": 4}) == 1
+    assert budget_cut(["disk"], [MiB], costs, 2.1e-3, {"s3": 4}) == 1
+
+
+@given(
+    st.lists(st.sampled_from(["ram", "disk", "s3", None]), max_size=30),
+    st.floats(1e-9, 1),
+    st.floats(1e-9, 1),
+)
+def test_a_larger_budget_never_cuts_earlier(
+    sources: list[str | None], low: float, high: float
+) -> None:
+    low, high = sorted((low, high))
+    sizes = [MiB] * len(sources)
+    assert budget_cut(sources, sizes, known(), low) <= budget_cut(sources, sizes, known(), high)
+
+
+def test_estimates_learn_from_loads_and_stay_sane() -> None:
+    costs = Costs()
+    prior = costs.of("disk").ttfb
+    for _ in range(50):
+        costs.observe("disk", 5e-3, SMALL_LOAD)  # small loads: time to first byte
+    assert costs.of("disk").ttfb == pytest.approx(5e-3, rel=1e-3) and prior < 1e-3
+    for _ in range(50):
+        costs.observe("disk", 5e-3 + 8 * MiB / 2e9, 8 * MiB, 8)  # large ones: throughput
+    assert costs.of("disk").throughput == pytest.approx(2e9, rel=0.05)
+    assert costs.of("disk").block_bytes == pytest.approx(MiB, rel=0.01)
+    before = costs.of("disk").ttfb, costs.of("disk").throughput
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        costs.observe("disk", bad, MiB)
+    costs.observe("disk", 1.0, 0)  # a load that found nothing teaches nothing
+    assert (costs.of("disk").ttfb, costs.of("disk").throughput) == before
+    costs.observe("disk", 1e-12, 100 * MiB)  # a clock's glitch: bounded
+    assert costs.of("disk").throughput <= 1e12
+    assert costs.of("s3-west").ttfb >= 10e-3  # an unknown remote tier: an object store's prior
+
+
+def test_the_budget_travels_in_the_lookup_and_bad_ones_are_refused() -> None:
+    req = Lookup([b"a", b"b"], budget=0.25)
+    assert decode_lookup(encode_lookup(req)) == req
+    assert decode_lookup(encode_lookup(Lookup([b"a"]))).budget == 0.0
+    meta = bytearray(encode_lookup(req))
+    meta[22:30] = b"\xff" * 8  # a NaN where the budget is
+    with pytest.raises(CodecError, match="positive number of seconds"):
+        decode_lookup(bytes(meta))
+    with pytest.raises(CodecError, match="truncated LOOKUP budget"):
+        decode_lookup(bytes(meta[:25]))
+
+
+async def test_a_daemon_answers_the_prefix_its_budget_can_load(sock_dir: Path) -> None:
+    async with running_daemon(sock_dir, ram={"capacity": "5MiB"}) as daemon:
+        keys = [b"block-%d" % i for i in range(8)]
+        async with await Client.connect(daemon.socket_path) as c:
+            for key in keys:  # on the disk, durably; RAM keeps the last four
+                await c.put(key, b"x" * MiB, durable=True)
+            in_ram = [k for k in keys if k in daemon.ram.budget]
+            order = in_ram + [k for k in keys if k not in in_ram]  # RAM's, then the disk's
+            assert 2 <= len(in_ram) <= 5
+            costs = daemon.service.answers.c.costs
+            costs.sources.update(known().sources)
+            assert (await c.lookup(order, peek=True)).states == [State.HIT] * 8
+            reply = await c.lookup(order, budget=3.2e-3, peek=True)
+            # 2.05 ms for the first disk block, 1.05 ms for each after: two fit
+            fits = len(in_ram) + 2
+            assert reply.states == [State.HIT] * fits + [State.MISS] * (8 - fits)
+            assert reply.prefix_hits == fits
+            reply = await c.lookup(order, budget=1.0, peek=True)
+            assert reply.prefix_hits == 8
+            stats = await c.stats()
+        assert stats["sources"]["disk"]["ttfb_seconds"] == 1e-3
+        cut = daemon.metrics.registry.get_sample_value(
+            "kvtier_lookup_budget_cut_total", {"tier": "disk"}
+        )
+        assert cut == 8 - fits
