@@ -14,7 +14,7 @@ import pytest
 from kvtier import BlockingClient
 from kvtier.client import Client
 from kvtier.integrations.engine import Answer, DaemonLink, EngineTier, block_key, engine_namespace
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, metric_value
 
 BLOCK = 64 * 1024
 
@@ -211,3 +211,29 @@ def test_store_jobs_from_a_shared_file_arrive_byte_for_byte(
         path.unlink()  # (first: a failed assertion's frame may still hold a row)
         del rows
         mem.close()
+
+
+def test_a_lookup_carries_the_engine_budget_and_slow_loads_answer_miss(
+    proc: DaemonProcess,
+) -> None:
+    """With a recompute cost per block, each lookup carries a budget: one so
+    small that no load fits answers MISS where the blocks are HIT without."""
+    keys = [b"b%d" % i for i in range(3)]
+    plain = EngineTier(proc.socket_path, namespace="model-b")
+    cheap = EngineTier(proc.socket_path, namespace="model-b", recompute_seconds_per_block=1e-9)
+    try:
+        _, rows = region(3)
+        plain.store(1, keys, rows)
+        plain.drain()
+        assert [d.ok for d in plain.finished()] == [True]
+        step(plain, "r", keys)
+        assert step(plain, "r", keys) == [Answer.HIT] * 3
+        step(cheap, "r", keys)
+        assert step(cheap, "r", keys) == [Answer.MISS] * 3  # recomputing beats any load
+        text = proc.scrape()
+        assert metric_value(text, "kvtier_lookup_budget_cut_total", 'tier="ram"') >= 3
+    finally:
+        plain.close()
+        cheap.close()
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        EngineTier(proc.socket_path, recompute_seconds_per_block=float("nan"))

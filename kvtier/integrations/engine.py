@@ -34,6 +34,7 @@ import concurrent.futures
 import enum
 import hashlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -370,10 +371,16 @@ class EngineTier:
         backoff: tuple[float, float] = (0.05, 5.0),
         clock: Callable[[], float] = time.monotonic,
         regions: bool = True,
+        recompute_seconds_per_block: float = 0.0,
     ) -> None:
+        if recompute_seconds_per_block < 0 or not math.isfinite(recompute_seconds_per_block):
+            raise ValueError("recompute_seconds_per_block is a finite number of seconds, >= 0")
         self.socket_path = socket_path
         self.namespace = namespace
         self.max_pending_wait = max_pending_wait
+        #: what recomputing one block costs the engine: each lookup's budget
+        #: is that for its keys (docs/lookup.md); 0: lookups without a budget
+        self.recompute_seconds_per_block = recompute_seconds_per_block
         self.timeout = timeout
         self.reserve_stores = reserve_stores
         self.store_deadline = store_deadline
@@ -564,6 +571,7 @@ class EngineTier:
                 mode=LookupMode.KEYS,
                 max_pending_wait=self.max_pending_wait,
                 request_tag=tag,
+                budget=len(keys) * self.recompute_seconds_per_block,
             )
             if len(reply.raw_states) == len(keys):
                 states = reply.raw_states

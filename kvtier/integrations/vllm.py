@@ -90,6 +90,15 @@ def vllm_namespace(spec: Any) -> str:
     )
 
 
+def vllm_tokens_per_block(spec: Any) -> int:
+    """The tokens one offloaded block holds (vLLM's own block size without
+    an offloading config: tests)."""
+    config = getattr(spec, "config", None)
+    if config is None or not config.groups:
+        return int(getattr(spec, "block_size", 16) or 16)
+    return int(config.groups[0].tokens_per_block)
+
+
 class KvtierTier(SecondaryTierManager):
     """A vLLM secondary tier backed by the local kvtier daemon."""
 
@@ -111,6 +120,7 @@ class KvtierTier(SecondaryTierManager):
         enable_kv_events: bool = False,
         locality: str | None = None,
         regions: bool = True,
+        recompute_tokens_per_second: float = 0.0,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -131,6 +141,10 @@ class KvtierTier(SecondaryTierManager):
             reserve_stores=reserve_stores,
             failed_ttl=failed_ttl,
             regions=regions,
+            recompute_seconds_per_block=vllm_tokens_per_block(offloading_spec)
+            / recompute_tokens_per_second
+            if recompute_tokens_per_second > 0
+            else 0.0,
         )
         #: KV events for vLLM's stream (``enable_kv_events``, as vLLM's fs tier
         #: takes it): stores as they finish; removals as the daemon reports them

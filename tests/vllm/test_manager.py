@@ -263,3 +263,33 @@ def test_stores_are_read_by_the_daemon_from_vllms_shared_region(
         settle(manager)
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("rate", "expected"),
+    [(0.0, {LookupResult.HIT, LookupResult.HIT_PENDING}), (1e12, {LookupResult.MISS})],
+)
+def test_a_prefill_rate_sends_budgets_and_a_block_slower_to_load_reads_miss(
+    daemon: Daemon, rate: float, expected: set[LookupResult]
+) -> None:
+    """``recompute_tokens_per_second``: each lookup carries the seconds its
+    blocks would take to recompute; at a (fictitious) trillion tokens a
+    second even RAM is slower, and vLLM recomputes."""
+    manager, _ = engine(daemon, recompute_tokens_per_second=rate)
+    try:
+        key = make_offload_key(b"budgeted" * 3, 0)
+        with BlockingClient(daemon.socket_path) as c:
+            c.put(bytes(key), b"k" * BLOCK)
+        reader = ReqContext("reader")
+        manager.on_new_request(reader)
+        answer = LookupResult.RETRY
+        for _ in range(10):  # the first ask answers RETRY; each settle brings the answer
+            answer = manager.lookup(key, reader)
+            if answer is not LookupResult.RETRY:
+                break
+            settle(manager)
+        assert answer in expected
+        manager.on_request_finished(reader)
+        settle(manager)
+    finally:
+        manager.shutdown()
