@@ -198,7 +198,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     if remote_tiers is None:
         remotes = [
             RemoteSpec(
-                build_remote_tier(tc, config.lookup, keys),
+                build_remote_tier(tc, config.lookup, keys, int(sc.max_block_bytes)),
                 WritePolicy(tc.write_policy),
                 tc.max_pending_write_bytes,
             )
@@ -207,7 +207,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     else:
         remotes = [t if isinstance(t, RemoteSpec) else RemoteSpec(t) for t in remote_tiers]
     #: one sealer between peers, both ways (its counts are the peer tier's)
-    peer_sealer = Sealer(keys, Codec[pc.codec.upper()])
+    peer_sealer = Sealer(keys, Codec[pc.codec.upper()], max_block_bytes=int(sc.max_block_bytes))
     peer_tier = None
     if pc.enabled:
         # First among the remote tiers: a peer answers faster than S3.
@@ -412,12 +412,14 @@ def build_peer_tier(pc: PeerConfig, node_id: str, sealer: Sealer | None = None) 
     return PeerTier(PEER_TIER, picker, counters, replicas=pc.replicas, sealer=sealer)
 
 
-def build_remote_tier(tc: RemoteTierConfig, lookup: LookupConfig, keys: Keys) -> Tier:
+def build_remote_tier(
+    tc: RemoteTierConfig, lookup: LookupConfig, keys: Keys, max_block: int = 1 << 30
+) -> Tier:
     if isinstance(tc, S3TierConfig):
         return S3Tier(
             tc,
             probe_timeout=lookup.probe_timeout,
             load_timeout=lookup.load_timeout,
-            sealer=Sealer(keys, Codec[tc.codec.upper()]),
+            sealer=Sealer(keys, Codec[tc.codec.upper()], max_block_bytes=max_block),
         )
     return MemoryRemoteTier(tc.name)

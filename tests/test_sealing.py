@@ -360,3 +360,15 @@ async def test_sighup_reads_rotated_key_files_and_old_blocks_stay_readable(
             assert bytes(await c.get(b"new") or b"") == b"n" * 300_000  # the keys in force
     finally:
         assert proc.stop() == 0
+
+
+def test_a_packed_block_that_would_unpack_past_the_limit_is_refused() -> None:
+    s = Sealer(Keys(), Codec.ZSTD, max_block_bytes=1 << 20)
+    bomb = s.seal(b"k", bytes(8 << 20))  # 8 MiB of zeros: a few hundred bytes packed
+    assert len(bomb) < 4096
+    with pytest.raises(SealError, match="within 1048576 bytes") as err:
+        s.open(b"k", bomb)
+    assert err.value.failure is Failure.FORMAT
+    assert bytes(s.open(b"k", b"a block stored before the codec")) == (
+        b"a block stored before the codec"  # headerless: plain, in a namespace without keys
+    )

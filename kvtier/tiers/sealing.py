@@ -155,10 +155,18 @@ class SealCounts:
 class Sealer:
     """One tier's sealing: the daemon's keys, and the tier's codec."""
 
-    def __init__(self, keys: Keys, codec: Codec = Codec.NONE, level: int = 3) -> None:
+    def __init__(
+        self,
+        keys: Keys,
+        codec: Codec = Codec.NONE,
+        level: int = 3,
+        max_block_bytes: int = 1 << 30,
+    ) -> None:
         self.keys = keys
         self.codec = codec
         self.level = level
+        #: a packed block that would unpack to more is refused (never a bomb)
+        self.max_block_bytes = max_block_bytes
         self.counts = SealCounts()
 
     def __repr__(self) -> str:
@@ -218,11 +226,9 @@ class Sealer:
         ring = self.keys.rings.get(namespace_of(key))
         view = memoryview(data)
         wrapped = len(view) >= HEADER.size and bytes(view[:3]) == MAGIC
-        if not wrapped:
+        if not wrapped:  # (as stored before any key or codec: plain)
             if ring is not None:
                 raise SealError(Failure.PLAIN, "a plain block where its namespace seals blocks")
-            if self.codec is not Codec.NONE:
-                raise SealError(Failure.FORMAT, "a block without its header")
             return data
         _magic, version, codec, flags, kid, nonce = HEADER.unpack_from(view)
         if version != FORMAT_VERSION or codec not in _CODECS:
@@ -243,8 +249,18 @@ class Sealer:
         elif ring is not None:
             raise SealError(Failure.PLAIN, "an unencrypted block where its namespace seals blocks")
         if codec == Codec.ZSTD:
-            try:
-                payload = zstd.decompress(payload)
-            except zstd.ZstdError as exc:
-                raise SealError(Failure.FORMAT, f"its payload does not decompress: {exc}") from None
+            payload = self._unpack(payload)
         return payload
+
+    def _unpack(self, payload: Buffer) -> bytes:
+        unpacker = zstd.ZstdDecompressor()
+        try:
+            out = unpacker.decompress(payload, max_length=self.max_block_bytes + 1)
+        except zstd.ZstdError as exc:
+            raise SealError(Failure.FORMAT, f"its payload does not decompress: {exc}") from None
+        if not unpacker.eof or len(out) > self.max_block_bytes:
+            raise SealError(
+                Failure.FORMAT,
+                f"its payload does not unpack whole within {self.max_block_bytes} bytes",
+            )
+        return out

@@ -3,7 +3,8 @@
 Layout: ``<root>/<2 hex>/<32 hex>.blk`` where the name is a BLAKE2b-128 hash
 of the key, so keys never become paths and any key bytes are safe. Each file
 is a header (magic, format version, key length, value length, XXH3-64 of key
-and value), the key, then the value.
+and value), the key, then the value: sealed (:mod:`kvtier.tiers.sealing`)
+where its namespace has an encryption key.
 
 Crash safety: a block is written to a temporary name in its final directory
 and renamed into place, so a reader only ever sees whole files; a file that
