@@ -409,7 +409,15 @@ def build_peer_tier(pc: PeerConfig, node_id: str, sealer: Sealer | None = None) 
     picker = RendezvousPicker(
         make_peer, members=pc.members, dns=pc.dns, self_address=pc.self_address()
     )
-    return PeerTier(PEER_TIER, picker, counters, replicas=pc.replicas, sealer=sealer)
+    return PeerTier(
+        PEER_TIER,
+        picker,
+        counters,
+        replicas=pc.replicas,
+        sealer=sealer,
+        hedge_after=pc.hedge_after,
+        hedge_max_ratio=pc.hedge_max_ratio,
+    )
 
 
 def build_remote_tier(

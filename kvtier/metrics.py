@@ -352,6 +352,13 @@ class _Collector(Collector):
         yield _counter(
             "kvtier_peer_connects", "Connection attempts to peers, by outcome", c.connects
         )
+        yield _counter(
+            "kvtier_hedged_reads",
+            "GETs from a peer unanswered past its usual time that asked the next owner "
+            "too: won (the hedge delivered first), lost (the first request did), skipped "
+            "(the hedge budget, hedge_max_ratio of reads, had no token)",
+            c.hedges,
+        )
         up = GaugeMetricFamily(
             "kvtier_peer_up", "1 while a peer is in use, 0 while it is down", labels=["peer"]
         )

@@ -144,6 +144,12 @@ class PeerConfig(Section):
     #: pushes beyond this many bytes in flight are dropped and counted; each
     #: counts its block plus 8 KiB (the push's own memory)
     max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)
+    #: seconds a GET from a peer may go unanswered before the block's next
+    #: owner is asked too (the first to deliver wins); unset: the peer's p95
+    #: over its recent loads. Needs replicas >= 2 (a next owner)
+    hedge_after: float | None = Field(default=None, ge=0)
+    #: hedges are at most this share of reads from peers (a token bucket)
+    hedge_max_ratio: float = Field(default=0.05, ge=0, le=1)
     #: compress blocks sent to and from peers before they are sealed
     #: ("zstd"; a block that does not shrink is sent as it is): worth it only
     #: where links are slower than the codec (docs/security.md)

@@ -25,10 +25,18 @@ TOKEN = "e2e-peer-token"
 class Fleet:
     """N daemons that list each other as peers."""
 
-    def __init__(self, n: int, replicas: int = 1, extra: str = "", **lookup: float | str) -> None:
+    def __init__(
+        self,
+        n: int,
+        replicas: int = 1,
+        extra: str = "",
+        peer_extra: str = "",
+        **lookup: float | str,
+    ) -> None:
         self.replicas = replicas
-        #: more of each daemon's configuration file
+        #: more of each daemon's configuration file, and of its [peer] section
         self.extra = extra
+        self.peer_extra = peer_extra
         self.dirs = [short_tmpdir() for _ in range(n)]
         self.lookup = {"verdict_ttl": 0.5, **lookup}
         self.daemons: list[DaemonProcess] = []
@@ -57,7 +65,7 @@ class Fleet:
         config.write_text(
             f'[peer]\nlisten = "{self.addresses[i]}"\nmembers = [{members}]\n'
             f'token = "{TOKEN}"\nbreaker_reset = 0.3\nrequest_timeout = 3.0\n'
-            f"replicas = {self.replicas}\n"
+            f"replicas = {self.replicas}\n{self.peer_extra}"
             f"[lookup]\n{lookup}\n{self.extra}"
         )
         return DaemonProcess(
@@ -286,6 +294,9 @@ def test_blocks_travel_sealed_between_peers_and_open_at_either_end() -> None:
         with BlockingClient(a.socket_path, namespace="tenant-a") as ca:
             ca.put(pushed, value)  # to B, its owner, in the background
             ca.put(kept, value[::-1])  # A owns it: it stays here
+        until_metric(
+            b, "kvtier_peer_listener_requests_total", 'op="put",outcome="ok"', 1, "no push"
+        )
         with BlockingClient(b.socket_path, namespace="tenant-a") as cb:
             assert cb.lookup([pushed], wait=5.0).states == [State.HIT]  # the push landed
             assert bytes(cb.get(pushed) or b"") == value  # opened by B's peer port
@@ -318,5 +329,43 @@ def test_blocks_travel_sealed_between_peers_and_open_at_either_end() -> None:
             b.scrape(), "kvtier_seal_failures_total", 'reason="auth",tier="peers"'
         )
         assert failures == 1
+    finally:
+        fleet.stop()
+
+
+def test_a_get_from_a_hung_owner_is_hedged_to_the_next_owner() -> None:
+    """Two owners hold the block; the one a GET asks first hangs (SIGSTOP)
+    after saying it holds it: past hedge_after the next owner is asked too,
+    delivers, and wins; the hung request is cancelled."""
+    fleet = Fleet(
+        3,
+        replicas=2,
+        peer_extra="hedge_after = 0.05\nhedge_max_ratio = 1.0\n",
+        verdict_ttl=60.0,
+        remote_hit="hit",
+    )
+    a, b, c = fleet.daemons
+    try:
+        (key,) = fleet.keys_ranked([1, 2], "hedged", 1)  # owners: B, then C
+        value = os.urandom(100_000)
+        with client(b) as cb:
+            cb.put(key, value)  # kept by B, pushed to C in the background; A has none
+        with client(c) as cc:
+            assert cc.lookup([key], wait=5.0).states == [State.HIT]
+        c.send_signal(signal.SIGSTOP)  # B alone answers A's probe: A asks B first
+        try:
+            with client(a) as ca:
+                assert ca.lookup([key], wait=5.0).states == [State.HIT]
+        finally:
+            c.send_signal(signal.SIGCONT)
+        b.send_signal(signal.SIGSTOP)  # ...and B hangs before the GET
+        try:
+            with client(a) as ca:
+                assert bytes(ca.get(key) or b"") == value  # from C, the hedge
+            text = a.scrape()
+            assert metric_value(text, "kvtier_hedged_reads_total", 'outcome="won"') == 1
+            assert metric_value(text, "kvtier_hedged_reads_total", 'outcome="lost"') == 0
+        finally:
+            b.send_signal(signal.SIGCONT)
     finally:
         fleet.stop()

@@ -47,6 +47,7 @@ from kvtier.errors import KvtierError, TierError
 from kvtier.model import Buffer, LookupMode, State
 from kvtier.tiers.base import PeerStats, Tier
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.hedging import HedgeBudget, HedgeOutcome, LatencyWindow, hedge_delay
 from kvtier.tiers.peers import PeerPicker
 from kvtier.tiers.sealing import Sealer, SealError
 
@@ -54,6 +55,8 @@ log = logging.getLogger("kvtier.peers")
 
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 5.0
+#: a hedge is never sent sooner than this after its request
+HEDGE_FLOOR = 0.001
 _PRESENT = (int(State.HIT), int(State.PENDING))
 
 
@@ -75,6 +78,8 @@ class PeerCounters:
         self.bytes = Counts("peer", "direction")
         self.probe_seconds = Histograms(LATENCY_BUCKETS, "peer")
         self.connects = Counts("peer", "outcome")
+        #: GETs that were due a hedge, by outcome (won, lost, skipped)
+        self.hedges = Counts("outcome")
 
     def __repr__(self) -> str:
         return f"<PeerCounters requests={self.requests.total():g}>"
@@ -224,9 +229,17 @@ class PeerTier(Tier):
         replicas: int = 1,
         max_hints: int = 65536,
         sealer: Sealer | None = None,
+        hedge_after: float | None = None,
+        hedge_max_ratio: float = 0.05,
     ) -> None:
         self.name = name
         self.picker = picker
+        #: seconds before a GET not answered yet asks the next owner too (None:
+        #: the peer's p95 over its recent loads), and the share of reads hedged at most
+        self.hedge_after = hedge_after
+        self.hedges = HedgeBudget(hedge_max_ratio)
+        #: each peer's recent GET times, by address
+        self._latency: dict[str, LatencyWindow] = {}
         #: seals the blocks pushed to peers, opens those they send (None: plain)
         self.sealer = sealer
         self.counters = counters
@@ -307,13 +320,14 @@ class PeerTier(Tier):
                 owners = [hinted, *(p for p in owners if p is not hinted)]
             candidates.append(owners)
         left = [i for i in range(len(keys)) if candidates[i]]
+        self.hedges.earn(len(left))
         failure: Exception | None = None
         while left:
             groups: dict[Peer, list[int]] = {}
             for i in left:
                 groups.setdefault(candidates[i].pop(0), []).append(i)
             loaded = await asyncio.gather(
-                *(peer.load([keys[i] for i in idx]) for peer, idx in groups.items()),
+                *(self._load_hedged(peer, idx, keys, candidates) for peer, idx in groups.items()),
                 return_exceptions=True,
             )
             left = []
@@ -333,6 +347,82 @@ class PeerTier(Tier):
         sealer = self.sealer
         if sealer is not None and sealer.active:
             values = await asyncio.to_thread(self._open_all, sealer, keys, values)
+        return values
+
+    async def _load_hedged(
+        self,
+        peer: Peer,
+        idx: list[int],
+        keys: Sequence[bytes],
+        candidates: list[list[Peer]],
+    ) -> list[Buffer | None]:
+        """``keys[idx]`` from ``peer``; when it has not answered after its
+        usual time (:func:`~kvtier.tiers.hedging.hedge_delay`) and every key
+        has a next owner, from those too, as the budget allows: the first
+        to deliver wins, the other is cancelled (a hedge that won has used
+        those next owners up)."""
+        primary = asyncio.ensure_future(self._timed_load(peer, [keys[i] for i in idx]))
+        hedge: asyncio.Future[list[Buffer | None]] | None = None
+        window = self._latency.get(peer.address)
+        delay = hedge_delay(
+            self.hedge_after,
+            window.p95() if window is not None else None,
+            HEDGE_FLOOR,
+            peer.request_timeout,
+        )
+        try:
+            done, _ = await asyncio.wait({primary}, timeout=delay)
+            if done or not all(candidates[i] for i in idx):
+                return await primary
+            if not self.hedges.spend():
+                self.counters.hedges.inc(HedgeOutcome.SKIPPED.value)
+                return await primary
+            hedge = asyncio.ensure_future(self._load_next(idx, keys, candidates))
+            racing = {primary, hedge}
+            while racing:
+                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                for task in (primary, hedge):
+                    if task in done and task.exception() is None:
+                        loser = hedge if task is primary else primary
+                        loser.cancel()
+                        won = task is hedge
+                        self.counters.hedges.inc(
+                            (HedgeOutcome.WON if won else HedgeOutcome.LOST).value
+                        )
+                        if won:
+                            for i in idx:
+                                candidates[i].pop(0)
+                        return task.result()
+            return await primary  # (both failed: the first request's error)
+        finally:
+            for left in (primary, hedge):
+                if left is not None and not left.done():
+                    left.cancel()
+
+    async def _load_next(
+        self, idx: list[int], keys: Sequence[bytes], candidates: list[list[Peer]]
+    ) -> list[Buffer | None]:
+        """``keys[idx]`` from each one's next owner (the hedge)."""
+        groups: dict[Peer, list[int]] = {}
+        for n, i in enumerate(idx):
+            groups.setdefault(candidates[i][0], []).append(n)
+        loaded = await asyncio.gather(
+            *(self._timed_load(peer, [keys[idx[n]] for n in ns]) for peer, ns in groups.items())
+        )
+        out: list[Buffer | None] = [None] * len(idx)
+        for ns, got in zip(groups.values(), loaded, strict=True):
+            for n, value in zip(ns, got, strict=True):
+                out[n] = value
+        return out
+
+    async def _timed_load(self, peer: Peer, keys: list[bytes]) -> list[Buffer | None]:
+        """A load from ``peer``, its time kept for the peer's p95."""
+        started = time.perf_counter()
+        values = await peer.load(keys)
+        window = self._latency.get(peer.address)
+        if window is None:
+            window = self._latency[peer.address] = LatencyWindow()
+        window.observe(time.perf_counter() - started)
         return values
 
     def _open_all(
