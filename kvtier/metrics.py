@@ -448,8 +448,8 @@ class _Collector(Collector):
         )
         yield _counter(
             "kvtier_lookup_budget_cut",
-            "Keys a LOOKUP's budget answered MISS (their loads would have ended past "
-            "it), by the tier they would have loaded from",
+            "Keys a LOOKUP's budget answered MISS (loading them would not save the "
+            "engine time against recomputing them), by the tier they would have loaded from",
             c.lookup_budget_cut,
         )
         deferred = c.lookup_deferred_seconds

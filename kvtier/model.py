@@ -211,8 +211,8 @@ class Lookup:
     #: and nothing is read ahead from the disk
     peek: bool = False
     #: seconds the engine would spend recomputing these keys' blocks: the
-    #: keys whose loads the daemon expects to finish past it answer MISS
-    #: (docs/lookup.md, "A lookup with a budget"); 0: no budget
+    #: keys past the prefix whose loads save the most time against that
+    #: answer MISS (docs/lookup.md, "A lookup with a budget"); 0: no budget
     budget: float = 0.0
 
 

@@ -34,25 +34,24 @@ def known() -> Costs:
     [
         # no budget: nothing is cut
         (["disk"] * 4, 0.0, 4),
-        # RAM (nearly free here): a microsecond keeps eight MiB of it
-        (["ram"] * 8, 1e-6, 8),
-        # the disk: 1 ms + 1.05 ms for the first MiB, 1.05 ms each after
-        (["disk"] * 4, 2.0e-3, 0),
-        (["disk"] * 4, 2.1e-3, 1),
-        (["disk"] * 4, 3.2e-3, 2),
-        (["disk"] * 4, 1.0, 4),
-        # RAM's head, then the disk's tail: the cut falls in the tail
-        (["ram", "ram", "disk", "disk", "disk"], 3.2e-3, 4),
-        # S3's first byte alone is past a 10 ms budget
-        (["ram", "disk", "s3", "disk"], 10e-3, 2),
-        # a key that would not load (a MISS) costs nothing and cuts nothing
-        (["disk", None, "disk"], 3.2e-3, 3),
-        # both sources pay their first byte: 2.05 ms + 30.5 ms
-        (["disk", "s3"], 32e-3, 1),
-        (["disk", "s3"], 33e-3, 2),
+        # RAM (nearly free here): any budget keeps it
+        (["ram"] * 8, 1e-3, 8),
+        # the disk: 2.05 ms for the first MiB, 1.05 ms each after. At 2 ms a
+        # block recomputed, the first barely loses, the rest win: all four.
+        (["disk"] * 4, 8e-3, 4),
+        # at 1 ms a block, no prefix saves anything: recompute them all
+        (["disk"] * 4, 4e-3, 0),
+        # RAM's head, then S3 (30.5 ms for its first MiB) at 5 ms a block: the head only
+        (["ram", "ram", "s3", "s3"], 20e-3, 2),
+        # a key that would not load (a MISS) costs nothing to load
+        (["disk", None, "disk"], 9e-3, 3),
+        # S3 pays its first byte once: at 20 ms a block it never makes up for it,
+        # at 45 ms it does
+        (["disk", "s3"], 40e-3, 1),
+        (["disk", "s3"], 90e-3, 2),
     ],
 )
-def test_a_budget_cuts_where_the_loads_would_end_past_it(
+def test_a_budget_cuts_where_loading_stops_saving_time(
     sources: list[str | None], budget: float, cut: int
 ) -> None:
     sizes = [MiB] * len(sources)
@@ -125,15 +124,17 @@ async def test_a_daemon_answers_the_prefix_its_budget_can_load(sock_dir: Path) -
             costs = daemon.service.answers.c.costs
             costs.sources.update(known().sources)
             assert (await c.lookup(order, peek=True)).states == [State.HIT] * 8
-            reply = await c.lookup(order, budget=3.2e-3, peek=True)
-            # 2.05 ms for the first disk block, 1.05 ms for each after: two fit
-            fits = len(in_ram) + 2
+            # 0.5 ms a block recomputed: RAM's blocks save time, the disk's never do
+            reply = await c.lookup(order, budget=8 * 0.5e-3, peek=True)
+            fits = len(in_ram)
             assert reply.states == [State.HIT] * fits + [State.MISS] * (8 - fits)
             assert reply.prefix_hits == fits
-            reply = await c.lookup(order, budget=1.0, peek=True)
+            # 3 ms a block: every disk block saves time too
+            reply = await c.lookup(order, budget=8 * 3e-3, peek=True)
             assert reply.prefix_hits == 8
             stats = await c.stats()
         assert stats["sources"]["disk"]["ttfb_seconds"] == 1e-3
+        assert stats["lookup_budget_cut"] == {"disk": 8 - fits}
         cut = daemon.metrics.registry.get_sample_value(
             "kvtier_lookup_budget_cut_total", {"tier": "disk"}
         )

@@ -365,6 +365,9 @@ def test_a_get_from_a_hung_owner_is_hedged_to_the_next_owner() -> None:
             text = a.scrape()
             assert metric_value(text, "kvtier_hedged_reads_total", 'outcome="won"') == 1
             assert metric_value(text, "kvtier_hedged_reads_total", 'outcome="lost"') == 0
+            with client(a) as ca:
+                hedges = ca.stats()["tiers"]["peers"]["hedges"]
+            assert hedges == {"won": 1, "lost": 0, "skipped": 0}
         finally:
             b.send_signal(signal.SIGCONT)
     finally:

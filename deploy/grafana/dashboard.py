@@ -231,6 +231,36 @@ ROWS: list[tuple[str, list[tuple[str, list[tuple[str, str]], str]]]] = [
         ],
     ),
     (
+        "Load costs, budgets and hedges",
+        [
+            (
+                "Time to first byte by source (estimated from its loads)",
+                [(sel("kvtier_source_latency_seconds{SEL}"), "{{instance}} {{tier}}")],
+                "s",
+            ),
+            (
+                "Keys a lookup's budget answered MISS, by the tier they would load from",
+                [
+                    (
+                        sel("sum by (tier) (rate(kvtier_lookup_budget_cut_total{SEL}[5m]))"),
+                        "{{tier}}",
+                    )
+                ],
+                "short",
+            ),
+            (
+                "Hedged reads from peers, by outcome",
+                [
+                    (
+                        sel("sum by (outcome) (rate(kvtier_hedged_reads_total{SEL}[5m]))"),
+                        "{{outcome}}",
+                    )
+                ],
+                "short",
+            ),
+        ],
+    ),
+    (
         "Namespaces",
         [
             (

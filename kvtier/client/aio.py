@@ -477,8 +477,8 @@ class Client:
         ``peek``: a look that is not a read (a router comparing nodes): the
         daemon leaves its eviction order as it was and reads nothing ahead.
         ``budget``: the seconds recomputing these blocks would take; the
-        keys the daemon expects to load only past it answer MISS
-        (docs/lookup.md)."""
+        keys past the prefix whose loads save the engine the most time
+        answer MISS (docs/lookup.md)."""
         meta = wire.encode_lookup(
             Lookup(
                 list(keys),

@@ -268,9 +268,10 @@ class Answers:
         sources: list[tuple[str, int] | None],
         plan: LookupPlan | None = None,
     ) -> None:
-        """Answer MISS for the keys past what ``req.budget`` can load
-        (:func:`~kvtier.core.costs.budget_cut`), counted by the tier each
-        would have loaded from; the plan's work for them is not started."""
+        """Answer MISS for the keys past the prefix worth loading within
+        ``req.budget`` (:func:`~kvtier.core.costs.budget_cut`), counted by the
+        tier each would have loaded from; the plan's work for them is not
+        started."""
         cut = budget_cut(
             [s[0] if s is not None else None for s in sources],
             [s[1] if s is not None else 0 for s in sources],

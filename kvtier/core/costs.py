@@ -5,20 +5,23 @@ A cache hit is worth taking only if loading it beats computing it again.
 name), a moving estimate of its time to first byte and its throughput,
 learnt from the loads the daemon does (:meth:`Costs.observe`) and from
 priors before the first; the loads in flight on a source (a new load
-queues behind them) are the caller's count. :func:`budget_cut` reads them to decide, without any
-I/O, how long a prefix of a lookup's hits the engine can expect to load
-within its budget (the seconds it would spend recomputing those blocks):
-the keys past the cut answer MISS, so the engine loads the head and
-recomputes the tail.
+queues behind them) are the caller's count. :func:`budget_cut` reads them
+to decide, without any I/O, how long a prefix of a lookup's hits the
+engine should load given its budget (the seconds it would spend
+recomputing those blocks): the keys past the cut answer MISS, so the
+engine loads the head and recomputes the tail.
 
 The model: each source's blocks up to a key cost its time to first byte
 once, plus their bytes and the blocks in flight on it (each of the
-source's mean size) at its throughput; the
-sources' costs add up (a conservative bound: loads from two sources may
-overlap). A load's time splits into the two estimates by size: a small
-load (at most ``SMALL_LOAD`` bytes) is mostly its time to first byte; a
-larger one's bytes over the time past its time to first byte is its
-throughput. Estimates are exponentially weighted (``ALPHA`` per load).
+source's mean size) at its throughput; the sources' costs add up (a
+conservative bound: loads from two sources may overlap). Loading the
+first ``p`` keys saves the engine their share of the budget (``p`` times
+budget over keys) less that load time; the cut is the ``p`` that saves
+the most (0 when none saves anything). A load's time splits into the two
+estimates by size: a small load (at most ``SMALL_LOAD`` bytes) is mostly
+its time to first byte; a larger one's bytes over the time past its time
+to first byte is its throughput. Estimates are exponentially weighted
+(``ALPHA`` per load).
 
 Invariants: estimates stay positive and finite whatever is observed; a
 lookup without a budget is never cut; the cut is monotone (a larger budget
@@ -112,32 +115,36 @@ def budget_cut(
     budget: float,
     inflight: Mapping[str, int] | None = None,
 ) -> int:
-    """How many of a lookup's keys, in order, can be loaded within ``budget``
-    seconds: ``sources[i]`` is where key ``i`` would load from (None: it
-    would not load, as a MISS; it costs nothing and does not end the count),
-    ``sizes[i]`` its bytes (0: unknown, the source's mean block);
-    ``inflight``: loads in flight per source, which a new one waits behind.
-    Returns ``len(sources)`` when everything fits or ``budget`` is 0 (none
-    set)."""
+    """How many of a lookup's keys, in order, the engine should load: the
+    prefix that saves it the most time, where recomputing costs ``budget``
+    over all the keys (each key its share) and loading costs what
+    :class:`Costs` expects. ``sources[i]`` is where key ``i`` would load from
+    (None: it would not load: it costs nothing to load, and recomputing it
+    is the engine's either way), ``sizes[i]`` its bytes (0: unknown, the
+    source's mean block); ``inflight``: loads in flight per source, which a
+    new one waits behind. Returns ``len(sources)`` when ``budget`` is 0
+    (none set), 0 when no prefix beats recomputing."""
     n = len(sources)
-    if budget <= 0:
+    if budget <= 0 or n == 0:
         return n
+    per_key = budget / n
     spent: dict[str, float] = {}  # per source: bytes so far
-    total = 0.0
+    load = 0.0
+    best, best_saved = 0, 0.0
     for i in range(n):
         source = sources[i]
-        if source is None:
-            continue
-        est = costs.of(source)
-        size = sizes[i] or est.block_bytes
-        before = spent.get(source)
-        if before is None:
-            spent[source] = size
-            queued = inflight.get(source, 0) if inflight else 0
-            total += est.seconds(size, queued)  # its first byte, the queue, its bytes
-        else:
-            spent[source] = before + size
-            total += size / est.throughput
-        if total > budget:
-            return i
-    return n
+        if source is not None:
+            est = costs.of(source)
+            size = sizes[i] or est.block_bytes
+            before = spent.get(source)
+            if before is None:
+                spent[source] = size
+                queued = inflight.get(source, 0) if inflight else 0
+                load += est.seconds(size, queued)  # its first byte, the queue, its bytes
+            else:
+                spent[source] = before + size
+                load += size / est.throughput
+        saved = (i + 1) * per_key - load
+        if saved > best_saved:
+            best, best_saved = i + 1, saved
+    return best

@@ -324,6 +324,9 @@ class Service:
             "namespaces": {n.name: n.as_dict() for n in self.namespace_stats()},
             "writes": self.propagation.stats(),
             "sources": self.source_costs(),
+            "lookup_budget_cut": {
+                tier: int(n) for (tier,), n in self.counters.lookup_budget_cut.samples()
+            },
         }
 
     def source_costs(self) -> dict[str, dict[str, float]]:

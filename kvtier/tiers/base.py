@@ -99,6 +99,8 @@ class S3Stats(TierStats):
 class PeerStats(TierStats):
     peers: int = 0
     peers_up: int = 0
+    #: GETs that were due a hedge, by outcome (won, lost, skipped)
+    hedges: dict[str, int] | None = None
 
 
 class Tier(abc.ABC):

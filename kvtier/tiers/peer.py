@@ -471,7 +471,8 @@ class PeerTier(Tier):
     def stats(self) -> PeerStats:
         peers = self.picker.peers()
         up = sum(p.up for p in peers)
-        stats = PeerStats(self.name, 0, 0, 0, peers=len(peers), peers_up=up)
+        hedges = {o.value: int(self.counters.hedges.value(o.value)) for o in HedgeOutcome}
+        stats = PeerStats(self.name, 0, 0, 0, peers=len(peers), peers_up=up, hedges=hedges)
         if self.sealer is not None:
             self.sealer.counts.fill(stats)
         return stats
