@@ -541,7 +541,13 @@ def engine_section() -> str:
     """``make bench-e2e``'s, ``make bench-engines``', ``make bench-restart``'s
     and ``make bench-encryption``'s tables (docs/bench-*.md), those that were
     run: what an engine feels comes first."""
-    names = ("bench-e2e.md", "bench-engines.md", "bench-restart.md", "bench-encryption.md")
+    names = (
+        "bench-e2e.md",
+        "bench-engines.md",
+        "bench-restart.md",
+        "bench-budget.md",
+        "bench-encryption.md",
+    )
     paths = [ROOT / "docs" / name for name in names]
     return "".join(path.read_text() + "\n" for path in paths if path.exists())
 

@@ -338,6 +338,43 @@ def _replay_tenants(args: argparse.Namespace, chains: list[list[int]], unique: i
     return EXIT_OK
 
 
+def _replay_ttft(args: argparse.Namespace, chains: list[list[int]], unique: int) -> int:
+    """``kvtier replay --tier-cost``: modelled time to first token, with
+    yes/no answers and with budgeted ones."""
+    from kvtier import replay as rp
+
+    if args.nodes or args.socket or args.noisy or args.hints:
+        raise ConfigError("--tier-cost models one offline cache")
+    if args.recompute_tokens_per_second <= 0 or args.block_tokens <= 0:
+        raise ConfigError("--tier-cost needs --recompute-tokens-per-second and --block-tokens > 0")
+    costs = rp.parse_tier_costs(args.tier_cost)
+    per_block = args.block_tokens / args.recompute_tokens_per_second
+    policies = args.policy or ["harc"]
+    if "all" in policies:
+        policies = list(rp.POLICIES)
+    results = [
+        rp.replay_ttft(
+            chains,
+            policy,
+            capacity,
+            costs,
+            block_bytes=args.block_bytes,
+            recompute_seconds_per_block=per_block,
+        )
+        for policy in dict.fromkeys(policies)
+        for capacity in rp.parse_capacities(args.capacity, unique)
+    ]
+    if args.json:
+        print(json.dumps({"trace": args.trace, "results": [r.as_dict() for r in results]}))
+    else:
+        print(
+            f"{args.trace}: {len(chains)} requests; modelled time to first token, "
+            f"{per_block * 1e3:.2f} ms to recompute a block of {args.block_bytes} bytes"
+        )
+        print(rp.ttft_table(results))
+    return 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvtier import replay as rp
 
@@ -351,6 +388,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if args.hints:
             raise ConfigError("--hints replays one cache; fleets replay without hints")
         return _replay_fleet(args, chains, unique)
+    if args.tier_cost:
+        return _replay_ttft(args, chains, unique)
     tails = rp.tail_hints(Path(args.trace)) if args.hints else None
     show = sys.stderr.isatty() and not args.json
     results: list[rp.Result] = []
@@ -553,6 +592,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--noisy-rate", type=int, default=10, help="noisy requests per quiet one (default 10)"
+    )
+    p.add_argument(
+        "--tier-cost",
+        metavar="COSTS",
+        help="model time to first token: RAM and the tier below it (holding every block "
+        "written), each NAME=LATENCY/RATE, e.g. ram=20us/5GB,s3=30ms/200MB; with "
+        "--recompute-tokens-per-second: yes/no answers against budgeted ones",
+    )
+    p.add_argument(
+        "--recompute-tokens-per-second",
+        type=float,
+        default=0.0,
+        help="with --tier-cost: the engine's prefill rate",
+    )
+    p.add_argument("--block-tokens", type=int, default=16, help="with --tier-cost: tokens a block")
+    p.add_argument(
+        "--block-bytes",
+        type=int,
+        default=2 << 20,
+        help="with --tier-cost: a block's KV bytes (default 2 MiB)",
     )
     p.add_argument("--ram-min", metavar="PCT", help="the quiet namespace's ram_min, e.g. 50%%")
     p.add_argument("--noisy-max", metavar="PCT", help="the noisy namespace's ram_max, e.g. 40%%")

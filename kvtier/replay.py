@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.costs import Costs, Estimate, budget_cut, load_seconds
 from kvtier.errors import ConfigError
 from kvtier.model import namespace_prefix
 from kvtier.tiers.policy import POLICIES, EvictionPolicy, make_policy
@@ -182,6 +183,141 @@ def replay(
         if progress is not None and n % step == 0:
             progress(n, len(chains))
     return Result(policy + ("+hints" if tails is not None else ""), label, blocks, hits, requested)
+
+
+# -- what an engine waits for: time to first token with plain and budgeted answers
+
+_DURATION = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+_RATE = {"KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def parse_tier_costs(text: str) -> Costs:
+    """``ram=20us/5GB,disk=150us/1.5GB,s3=30ms/200MB``: each tier's time to
+    first byte and throughput (bytes a second); raises ConfigError."""
+    costs = Costs()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, spec = part.partition("=")
+        latency, _, rate = spec.partition("/")
+        try:
+            unit = next(u for u in ("us", "ms", "s") if latency.endswith(u))
+            scale = next(u for u in _RATE if rate.endswith(u))
+            ttfb = float(latency[: -len(unit)]) * _DURATION[unit]
+            throughput = float(rate[: -len(scale)]) * _RATE[scale]
+        except (StopIteration, ValueError):
+            raise ConfigError(
+                f"--tier-cost {part!r}: NAME=LATENCY/RATE, e.g. disk=150us/1.5GB"
+            ) from None
+        if not name or ttfb < 0 or throughput <= 0:
+            raise ConfigError(f"--tier-cost {part!r}: a name, a latency >= 0 and a rate > 0")
+        costs.sources[name] = Estimate(ttfb, throughput)
+    if "ram" not in costs.sources or len(costs.sources) < 2:
+        raise ConfigError("--tier-cost names ram and the tier below it, e.g. ram=...,disk=...")
+    return costs
+
+
+@dataclass(slots=True, frozen=True)
+class TTFTResult:
+    """Modelled time to first token per request, with yes/no answers (every
+    block found is loaded) and with budgeted ones (the prefix that saves
+    the most time is loaded, the rest recomputed)."""
+
+    policy: str
+    capacity: str
+    plain: list[float]
+    budgeted: list[float]
+    #: blocks loaded, and blocks the budget sent to be recomputed instead
+    loaded: int
+    cut: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "capacity": self.capacity,
+            "requests": len(self.plain),
+            "ttft_plain": _quantiles(self.plain),
+            "ttft_budgeted": _quantiles(self.budgeted),
+            "blocks_loaded": self.loaded,
+            "blocks_cut": self.cut,
+        }
+
+
+def _quantiles(values: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"mean": sum(ordered) / len(ordered), "p50": at(0.50), "p99": at(0.99)}
+
+
+def replay_ttft(
+    chains: Sequence[Chain],
+    policy: str,
+    capacity: tuple[str, int],
+    costs: Costs,
+    *,
+    block_bytes: int,
+    recompute_seconds_per_block: float,
+) -> TTFTResult:
+    """Each request's time to first token, modelled: its leading run of
+    blocks found anywhere is loaded (RAM's from RAM, under ``policy`` at
+    ``capacity`` blocks; a block seen before and not in RAM from the tier
+    below it, the second of ``costs``, which holds every block ever
+    written), the rest recomputed at ``recompute_seconds_per_block``. With
+    budgeted answers, the loaded prefix is the one
+    :func:`~kvtier.core.costs.budget_cut` keeps. Costs are
+    :func:`~kvtier.core.costs.load_seconds`' model."""
+    label, blocks = capacity
+    lower = next(name for name in costs.sources if name != "ram")
+    ram = RamTier(blocks * 4096, make_policy(policy))
+    value = memoryview(bytes(4096))
+    seen: set[int] = set()
+    plain: list[float] = []
+    budgeted: list[float] = []
+    loaded = cut_blocks = 0
+    for chain in chains:
+        keys = [key_of(i) for i in chain]
+        sources: list[str | None] = []
+        for block, key in zip(chain, keys, strict=True):
+            if ram.contains(key):
+                sources.append("ram")
+            elif block in seen:
+                sources.append(lower)
+            else:
+                break
+        n, found = len(chain), len(sources)
+        sizes = [block_bytes] * found
+        loads = [0.0, *load_seconds(sources, sizes, costs)]  # loads[p]: the first p blocks
+        keep = budget_cut(sources, sizes, costs, found * recompute_seconds_per_block)
+        plain.append(loads[found] + (n - found) * recompute_seconds_per_block)
+        budgeted.append(loads[keep] + (n - keep) * recompute_seconds_per_block)
+        loaded += found
+        cut_blocks += found - keep
+        for key in keys:
+            if ram.contains(key):
+                ram.get(key)
+            else:
+                ram.put(key, value)
+        seen.update(chain)
+    return TTFTResult(policy, label, plain, budgeted, loaded, cut_blocks)
+
+
+def ttft_table(results: Sequence[TTFTResult]) -> str:
+    lines = [
+        f"{'policy':8}{'capacity':>10}{'':>4}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
+        f"{'  blocks loaded / cut':>22}"
+    ]
+    for r in results:
+        for how, values, cut in (("yes/no", r.plain, 0), ("budget", r.budgeted, r.cut)):
+            q = _quantiles(values)
+            extra = f"{r.loaded - cut:>12} / {cut}"
+            lines.append(
+                f"{r.policy:8}{r.capacity:>10} {how:>6}{q['mean'] * 1e3:>10.1f}"
+                f"{q['p50'] * 1e3:>10.1f}{q['p99'] * 1e3:>10.1f}  {extra}"
+            )
+    return "\n".join(lines)
 
 
 # -- two tenants: a quiet workload and a noisy one, as two namespaces

@@ -12,6 +12,7 @@ import pytest
 
 from kvtier import replay as rp
 from kvtier.cli import main
+from kvtier.core.costs import Costs
 from kvtier.errors import ConfigError
 from kvtier.tiers.shares import Quota
 from tests.helpers import running_daemon
@@ -238,3 +239,41 @@ def test_the_tenants_command_reports_each_namespace_alone_shared_and_with_quotas
     assert "quotas" in capsys.readouterr().out
     assert main(["replay", *args[:-4], "--ram-min", "half"]) == 2
     assert "expected a percentage" in capsys.readouterr().err
+
+
+def test_budgeted_answers_recompute_what_a_slow_tier_would_only_delay() -> None:
+    """Two requests of one chain: the second finds its blocks below RAM (a
+    RAM of one block). Where the tier below loads a block slower than the
+    engine recomputes it, budgeted answers recompute it; where faster,
+    they load it as yes/no answers do."""
+    chains = [[1, 2, 3], [4], [1, 2, 3]]
+    slow = rp.parse_tier_costs("ram=0us/1000GB,s3=30ms/100MB")
+    fast = rp.parse_tier_costs("ram=0us/1000GB,disk=100us/2GB")
+
+    def replayed(costs: Costs) -> rp.TTFTResult:
+        return rp.replay_ttft(
+            chains,
+            "lru",
+            ("1 block", 1),
+            costs,
+            block_bytes=2 << 20,
+            recompute_seconds_per_block=0.010,
+        )
+
+    r = replayed(slow)
+    assert r.plain[:2] == [pytest.approx(0.030), pytest.approx(0.010)]  # nothing found: recomputed
+    # the third: 3 blocks from S3 (30 ms + 3 x 21 ms) against 30 ms to recompute them
+    assert r.plain[2] == pytest.approx(0.030 + 3 * (2 << 20) / 100e6)
+    assert r.budgeted[2] == pytest.approx(0.030) and r.cut == 3
+    r = replayed(fast)
+    assert r.budgeted == r.plain and r.cut == 0
+    assert r.plain[2] == pytest.approx(100e-6 + 3 * (2 << 20) / 2e9)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["ram=20us/5GB", "ram=20/5GB,s3=1ms/1MB", "ram=20us/5GB,s3=1ms/0MB", "=1us/1GB,x=1s/1GB"],
+)
+def test_tier_costs_that_do_not_parse_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="--tier-cost"):
+        rp.parse_tier_costs(text)

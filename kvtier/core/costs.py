@@ -128,11 +128,26 @@ def budget_cut(
     if budget <= 0 or n == 0:
         return n
     per_key = budget / n
+    best, best_saved = 0, 0.0
+    for i, load in enumerate(load_seconds(sources, sizes, costs, inflight)):
+        saved = (i + 1) * per_key - load
+        if saved > best_saved:
+            best, best_saved = i + 1, saved
+    return best
+
+
+def load_seconds(
+    sources: Sequence[str | None],
+    sizes: Sequence[int],
+    costs: Costs,
+    inflight: Mapping[str, int] | None = None,
+) -> list[float]:
+    """Per key, the seconds to load it and every key before it (the model
+    above; a key with no source adds nothing)."""
     spent: dict[str, float] = {}  # per source: bytes so far
     load = 0.0
-    best, best_saved = 0, 0.0
-    for i in range(n):
-        source = sources[i]
+    out: list[float] = []
+    for i, source in enumerate(sources):
         if source is not None:
             est = costs.of(source)
             size = sizes[i] or est.block_bytes
@@ -144,7 +159,5 @@ def budget_cut(
             else:
                 spent[source] = before + size
                 load += size / est.throughput
-        saved = (i + 1) * per_key - load
-        if saved > best_saved:
-            best, best_saved = i + 1, saved
-    return best
+        out.append(load)
+    return out
