@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,13 @@ class KvtierConnector(RemoteConnector):
         #: layout, unless the config names one
         self.namespace = str(extra.get("kvtier.namespace") or lmcache_namespace(local_cpu_backend))
         self.timeout = float(extra.get("kvtier.timeout", DEFAULT_TIMEOUT))
+        #: the engine's prefill rate: each lookup's budget is the seconds
+        #: recomputing its chunks would take (docs/lmcache.md); 0: no budget
+        rate = float(extra.get("kvtier.recompute_tokens_per_second", 0.0))
+        if rate < 0 or not math.isfinite(rate):
+            raise ValueError("kvtier.recompute_tokens_per_second: a rate >= 0")
+        chunk = int(getattr(config, "chunk_size", 256) or 256)
+        self.recompute_seconds_per_chunk = chunk / rate if rate > 0 else 0.0
         self._redial = Redial(self._dial, what="kvtier daemon")
         #: what this connector did, for the engine's logs and the tests
         self.counts: dict[str, int] = {}
@@ -128,6 +136,7 @@ class KvtierConnector(RemoteConnector):
                 [self.key(k) for k in keys],
                 mode=LookupMode.PREFIX,
                 request_tag=lookup_id.encode()[:255],
+                budget=len(keys) * self.recompute_seconds_per_chunk,
                 timeout=self.timeout,
             )
         except KvtierError as exc:

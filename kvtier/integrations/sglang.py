@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import threading
 import time
@@ -170,6 +171,13 @@ class KvtierStorage(HiCacheStorage):
         self.pending_wait = float(extra.get("pending_wait", DEFAULT_PENDING_WAIT))
         if self.timeout <= 0 or self.pending_wait < 0:
             raise ValueError("kvtier: timeout must be > 0 and pending_wait >= 0")
+        #: the engine's prefill rate: each lookup's budget is the seconds
+        #: recomputing its pages would take (docs/sglang.md); 0: no budget
+        self.recompute_tokens_per_second = float(extra.get("recompute_tokens_per_second", 0.0))
+        if self.recompute_tokens_per_second < 0 or not math.isfinite(
+            self.recompute_tokens_per_second
+        ):
+            raise ValueError("kvtier: recompute_tokens_per_second must be >= 0")
         self.suffix = rank_suffix(storage_config)
         self.metrics_enabled = bool(storage_config.enable_storage_metrics)
         #: SGLang calls the zero-copy page interface (else whole pages as tensors)
@@ -235,9 +243,18 @@ class KvtierStorage(HiCacheStorage):
             return 0
         names = self.names(keys, self.parts)
 
+        budget = 0.0
+        if self.recompute_tokens_per_second > 0:
+            page = int(getattr(self.mem_pool_host, "page_size", 0) or 1)
+            budget = len(keys) * page / self.recompute_tokens_per_second
+
         async def lookup(client: Client) -> int:
             reply = await client.lookup(
-                names, mode=LookupMode.PREFIX, wait=self.pending_wait, timeout=self.timeout
+                names,
+                mode=LookupMode.PREFIX,
+                wait=self.pending_wait,
+                budget=budget,
+                timeout=self.timeout,
             )
             raw = reply.raw_states  # only HIT counts: PENDING past the wait is a miss
             return next((i for i in range(reply.prefix_hits) if raw[i] != HIT), reply.prefix_hits)

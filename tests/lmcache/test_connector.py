@@ -27,7 +27,10 @@ KV_SHAPE = (2, 2, CHUNK, 4, 64)
 
 
 def engine(
-    socket: Path, namespace: str = "", kv_shape: tuple[int, int, int, int, int] = KV_SHAPE
+    socket: Path,
+    namespace: str = "",
+    kv_shape: tuple[int, int, int, int, int] = KV_SHAPE,
+    **settings: Any,
 ) -> tuple[LMCacheEngineConfig, LocalCPUBackend]:
     """An engine's LMCache config naming kvtier as its remote plugin, and its CPU backend."""
     extra = {
@@ -35,6 +38,7 @@ def engine(
         "remote_storage_plugin.kvtier.class_name": "KvtierConnector",
         "kvtier.socket": str(socket),
         "kvtier.timeout": 1.0,
+        **settings,
     }
     if namespace:
         extra["kvtier.namespace"] = namespace
@@ -61,9 +65,9 @@ def engine(
 class Engine:
     """One engine's remote connector, as LMCache builds and wraps it."""
 
-    def __init__(self, loop: Loop, socket: Path, namespace: str = "") -> None:
+    def __init__(self, loop: Loop, socket: Path, namespace: str = "", **settings: Any) -> None:
         self.loop = loop
-        self.config, self.backend = engine(socket, namespace)
+        self.config, self.backend = engine(socket, namespace, **settings)
         self.connector = CreateConnector(
             "plugin://kvtier", loop.loop, self.backend, self.config, plugin_name="kvtier"
         )
@@ -216,3 +220,22 @@ def test_the_daemon_killed_and_restarted_means_misses_then_recovery(
     finally:
         e.close()
         d.stop()
+
+
+def test_a_prefill_rate_sends_budgets_and_chunks_slower_to_load_read_as_misses(
+    eng: Engine, daemon: Daemon, lmcache_loop: Loop
+) -> None:
+    """``kvtier.recompute_tokens_per_second``: each lookup carries the seconds
+    its chunks would take to recompute; at a (fictitious) trillion tokens a
+    second even RAM is slower, and LMCache recomputes."""
+    chunk, _ = eng.chunk(7)
+    eng.put([key(7)], [chunk])
+    chunk.ref_count_down()
+    assert eng.run(eng.connector.batched_async_contains("plain", [key(7)])) == 1
+    fast = Engine(lmcache_loop, daemon.socket_path, **{"kvtier.recompute_tokens_per_second": 1e12})
+    try:
+        assert fast.ours.recompute_seconds_per_chunk == CHUNK / 1e12
+        assert fast.run(fast.connector.batched_async_contains("budget", [key(7)])) == 0
+    finally:
+        fast.close()
+    assert daemon.total("kvtier_lookup_budget_cut_total") >= 1

@@ -359,3 +359,21 @@ def test_the_plain_calls_agree_with_the_batched_ones_on_a_page(daemon: Daemon) -
     assert [other.storage.exists(k) for k in keys] == [True, True]
     eng.close()
     other.close()
+
+
+def test_a_prefill_rate_sends_budgets_and_pages_slower_to_load_read_as_misses(
+    eng: Engine, daemon: Daemon
+) -> None:
+    """``recompute_tokens_per_second``: each lookup carries the seconds its
+    pages would take to recompute; at a (fictitious) trillion tokens a
+    second even RAM is slower, and SGLang recomputes."""
+    keys = hashes(2, base=500)
+    src, _ = eng.fill(2)
+    assert eng.storage.batch_set_v1(keys, src) == [True] * 2
+    assert eng.storage.batch_exists(keys) == 2
+    fast = Engine(daemon.socket_path, recompute_tokens_per_second=1e12)
+    try:
+        assert fast.storage.batch_exists(keys) == 0
+    finally:
+        fast.close()
+    assert daemon.total("kvtier_lookup_budget_cut_total") >= 2
