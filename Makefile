@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: soak-restart bench-restart bench-encryption bench-budget test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -189,6 +189,11 @@ bench-restart: $(STAMP)
 bench-encryption: $(STAMP)
 	$(BIN)/python -m benchmarks.encryption --markdown docs/bench-encryption.md
 
+# A GET's tail when one of a block's two owners stalls, with and without
+# hedged reads: three real daemons, one behind a stalling proxy.
+bench-hedging: $(STAMP)
+	$(BIN)/python -m benchmarks.hedging --markdown docs/bench-hedging.md
+
 # What budgeted lookups buy an engine: modelled time to first token on the
 # trace, yes/no answers against budgeted ones (kvtier replay --tier-cost).
 BUDGET_REPLAY = $(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 5%,20% \
@@ -226,7 +231,7 @@ bench-deps: $(BENCH_STAMP)
 	  else echo "make bench needs redis-server: sudo apt-get install redis-server" >&2; exit 1; fi; }
 
 # BENCH_ARGS=--quick for a shorter run.
-bench: bench-deps bench-budget
+bench: bench-deps bench-budget bench-hedging
 	$(BIN)/python -m benchmarks.encryption --markdown docs/bench-encryption.md
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)

@@ -546,6 +546,7 @@ def engine_section() -> str:
         "bench-engines.md",
         "bench-restart.md",
         "bench-budget.md",
+        "bench-hedging.md",
         "bench-encryption.md",
     )
     paths = [ROOT / "docs" / name for name in names]

@@ -232,7 +232,8 @@ def test_a_prefill_rate_sends_budgets_and_chunks_slower_to_load_read_as_misses(
     eng.put([key(7)], [chunk])
     chunk.ref_count_down()
     assert eng.run(eng.connector.batched_async_contains("plain", [key(7)])) == 1
-    fast = Engine(lmcache_loop, daemon.socket_path, **{"kvtier.recompute_tokens_per_second": 1e12})
+    rate: dict[str, Any] = {"kvtier.recompute_tokens_per_second": 1e12}
+    fast = Engine(lmcache_loop, daemon.socket_path, **rate)
     try:
         assert fast.ours.recompute_seconds_per_chunk == CHUNK / 1e12
         assert fast.run(fast.connector.batched_async_contains("budget", [key(7)])) == 0
