@@ -237,7 +237,7 @@ class PeerTier(Tier):
         #: seconds before a GET not answered yet asks the next owner too (None:
         #: the peer's p95 over its recent loads), and the share of reads hedged at most
         self.hedge_after = hedge_after
-        self.hedges = HedgeBudget(hedge_max_ratio)
+        self.hedge_budget = HedgeBudget(hedge_max_ratio)
         #: each peer's recent GET times, by address
         self._latency: dict[str, LatencyWindow] = {}
         #: seals the blocks pushed to peers, opens those they send (None: plain)
@@ -320,7 +320,7 @@ class PeerTier(Tier):
                 owners = [hinted, *(p for p in owners if p is not hinted)]
             candidates.append(owners)
         left = [i for i in range(len(keys)) if candidates[i]]
-        self.hedges.earn(len(left))
+        self.hedge_budget.earn(len(left))
         failure: Exception | None = None
         while left:
             groups: dict[Peer, list[int]] = {}
@@ -374,7 +374,7 @@ class PeerTier(Tier):
             done, _ = await asyncio.wait({primary}, timeout=delay)
             if done or not all(candidates[i] for i in idx):
                 return await primary
-            if not self.hedges.spend():
+            if not self.hedge_budget.spend():
                 self.counters.hedges.inc(HedgeOutcome.SKIPPED.value)
                 return await primary
             hedge = asyncio.ensure_future(self._load_next(idx, keys, candidates))
