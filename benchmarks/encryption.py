@@ -33,6 +33,7 @@ from pathlib import Path
 
 from backports import zstd
 
+from benchmarks.report import publish
 from kvtier.config import S3TierConfig
 from kvtier.model import namespace_prefix
 from kvtier.tiers.disk import DiskTier
@@ -211,9 +212,7 @@ async def main() -> int:
         "|---|---:|---:|---:|",
         *(f"| {name} | {r:.2f}x | {c:.2f} | {u:.2f} |" for name, r, c, u in codecs),
     ]
-    print("\n".join(out))
-    if args.markdown is not None:
-        args.markdown.write_text("\n".join(out) + "\n")
+    publish(out, args.markdown)
     return 0
 
 

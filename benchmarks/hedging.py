@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.report import publish
 from kvtier import BlockingClient, State
 from kvtier.daemon import READY_MESSAGE
 from kvtier.tiers.rendezvous import ranked
@@ -208,9 +209,7 @@ def main() -> int:
         "|---|---:|---:|---:|---:|",
         *(f"| {label} | {m:.1f} | {a:.1f} | {b:.1f} | {c:.1f} |" for label, m, a, b, c in rows),
     ]
-    print("\n".join(out))
-    if args.markdown is not None:
-        args.markdown.write_text("\n".join(out) + "\n")
+    publish(out, args.markdown)
     return 0
 
 

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.report import publish
 from kvtier import Client, LookupMode
 from kvtier.daemon import READY_MESSAGE
 from kvtier.model import HIT
@@ -157,9 +158,7 @@ def main() -> int:
         "|---|---:|---:|",
         *(f"| {label} | {ready:.2f} s | {whole:.2f} s |" for label, ready, whole, _ in rows),
     ]
-    print("\n".join(out))
-    if args.markdown is not None:
-        args.markdown.write_text("\n".join(out) + "\n")
+    publish(out, args.markdown)
     return 0
 
 
