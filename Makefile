@@ -186,8 +186,11 @@ bench-restart: $(STAMP)
 
 # What sealing blocks at rest costs through the disk and S3 tiers (plain and
 # sealed, alternated in one run), and zstd's ratio on KV-like bytes.
-bench-encryption: $(STAMP)
-	$(BIN)/python -m benchmarks.encryption --markdown docs/bench-encryption.md
+bench-encryption: $(STAMP) $(E2E_STAMP)
+	$(E2E_VENV)/bin/python -m benchmarks.kv_blocks $(CURDIR)/.kv-blocks.bin
+	$(BIN)/python -m benchmarks.encryption --kv-blocks .kv-blocks.bin \
+	  --markdown docs/bench-encryption.md
+	rm -f .kv-blocks.bin
 
 # A GET's tail when one of a block's two owners stalls, with and without
 # hedged reads: three real daemons, one behind a stalling proxy.
@@ -231,8 +234,7 @@ bench-deps: $(BENCH_STAMP)
 	  else echo "make bench needs redis-server: sudo apt-get install redis-server" >&2; exit 1; fi; }
 
 # BENCH_ARGS=--quick for a shorter run.
-bench: bench-deps bench-budget bench-hedging
-	$(BIN)/python -m benchmarks.encryption --markdown docs/bench-encryption.md
+bench: bench-deps bench-budget bench-hedging bench-encryption
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)
 	$(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 2%,5%,10%,20%,40% \

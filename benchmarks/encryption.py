@@ -9,10 +9,12 @@ median of the rounds taken, so the machine's noise falls on both sides:
 * the S3 tier against a local S3-compatible server (moto's server mode,
   the one the tests start), 1 MiB objects put and got, plain and sealed;
 * AES-256-GCM alone on 1 MiB;
-* zstd (levels 1 and 3) on KV-like bytes: bf16 and fp16 tensors of
-  normally distributed values (a stand-in for a model's K and V: their
-  sign and mantissa bits are near random, their exponents cluster), its
-  ratio and speed.
+* zstd (levels 1 and 3), block by block as a tier packs them: on bf16
+  and fp16 tensors of normally distributed values (a stand-in for a
+  model's K and V: near-random signs and mantissas, clustered exponents),
+  and with ``--kv-blocks`` on real KV blocks a vLLM engine stored through
+  kvtier (:mod:`benchmarks.kv_blocks`, run in .venv-e2e), its ratio and
+  speed.
 
 Prints a table; ``--markdown`` writes it (docs/bench-encryption.md, which
 ``make bench`` includes in docs/benchmarks.md).
@@ -159,21 +161,30 @@ def aead_row(rounds: int) -> tuple[str, float, float]:
     return ("AES-256-GCM 1MiB: seal / open", statistics.median(seals), statistics.median(opens))
 
 
-def codec_rows() -> list[tuple[str, float, float, float]]:
+def codec_rows(real: Path | None) -> list[tuple[str, float, float, float]]:
+    """zstd on each KV-like input, block by block as a tier packs them."""
+    inputs = [
+        (f"{kind} normal values, 1 MiB blocks", kv_bytes(4 * MiB, kind), MiB)
+        for kind in ("bf16", "fp16")
+    ]
+    if real is not None:
+        data = real.read_bytes()
+        inputs.append(("vLLM's own KV blocks (fp32, 64 KiB)", data, 64 * 1024))
     rows = []
-    for kind in ("bf16", "fp16"):
-        data = kv_bytes(4 * MiB, kind)
+    for name, data, block in inputs:
+        blocks = [data[i : i + block] for i in range(0, len(data), block)]
         for level in (1, 3):
             start = time.perf_counter()
-            packed = zstd.compress(data, level=level)
+            packed = [zstd.compress(b, level=level) for b in blocks]
             pack_s = time.perf_counter() - start
             start = time.perf_counter()
-            zstd.decompress(packed)
+            for p in packed:
+                zstd.decompress(p)
             unpack_s = time.perf_counter() - start
             rows.append(
                 (
-                    f"zstd level {level} on {kind} KV",
-                    len(data) / len(packed),
+                    f"zstd level {level}, {name}",
+                    len(data) / sum(map(len, packed)),
                     len(data) / pack_s / 1e9,
                     len(data) / unpack_s / 1e9,
                 )
@@ -186,12 +197,15 @@ async def main() -> int:
     parser.add_argument("--blocks", type=int, default=32, help="1 MiB blocks per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--markdown", type=Path, help="write the tables here")
+    parser.add_argument(
+        "--kv-blocks", type=Path, help="a file of real KV blocks (benchmarks/kv_blocks.py)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvt-bench-sealing-") as d:
         rows = await disk_rows(Path(d), args.blocks, args.rounds)
     rows += await s3_rows(max(8, args.blocks // 4), args.rounds)
     aead = aead_row(args.rounds)
-    codecs = codec_rows()
+    codecs = codec_rows(args.kv_blocks)
     out = [
         "## Sealing blocks at rest: what it costs",
         "",
@@ -206,7 +220,9 @@ async def main() -> int:
         *(f"| {name} | {p:.2f} | {s:.2f} | {s / p:.2f}x |" for name, p, s in rows),
         f"| {aead[0]} | | {aead[1]:.2f} / {aead[2]:.2f} | |",
         "",
-        "zstd on KV-like bytes (normal values as bf16 and fp16, 4 MiB):",
+        "zstd, block by block: on normally distributed bf16 and fp16 values, and on",
+        "the KV blocks a vLLM engine (its CPU build, the end-to-end tests' tiny",
+        "model, fp32) stored through kvtier:",
         "",
         "| codec | ratio | compress GB/s | decompress GB/s |",
         "|---|---:|---:|---:|",
