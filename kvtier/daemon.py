@@ -242,7 +242,8 @@ class Daemon:
         if peer_tier is not None and self.config.peer.dns is not None:
             self.scheduler.every(self.config.peer.dns_interval, lambda: spawn(peer_tier.refresh()))
         disk = self.disk
-        if disk is not None and disk.scanning:
+        loaded = disk is not None and disk.loaded is not None and disk.loaded.index is not None
+        if disk is not None and not loaded:
             # Serves meanwhile: without an index loaded, unscanned keys read RETRY.
             spawn(disk.rebuild_index())
         shared, handoff = self.shared, self.handoff
@@ -268,7 +269,7 @@ class Daemon:
             await self.server.start(sock, spawn)
             await self._start_peer_listener(spawn)
             self._announce()
-            if disk is not None and not disk.scanning:
+            if disk is not None and loaded:
                 # The pass over the files of an index loaded whole: after the
                 # start, not competing with the lookup process's first snapshot.
                 spawn(disk.rebuild_index())

@@ -454,6 +454,37 @@ async def test_a_daemon_restarts_through_damaged_or_older_index_files(
                 assert (await c.lookup(keys)).states == [State.HIT] * 20
             await c.lookup(keys, wait=30.0)
             got = await c.get_many(keys)
+        # One pass over the files: the scan, or the gentle one after a loaded index.
+        ended = "disk index rebuilt" if damage != "torn journal" else "disk index reconciled"
+        await asyncio.to_thread(restarted.wait_for_line, ended)
     finally:
         assert restarted.stop() == 0
+    passes = [
+        line for line in restarted.lines if "disk index rebuilt" in line or "reconciled" in line
+    ]
+    assert len(passes) == 1, passes
     assert [bytes(g or b"") for g in got] == [bytes([i]) * 4000 for i in range(20)]
+
+
+async def test_a_first_start_scans_once_and_a_restart_passes_over_the_files_once(
+    sock_dir: Path,
+) -> None:
+    """The pass after the ready line is for an index loaded from its files:
+    a first start (nothing to load) scans, and that is its only pass."""
+    first = DaemonProcess(sock_dir).start()
+    try:
+        await asyncio.to_thread(first.wait_for_line, "disk index rebuilt")
+        async with await Client.connect(first.socket_path) as c:
+            await c.put(b"k", b"v" * 1000, durable=True)
+    finally:
+        assert first.stop() == 0
+    again = DaemonProcess(sock_dir).start()
+    try:
+        await asyncio.to_thread(again.wait_for_line, "disk index reconciled")
+    finally:
+        assert again.stop() == 0
+    for proc, only in ((first, "disk index rebuilt"), (again, "disk index reconciled")):
+        passes = [
+            line for line in proc.lines if "disk index rebuilt" in line or "reconciled" in line
+        ]
+        assert len(passes) == 1 and only in passes[0], passes
