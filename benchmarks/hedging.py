@@ -30,20 +30,12 @@ from benchmarks.report import publish
 from kvtier import BlockingClient, State
 from kvtier.daemon import READY_MESSAGE
 from kvtier.tiers.rendezvous import ranked
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-hedging"
 BLOCK = 256 * 1024
 STALL, STALL_SHARE = 0.050, 0.10
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class StallingProxy:
