@@ -26,7 +26,6 @@ from kvtier.config import (
     RemoteTierConfig,
     S3TierConfig,
 )
-from kvtier.core.local import SealedView
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.core.service import Service
 from kvtier.core.shared.blocks import SharedBlocks
@@ -251,7 +250,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
     ops = op_table(
         service, node_id, shared=shared, offer=offer, events=service, access=access_of(config)
     )
-    peer_ops = op_table(SealedView(service.local(PEER_TIER), peer_sealer), node_id)
+    peer_ops = op_table(service.local(PEER_TIER, peer_sealer), node_id)
     server = Server(
         ops,
         max_frame=int(sc.max_frame_bytes),

@@ -114,29 +114,33 @@ class LocalView:
         raise ForbiddenError("peers may not read STATS")
 
 
-class SealedView:
-    """The peer port's service: a :class:`LocalView` whose blocks travel
-    sealed (:mod:`kvtier.tiers.sealing`). A pushed value is opened before
-    it is stored (one that does not open fails the PUT, counted), a value
-    asked for is sealed before it is sent, and its pin let go once the sealed
+class SealedView(LocalView):
+    """The peer port's view when blocks travel sealed
+    (:mod:`kvtier.tiers.sealing`): a pushed value is opened before it is
+    stored (one that does not open fails the PUT, counted), a value asked
+    for is sealed before it is sent, and its pin let go once the sealed
     copy is made. Where no namespace has a key and the peers have no codec,
     values pass as they are."""
 
-    def __init__(self, inner: LocalView, sealer: Sealer) -> None:
-        self._inner = inner
+    def __init__(
+        self,
+        answers: Answers,
+        loads: Loads,
+        stores: Stores,
+        reach: Reach,
+        limits: Limits,
+        *,
+        source: str,
+        sealer: Sealer,
+    ) -> None:
+        super().__init__(answers, loads, stores, reach, limits, source=source)
         self.sealer = sealer
-        self.limits = inner.limits
 
     def __repr__(self) -> str:
-        return f"<SealedView {self._inner!r} {self.sealer!r}>"
-
-    def lookup(
-        self, req: Lookup, cutoff: asyncio.Future[None] | None = None
-    ) -> LookupReply | Awaitable[LookupReply]:
-        return self._inner.lookup(req, cutoff)
+        return f"<SealedView source={self._source} {self.sealer!r}>"
 
     def get(self, keys: Sequence[bytes]) -> list[Buffer | None] | Awaitable[list[Buffer | None]]:
-        values = self._inner.get(keys)
+        values = super().get(keys)
         if not self.sealer.active:
             return values
         if isinstance(values, list):
@@ -150,18 +154,17 @@ class SealedView:
                 for k, v in zip(keys, values, strict=True)
             ]
         finally:
-            self._inner.unpin(keys, values)
+            self.unpin(keys, values)  # (the server's unpin of a sealed copy is a no-op)
 
     async def _sealed_later(
         self, keys: Sequence[bytes], values: Awaitable[list[Buffer | None]]
     ) -> list[Buffer | None]:
         return self._sealed(keys, await values)
 
-    def unpin(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> None:
-        self._inner.unpin(keys, values)  # (a sealed copy pins nothing: a no-op for it)
-
-    def _opened(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> list[Buffer]:
-        return [self.sealer.open(k, v) for k, v in zip(keys, values, strict=True)]
+    def _opened(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> list[Any]:
+        return [
+            None if v is None else self.sealer.open(k, v) for k, v in zip(keys, values, strict=True)
+        ]
 
     def put(
         self,
@@ -173,42 +176,15 @@ class SealedView:
     ) -> list[PutStatus]:
         if self.sealer.active:
             values = self._opened(keys, values)
-        return self._inner.put(keys, values, copy=copy, hints=hints)
+        return super().put(keys, values, copy=copy, hints=hints)
 
     def stage(self, length: int, key: bytes) -> memoryview | None:
         # A sealed body is not the block it holds: received into a buffer of its own.
-        return None if self.sealer.active else self._inner.stage(length, key)
-
-    def drop_staged(self, value: Buffer) -> None:
-        self._inner.drop_staged(value)
+        return None if self.sealer.active else super().stage(length, key)
 
     def make_durable(
         self, keys: Sequence[bytes], values: Sequence[Buffer | None]
     ) -> Awaitable[None]:
         if self.sealer.active:  # (the values as the PUT stored them, opened again)
-            values = [
-                None if v is None else self.sealer.open(k, v)
-                for k, v in zip(keys, values, strict=True)
-            ]
-        return self._inner.make_durable(keys, values)
-
-    def delete(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]:
-        return self._inner.delete(keys)
-
-    def reserve(self, req: Reserve, owner: ConnId) -> list[ReserveStatus]:
-        return self._inner.reserve(req, owner)
-
-    def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
-        return self._inner.abort(keys, owner)
-
-    def release(self, tag: bytes) -> bool:
-        return self._inner.release(tag)
-
-    def connection_closed(self, owner: ConnId) -> None:
-        self._inner.connection_closed(owner)
-
-    def write_room(self) -> asyncio.Future[None] | None:
-        return self._inner.write_room()
-
-    def stats(self) -> dict[str, Any]:
-        return self._inner.stats()
+            values = self._opened(keys, values)
+        return super().make_durable(keys, values)

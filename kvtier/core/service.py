@@ -52,7 +52,7 @@ from kvtier.core.events import EventLog, Subscription
 from kvtier.core.holdings import Holdings
 from kvtier.core.lifecycle import Lifecycle
 from kvtier.core.loads import Loads
-from kvtier.core.local import LocalView
+from kvtier.core.local import LocalView, SealedView
 from kvtier.core.lookup import Locator
 from kvtier.core.probing import Reach, RemoteProbes
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
@@ -72,6 +72,7 @@ from kvtier.model import (
 from kvtier.tiers.base import LocalTier, Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.ram import RamTier
+from kvtier.tiers.sealing import Sealer
 from kvtier.tiers.shares import Shares
 
 log = logging.getLogger("kvtier.service")
@@ -163,6 +164,8 @@ class Service:
         self.stores = Stores(c, self.propagation)
         self.loads = Loads(c, self.stores, [t.name for t in self.tiers()[1:]])
         self.answers = Answers(c, self.loads)
+        #: what a load costs from each source (the lookups' budgets read it)
+        self.costs = c.costs
         # The verbs are the parts' own; lookup and get reach the remote tiers.
         stores, loads, answers = self.stores, self.loads, self.answers
         self.lookup = partial(answers.lookup, reach=self.reach)
@@ -182,11 +185,13 @@ class Service:
             f"remotes={self.remotes!r} {self.pending!r} {self.answers!r}>"
         )
 
-    def local(self, source: str) -> LocalView:
-        """The service as a peer daemon sees it (its pushes stored as from ``source``)."""
-        return LocalView(
-            self.answers, self.loads, self.stores, self.local_reach, self.limits, source=source
-        )
+    def local(self, source: str, sealer: Sealer | None = None) -> LocalView:
+        """The service as a peer daemon sees it (its pushes stored as from
+        ``source``; with ``sealer``, its blocks travel sealed)."""
+        parts = (self.answers, self.loads, self.stores, self.local_reach, self.limits)
+        if sealer is None:
+            return LocalView(*parts, source=source)
+        return SealedView(*parts, source=source, sealer=sealer)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -332,7 +337,7 @@ class Service:
     def source_costs(self) -> dict[str, dict[str, float]]:
         """What a load costs from each source now (every tier a lookup may
         load from: their priors until loads are observed)."""
-        costs = self.answers.c.costs
+        costs = self.costs
         return {
             t.name: {
                 "ttfb_seconds": (e := costs.of(t.name)).ttfb,
