@@ -46,7 +46,8 @@ from kvtier.errors import KvtierError
 from kvtier.model import LookupMode
 from kvtier.tiers.disk.format import HEADER
 from kvtier.tiers.rendezvous import owner
-from tests.helpers import DaemonProcess, free_port, rss_bytes
+from tests.helpers import DaemonProcess, rss_bytes
+from tests.ports import free_port
 from tests.s3server import S3Server
 
 TOKEN = "soak-fleet-peer-token"

@@ -352,13 +352,6 @@ class _Collector(Collector):
         yield _counter(
             "kvtier_peer_connects", "Connection attempts to peers, by outcome", c.connects
         )
-        yield _counter(
-            "kvtier_hedged_reads",
-            "GETs from a peer unanswered past its usual time that asked the next owner "
-            "too: won (the hedge delivered first), lost (the first request did), skipped "
-            "(the hedge budget, hedge_max_ratio of reads, had no token)",
-            c.hedges,
-        )
         up = GaugeMetricFamily(
             "kvtier_peer_up", "1 while a peer is in use, 0 while it is down", labels=["peer"]
         )
@@ -519,6 +512,20 @@ class _Collector(Collector):
             cap.add_metric([st.name], st.capacity_bytes)
             evictions.add_metric([st.name], st.evictions)
         yield from (used, blocks, cap, evictions)
+        hedged = [st for st in stats if st.hedges is not None]
+        if hedged:
+            family = CounterMetricFamily(
+                "kvtier_hedged_reads",
+                "Reads from a tier unanswered past its usual time that asked another holder "
+                "too (a peer's next owner, the object again, a lower tier): won (the hedge "
+                "delivered first), lost (the first read did), skipped (the hedge budget, "
+                "hedge_max_ratio of reads, had no token)",
+                labels=["tier", "outcome"],
+            )
+            for st in hedged:
+                for outcome, n in (st.hedges or {}).items():
+                    family.add_metric([st.name, outcome], n)
+            yield family
         yield from self._sealing([st for st in stats if st.seal_failures is not None])
 
     def _sources(self, sources: dict[str, dict[str, float]]) -> Iterator[Metric]:

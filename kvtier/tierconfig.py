@@ -80,6 +80,12 @@ class S3TierConfig(Section):
     #: stays as it is where it does not shrink): worth it only where the
     #: link is slower than the codec (docs/security.md has the figures)
     codec: Codec = "none"
+    #: seconds a GET may go unanswered before the object is asked for again
+    #: (the first complete answer wins; a second request usually reaches
+    #: another server); unset: the tier's p95 over its recent GETs
+    hedge_after: float | None = Field(default=None, ge=0)
+    #: hedges are at most this share of GETs (a token bucket; 0: none)
+    hedge_max_ratio: float = Field(default=0.05, ge=0, le=1)
 
 
 RemoteTierConfig = Annotated[MemoryTierConfig | S3TierConfig, Field(discriminator="kind")]
@@ -146,7 +152,8 @@ class PeerConfig(Section):
     max_pending_push_bytes: ByteCount = Field(default=256 * MiB, ge=0)
     #: seconds a GET from a peer may go unanswered before the block's next
     #: owner is asked too (the first to deliver wins); unset: the peer's p95
-    #: over its recent loads. Needs replicas >= 2 (a next owner)
+    #: over its recent loads. Needs replicas >= 2 (a next owner) or a
+    #: remote tier below that may hold the block too (an S3 tier)
     hedge_after: float | None = Field(default=None, ge=0)
     #: hedges are at most this share of reads from peers (a token bucket)
     hedge_max_ratio: float = Field(default=0.05, ge=0, le=1)

@@ -6,7 +6,6 @@ import asyncio
 import atexit
 import contextlib
 import os
-import random
 import re
 import shutil
 import signal
@@ -30,27 +29,6 @@ from kvtier.supervisors.lookup_process import TIMING, Timing
 from kvtier.tiers.base import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-#: ports handed out for listeners: below the kernel's ephemeral range
-#: (32768-60999 by default), so no outgoing connection of another test takes
-#: one between its choice and its bind, or while its daemon restarts
-_LISTEN_PORTS = range(20000, 32000)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, outside the
-    ephemeral range (a daemon restarted on it finds it free again)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.choice(_LISTEN_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 _TMP_ROOT: Path | None = None

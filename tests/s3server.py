@@ -30,6 +30,8 @@ class CountingProxy:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.completed: Counter[tuple[str, str]] = Counter()
         self._held_method: str | None = None
+        #: how many more requests of that method to hold (None: all)
+        self._hold_left: int | None = None
         self._release: asyncio.Event | None = None
         self.held = threading.Event()  # set when a request is being held
         self._conditions: list[tuple[str, str, int, threading.Event]] = []
@@ -70,7 +72,13 @@ class CountingProxy:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         key = (request.method, request.path)
         self.counts[key] += 1
-        if self._held_method == request.method and self._release is not None:
+        if (
+            self._held_method == request.method
+            and self._release is not None
+            and self._hold_left != 0
+        ):
+            if self._hold_left is not None:
+                self._hold_left -= 1
             self.held.set()
             await self._release.wait()
         assert self._session is not None
@@ -111,9 +119,13 @@ class CountingProxy:
         self._loop.call_soon_threadsafe(add)
         return event
 
-    def hold(self, method: str) -> None:
+    def hold(self, method: str, count: int | None = None) -> None:
+        """Hold requests of ``method`` (only the next ``count`` when given)
+        until :meth:`release`."""
+
         async def arm() -> None:
             self._held_method = method
+            self._hold_left = count
             self._release = asyncio.Event()
 
         self._run(arm())

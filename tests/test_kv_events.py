@@ -16,7 +16,8 @@ from kvtier.client.aio import Client
 from kvtier.daemon import Daemon
 from kvtier.model import LookupMode
 from kvtier.tiers.rendezvous import owner
-from tests.helpers import free_port, running_daemon, wait_on_timers
+from tests.helpers import running_daemon, wait_on_timers
+from tests.ports import free_port
 from tests.s3server import S3Server, s3_server
 
 RAM_ONLY = {"enabled": False}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import signal
 import time
@@ -17,7 +18,9 @@ from kvtier.errors import KvtierError
 from kvtier.model import namespace_prefix
 from kvtier.tiers.rendezvous import owner, ranked
 from kvtier.tiers.sealing import Keyring, Keys, Sealer
-from tests.helpers import DaemonProcess, free_port, metric_value, short_tmpdir
+from tests.helpers import DaemonProcess, metric_value, short_tmpdir
+from tests.ports import free_port
+from tests.s3server import S3Server
 
 TOKEN = "e2e-peer-token"
 
@@ -363,8 +366,9 @@ def test_a_get_from_a_hung_owner_is_hedged_to_the_next_owner() -> None:
             with client(a) as ca:
                 assert bytes(ca.get(key) or b"") == value  # from C, the hedge
             text = a.scrape()
-            assert metric_value(text, "kvtier_hedged_reads_total", 'outcome="won"') == 1
-            assert metric_value(text, "kvtier_hedged_reads_total", 'outcome="lost"') == 0
+            won, lost = ('outcome="won",tier="peers"', 'outcome="lost",tier="peers"')
+            assert metric_value(text, "kvtier_hedged_reads_total", won) == 1
+            assert metric_value(text, "kvtier_hedged_reads_total", lost) == 0
             with client(a) as ca:
                 hedges = ca.stats()["tiers"]["peers"]["hedges"]
             assert hedges == {"won": 1, "lost": 0, "skipped": 0}
@@ -372,3 +376,50 @@ def test_a_get_from_a_hung_owner_is_hedged_to_the_next_owner() -> None:
             b.send_signal(signal.SIGCONT)
     finally:
         fleet.stop()
+
+
+def test_a_get_from_a_hung_owner_is_hedged_to_s3_which_holds_the_block_too() -> None:
+    """One owner (replicas = 1) holds the block, and S3 below the peers has
+    it too (the owner wrote it through). The owner hangs (SIGSTOP) after
+    saying it holds it: past hedge_after the daemon asks S3, which delivers
+    and wins."""
+    server = S3Server()
+    try:
+        bucket = server.new_bucket()
+        tier = server.tier_config(bucket)
+        fleet = Fleet(
+            2,
+            replicas=1,
+            peer_extra="hedge_after = 0.05\nhedge_max_ratio = 1.0\n",
+            extra="[[remote_tiers]]\n"
+            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in tier.items()),
+            verdict_ttl=60.0,
+            remote_hit="hit",
+        )
+        a, b = fleet.daemons
+        try:
+            (key,) = fleet.keys_ranked([1], "hedged-to-s3", 1)  # owner: B
+            value = os.urandom(100_000)
+            path = f"/{bucket}/{tier['prefix']}{key.hex()}"
+            stored = server.proxy.when_completed("PUT", path)
+            with client(b) as cb:
+                cb.put(key, value)  # kept by B, written through to S3; A has none
+            assert stored.wait(30)
+            with client(a) as ca:
+                assert ca.lookup([key], wait=5.0).states == [State.HIT]  # B says so
+            b.send_signal(signal.SIGSTOP)
+            try:
+                with client(a) as ca:
+                    assert bytes(ca.get(key) or b"") == value  # from S3, the hedge
+                    hedges = ca.stats()["tiers"]["peers"]["hedges"]
+                assert hedges == {"won": 1, "lost": 0, "skipped": 0}
+                assert server.proxy.counts[("GET", path)] == 1
+                text = a.scrape()
+                won = 'outcome="won",tier="peers"'
+                assert metric_value(text, "kvtier_hedged_reads_total", won) == 1
+            finally:
+                b.send_signal(signal.SIGCONT)
+        finally:
+            fleet.stop()
+    finally:
+        server.close()

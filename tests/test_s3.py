@@ -17,7 +17,7 @@ from kvtier.config import S3TierConfig
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.daemon import Daemon
 from kvtier.tiers.s3 import CHECKSUM_META, S3Tier
-from tests.helpers import DaemonProcess, running_daemon, wait_until
+from tests.helpers import DaemonProcess, running_daemon, wait_on_timers, wait_until
 from tests.s3server import S3Server, s3_server
 
 H, M, P, R = State.HIT, State.MISS, State.PENDING, State.RETRY
@@ -201,6 +201,58 @@ async def test_tampered_object_is_a_counted_miss(s3: S3Server, daemon: Daemon) -
         assert await c.get(K) is None
     assert sample(daemon, "kvtier_s3_corrupt_objects_total", tier="s3") == 1
     assert sample(daemon, "kvtier_promotions_total", tier="s3", outcome="absent") == 1
+
+
+@pytest.mark.s3tier(hedge_after=0.05, hedge_max_ratio=1.0)
+async def test_a_get_the_endpoint_holds_is_sent_again_and_the_first_answer_wins(
+    s3: S3Server, daemon: Daemon
+) -> None:
+    """The endpoint holds the first GET: past hedge_after the object is asked
+    for again, that answer (checksum-verified) is served, the held one dropped."""
+    bucket = daemon.bucket  # type: ignore[attr-defined]
+    s3.boto().put_object(
+        Bucket=bucket,
+        Key=f"fleet-a/{K.hex()}",
+        Body=VALUE,
+        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
+    )
+    s3.proxy.hold("GET", count=1)
+    try:
+        async with await Client.connect(daemon.socket_path) as c:
+            assert await c.get(K) == VALUE
+            stats = await c.stats()
+    finally:
+        s3.proxy.release()
+    assert s3.proxy.counts[("GET", object_path(bucket, K))] == 2
+    assert stats["tiers"]["s3"]["hedges"] == {"won": 1, "lost": 0, "skipped": 0}
+    assert sample(daemon, "kvtier_hedged_reads_total", tier="s3", outcome="won") == 1
+
+
+@pytest.mark.s3tier(hedge_after=0.05, hedge_max_ratio=0.0)
+async def test_without_a_hedge_budget_a_held_get_is_waited_for(
+    s3: S3Server, daemon: Daemon
+) -> None:
+    bucket = daemon.bucket  # type: ignore[attr-defined]
+    s3.boto().put_object(
+        Bucket=bucket,
+        Key=f"fleet-a/{K.hex()}",
+        Body=VALUE,
+        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
+    )
+    s3.proxy.hold("GET", count=1)
+    async with await Client.connect(daemon.socket_path) as c:
+        try:
+            get = asyncio.create_task(c.get(K))
+            await wait_on_timers(
+                lambda: (
+                    sample(daemon, "kvtier_hedged_reads_total", tier="s3", outcome="skipped") == 1
+                )
+            )
+            assert not get.done()
+        finally:
+            s3.proxy.release()
+        assert await get == VALUE
+    assert s3.proxy.counts[("GET", object_path(bucket, K))] == 1
 
 
 async def test_write_through_and_delete_reach_the_bucket(s3: S3Server, daemon: Daemon) -> None:

@@ -21,7 +21,8 @@ from kvtier.errors import BadArgumentError, ErrorCode, ForbiddenError
 from kvtier.model import EventKind, LookupMode, State, namespace_prefix
 from kvtier.tiers.rendezvous import owner
 from kvtier.wire import FLAG_REPLY, Op
-from tests.helpers import DaemonProcess, RawConnection, free_port, running_daemon, wait_until
+from tests.helpers import DaemonProcess, RawConnection, running_daemon, wait_until
+from tests.ports import free_port
 from tests.s3server import S3Server, s3_server
 
 H, M = State.HIT, State.MISS

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT
+from tests.ports import free_port
 from tests.s3server import CREDENTIALS, S3Server, s3_server
 
 DOC = ROOT / "docs" / "walkthrough.md"

@@ -249,11 +249,11 @@ ROWS: list[tuple[str, list[tuple[str, list[tuple[str, str]], str]]]] = [
                 "short",
             ),
             (
-                "Hedged reads from peers, by outcome",
+                "Hedged reads, by tier and outcome",
                 [
                     (
-                        sel("sum by (outcome) (rate(kvtier_hedged_reads_total{SEL}[5m]))"),
-                        "{{outcome}}",
+                        sel("sum by (tier, outcome) (rate(kvtier_hedged_reads_total{SEL}[5m]))"),
+                        "{{tier}} {{outcome}}",
                     )
                 ],
                 "short",

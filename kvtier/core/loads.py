@@ -171,13 +171,27 @@ class Loads:
     def promote(self, slot: RemoteSlot, key: bytes, now: float) -> Reservation:
         """Load ``key`` from a remote tier into RAM; a tier that claimed the
         block and could not deliver it is told ABSENT for the key (no
-        lookup-says-HIT / load-fails livelock)."""
+        lookup-says-HIT / load-fails livelock). A load the tier's hedger
+        finds slow asks the next lower tier that may hold the block too."""
+        hedger = slot.tier.hedger
+        below = next(
+            (s for s in slot.lower if s.probes.verdict(key, now) is not Verdict.ABSENT), None
+        )
 
         async def load() -> Buffer | None:
-            values = await slot.tier.batch_load([key])
-            if len(values) != 1:
-                raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
-            return values[0]
+            if hedger is None or below is None:
+                return await _load_one(slot, key)
+
+            def hedge() -> Awaitable[Buffer | None]:
+                return _load_one(below, key)
+
+            value, _ = await hedger.race(
+                hedger.timed(slot.name, _load_one(slot, key)),
+                hedge,
+                hedger.delay(slot.name),
+                delivers=_delivered,
+            )
+            return value
 
         def failed() -> None:
             slot.probes.force(key, Verdict.ABSENT, self.c.now())
@@ -282,3 +296,14 @@ class Loads:
             self._promoted[source][outcome].value += 1
             if outcome is not Promoted.COMPLETED:  # a completed one ended with its store
                 self.c.pending.end(res, End.ABORTED)
+
+
+async def _load_one(slot: RemoteSlot, key: bytes) -> Buffer | None:
+    values = await slot.tier.batch_load([key])
+    if len(values) != 1:
+        raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
+    return values[0]
+
+
+def _delivered(value: Buffer | None) -> bool:
+    return value is not None

@@ -40,6 +40,9 @@ class RemoteSlot:
         self.cached = counters.probes.bind(tier.name, ProbeUse.CACHED.value)
         self.verdicts = {v: counters.probe_verdicts.bind(tier.name, v.value) for v in Verdict}
         self.batch_size = counters.probe_batch_size.bind(tier.name)
+        #: the remote tiers after this one, in order: where a slow load from
+        #: this one may be hedged (a block can be in several)
+        self.lower: Sequence[RemoteSlot] = ()
 
     def __repr__(self) -> str:
         return f"<RemoteSlot {self.name} {self.probes!r}>"
@@ -104,6 +107,8 @@ class RemoteProbes:
             )
             for i, tier in enumerate(tiers)
         ]
+        for i, slot in enumerate(self.slots):
+            slot.lower = self.slots[i + 1 :]
         self._timeout = probe_timeout
         self._scheduler = scheduler
         self._counters = counters

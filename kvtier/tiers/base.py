@@ -17,6 +17,7 @@ import xxhash
 
 from kvtier.model import Buffer
 from kvtier.tiers.budget import Budget
+from kvtier.tiers.hedger import Hedger
 
 
 def block_checksum(key: bytes, value: Buffer) -> int:
@@ -45,6 +46,9 @@ class TierStats:
     packed_in_bytes: int | None = None
     packed_out_bytes: int | None = None
     seal_failures: dict[str, int] | None = None
+    #: a tier whose reads are hedged (None: they are not): the hedges that
+    #: were due, by outcome (won, lost, skipped)
+    hedges: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, object]:
         """The STATS reply's entry for this tier: every field but the name
@@ -99,14 +103,14 @@ class S3Stats(TierStats):
 class PeerStats(TierStats):
     peers: int = 0
     peers_up: int = 0
-    #: GETs that were due a hedge, by outcome (won, lost, skipped)
-    hedges: dict[str, int] | None = None
 
 
 class Tier(abc.ABC):
     """A place blocks live. All batch methods keep the order of ``keys``."""
 
     name: str
+    #: hedges this tier's slow reads (to another holder of the block), if it may
+    hedger: Hedger | None = None
 
     @abc.abstractmethod
     async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:

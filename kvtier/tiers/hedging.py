@@ -1,9 +1,9 @@
 """Hedged reads: when to ask a block's next holder too, and how often. Pure.
 
-A GET from a peer that has not answered after that peer's usual time (its
-p95 over its recent loads, or ``hedge_after`` when set) asks the next
-owner too; the first to deliver wins and the other is cancelled
-(:meth:`~kvtier.tiers.peer.PeerTier.batch_load` acts on this module).
+A read from a peer or S3 that has not answered after its source's usual
+time (its p95 over its recent reads, or ``hedge_after`` when set) asks
+another holder too; the first to deliver wins and the other is cancelled
+(:class:`~kvtier.tiers.hedger.Hedger`, the acting half, races them).
 Hedges cost load on the fleet, so they are rationed: :class:`HedgeBudget`
 is a token bucket that earns ``ratio`` of a token per read and spends one
 per hedge, so hedges stay at most ``ratio`` of reads plus a small burst.
@@ -60,7 +60,7 @@ class HedgeBudget:
 
 
 class LatencyWindow:
-    """A peer's most recent load times, for its p95."""
+    """A source's most recent read times, for its p95."""
 
     def __init__(self, size: int = WINDOW) -> None:
         self._seconds: deque[float] = deque(maxlen=size)
@@ -80,10 +80,9 @@ class LatencyWindow:
         return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
-def hedge_delay(configured: float | None, p95: float | None, floor: float, ceiling: float) -> float:
+def hedge_delay(configured: float | None, p95: float | None, floor: float) -> float | None:
     """Seconds to wait before hedging: ``configured`` when set, else the
-    peer's p95 (``ceiling``, the request's own timeout, before it has one),
-    never under ``floor``."""
+    source's p95, never under ``floor``; None (no hedge) while neither is known."""
     if configured is not None:
         return max(configured, 0.0)
-    return max(floor, p95 if p95 is not None else ceiling)
+    return None if p95 is None else max(floor, p95)

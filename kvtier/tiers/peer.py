@@ -36,7 +36,7 @@ import logging
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvtier.backoff import Backoff
@@ -47,7 +47,7 @@ from kvtier.errors import KvtierError, TierError
 from kvtier.model import Buffer, LookupMode, State
 from kvtier.tiers.base import PeerStats, Tier
 from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.hedging import HedgeBudget, HedgeOutcome, LatencyWindow, hedge_delay
+from kvtier.tiers.hedger import Hedger
 from kvtier.tiers.peers import PeerPicker
 from kvtier.tiers.sealing import Sealer, SealError
 
@@ -55,8 +55,6 @@ log = logging.getLogger("kvtier.peers")
 
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 5.0
-#: a hedge is never sent sooner than this after its request
-HEDGE_FLOOR = 0.001
 _PRESENT = (int(State.HIT), int(State.PENDING))
 
 
@@ -78,8 +76,6 @@ class PeerCounters:
         self.bytes = Counts("peer", "direction")
         self.probe_seconds = Histograms(LATENCY_BUCKETS, "peer")
         self.connects = Counts("peer", "outcome")
-        #: GETs that were due a hedge, by outcome (won, lost, skipped)
-        self.hedges = Counts("outcome")
 
     def __repr__(self) -> str:
         return f"<PeerCounters requests={self.requests.total():g}>"
@@ -234,12 +230,9 @@ class PeerTier(Tier):
     ) -> None:
         self.name = name
         self.picker = picker
-        #: seconds before a GET not answered yet asks the next owner too (None:
-        #: the peer's p95 over its recent loads), and the share of reads hedged at most
-        self.hedge_after = hedge_after
-        self.hedge_budget = HedgeBudget(hedge_max_ratio)
-        #: each peer's recent GET times, by address
-        self._latency: dict[str, LatencyWindow] = {}
+        #: a GET not answered after ``hedge_after`` (None: the peer's p95 over
+        #: its recent loads) asks the next owner too, within the hedge budget
+        self.hedger: Hedger = Hedger(hedge_after, hedge_max_ratio)
         #: seals the blocks pushed to peers, opens those they send (None: plain)
         self.sealer = sealer
         self.counters = counters
@@ -320,7 +313,7 @@ class PeerTier(Tier):
                 owners = [hinted, *(p for p in owners if p is not hinted)]
             candidates.append(owners)
         left = [i for i in range(len(keys)) if candidates[i]]
-        self.hedge_budget.earn(len(left))
+        self.hedger.budget.earn(len(left))
         failure: Exception | None = None
         while left:
             groups: dict[Peer, list[int]] = {}
@@ -356,48 +349,26 @@ class PeerTier(Tier):
         keys: Sequence[bytes],
         candidates: list[list[Peer]],
     ) -> list[Buffer | None]:
-        """``keys[idx]`` from ``peer``; when it has not answered after its
-        usual time (:func:`~kvtier.tiers.hedging.hedge_delay`) and every key
-        has a next owner, from those too, as the budget allows: the first
-        to deliver wins, the other is cancelled (a hedge that won has used
-        those next owners up)."""
-        primary = asyncio.ensure_future(self._timed_load(peer, [keys[i] for i in idx]))
-        hedge: asyncio.Future[list[Buffer | None]] | None = None
-        window = self._latency.get(peer.address)
-        delay = hedge_delay(
-            self.hedge_after,
-            window.p95() if window is not None else None,
-            HEDGE_FLOOR,
-            peer.request_timeout,
+        """``keys[idx]`` from ``peer``; when it has not delivered after its
+        usual time and every key has a next owner, from those too, as the
+        budget allows (:meth:`~kvtier.tiers.hedger.Hedger.race`): the first to
+        deliver every block wins (a hedge that won has used those next owners
+        up)."""
+        hedger = self.hedger
+
+        def next_owners() -> Awaitable[list[Buffer | None]]:
+            return self._load_next(idx, keys, candidates)
+
+        values, won = await hedger.race(
+            self._timed_load(peer, [keys[i] for i in idx]),
+            next_owners if all(candidates[i] for i in idx) else None,
+            hedger.delay(peer.address),
+            delivers=lambda got: None not in got,
         )
-        try:
-            done, _ = await asyncio.wait({primary}, timeout=delay)
-            if done or not all(candidates[i] for i in idx):
-                return await primary
-            if not self.hedge_budget.spend():
-                self.counters.hedges.inc(HedgeOutcome.SKIPPED.value)
-                return await primary
-            hedge = asyncio.ensure_future(self._load_next(idx, keys, candidates))
-            racing = {primary, hedge}
-            while racing:
-                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-                for task in (primary, hedge):
-                    if task in done and task.exception() is None:
-                        loser = hedge if task is primary else primary
-                        loser.cancel()
-                        won = task is hedge
-                        self.counters.hedges.inc(
-                            (HedgeOutcome.WON if won else HedgeOutcome.LOST).value
-                        )
-                        if won:
-                            for i in idx:
-                                candidates[i].pop(0)
-                        return task.result()
-            return await primary  # (both failed: the first request's error)
-        finally:
-            for left in (primary, hedge):
-                if left is not None and not left.done():
-                    left.cancel()
+        if won:
+            for i in idx:
+                candidates[i].pop(0)
+        return values
 
     async def _load_next(
         self, idx: list[int], keys: Sequence[bytes], candidates: list[list[Peer]]
@@ -415,15 +386,9 @@ class PeerTier(Tier):
                 out[n] = value
         return out
 
-    async def _timed_load(self, peer: Peer, keys: list[bytes]) -> list[Buffer | None]:
+    def _timed_load(self, peer: Peer, keys: list[bytes]) -> Awaitable[list[Buffer | None]]:
         """A load from ``peer``, its time kept for the peer's p95."""
-        started = time.perf_counter()
-        values = await peer.load(keys)
-        window = self._latency.get(peer.address)
-        if window is None:
-            window = self._latency[peer.address] = LatencyWindow()
-        window.observe(time.perf_counter() - started)
-        return values
+        return self.hedger.timed(peer.address, peer.load(keys))
 
     def _open_all(
         self, sealer: Sealer, keys: Sequence[bytes], values: list[Buffer | None]
@@ -471,8 +436,9 @@ class PeerTier(Tier):
     def stats(self) -> PeerStats:
         peers = self.picker.peers()
         up = sum(p.up for p in peers)
-        hedges = {o.value: int(self.counters.hedges.value(o.value)) for o in HedgeOutcome}
-        stats = PeerStats(self.name, 0, 0, 0, peers=len(peers), peers_up=up, hedges=hedges)
+        stats = PeerStats(
+            self.name, 0, 0, 0, peers=len(peers), peers_up=up, hedges=self.hedger.outcomes()
+        )
         if self.sealer is not None:
             self.sealer.counts.fill(stats)
         return stats

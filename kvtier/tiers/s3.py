@@ -11,6 +11,9 @@ and a circuit breaker stops calling an endpoint that keeps failing (calls
 fail fast while it is open; one trial request every ``breaker_reset``
 seconds probes it back to health). botocore and aiohttp exceptions are
 converted to :class:`~kvtier.errors.TierError` here, where they enter kvtier.
+A GET not answered after the tier's usual time (its p95, or ``hedge_after``)
+is sent again, within ``hedge_max_ratio`` of GETs: the first complete,
+checksum-verified answer wins (:class:`~kvtier.tiers.hedger.Hedger`).
 
 The tier counts its requests in :class:`S3Counters`, read by metrics at
 scrape time; it never imports the core or metrics. Time comes from an
@@ -39,6 +42,7 @@ from kvtier.errors import TierError
 from kvtier.model import NAMESPACE_MARK, Buffer
 from kvtier.tiers.base import S3Stats, Tier, block_checksum
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.hedger import Hedger
 from kvtier.tiers.sealing import Sealer, SealError
 
 log = logging.getLogger("kvtier.s3")
@@ -121,6 +125,9 @@ class S3Tier(Tier):
             "delete": cfg.op_timeout,
         }
         self.name = cfg.name
+        #: a GET not answered after ``hedge_after`` (None: the tier's p95) is
+        #: sent again, within the hedge budget
+        self.hedger: Hedger = Hedger(cfg.hedge_after, cfg.hedge_max_ratio)
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix
         self.counters = S3Counters()
@@ -261,6 +268,17 @@ class S3Tier(Tier):
             return False
 
     async def _get(self, key: bytes) -> bytes | None:
+        """The object of ``key`` (None: absent, corrupt or not opening);
+        asked for again if it has not come after the tier's usual time."""
+        hedger = self.hedger
+
+        def again() -> Awaitable[bytes | None]:
+            return hedger.timed(self.name, self._get_once(key))
+
+        data, _ = await hedger.race(again(), again, hedger.delay(self.name), _delivered)
+        return data
+
+    async def _get_once(self, key: bytes) -> bytes | None:
         async def call() -> bytes:
             resp = await self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
             self._count_retries("get", resp)
@@ -319,6 +337,7 @@ class S3Tier(Tier):
         return list(await asyncio.gather(*map(self._head, keys)))
 
     async def batch_load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        self.hedger.budget.earn(len(keys))
         return list(await asyncio.gather(*map(self._get, keys)))
 
     async def batch_store(self, keys: Sequence[bytes], values: Sequence[Buffer]) -> None:
@@ -337,10 +356,15 @@ class S3Tier(Tier):
             blocks=0,
             corrupt=int(self.counters.corrupt.value),
             breaker_state=int(self.breaker.state),
+            hedges=self.hedger.outcomes(),
         )
         if self.sealer is not None:
             self.sealer.counts.fill(stats)
         return stats
+
+
+def _delivered(data: bytes | None) -> bool:
+    return data is not None
 
 
 def _within(op_timeout: float, caller_deadline: float | None) -> float:
