@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvtier import Client, State
 from kvtier.core.costs import SMALL_LOAD, Costs, Estimate, budget_cut
 from kvtier.model import Lookup
+from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import CodecError, decode_lookup, encode_lookup
 from tests.helpers import running_daemon
 
@@ -100,6 +101,18 @@ def test_estimates_learn_from_loads_and_stay_sane() -> None:
     assert costs.of("s3-west").ttfb >= 10e-3  # an unknown remote tier: an object store's prior
 
 
+def test_a_probes_round_trip_teaches_the_time_to_first_byte_only() -> None:
+    costs = Costs()
+    throughput = costs.of("s3").throughput
+    for _ in range(50):
+        costs.round_trip("s3", 4e-3)
+    assert costs.of("s3").ttfb == pytest.approx(4e-3, rel=1e-3)
+    assert costs.of("s3").throughput == throughput and costs.of("s3").loads == 0
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        costs.round_trip("s3", bad)
+    assert costs.of("s3").ttfb == pytest.approx(4e-3, rel=1e-3)
+
+
 def test_the_budget_travels_in_the_lookup_and_bad_ones_are_refused() -> None:
     req = Lookup([b"a", b"b"], budget=0.25)
     assert decode_lookup(encode_lookup(req)) == req
@@ -139,3 +152,17 @@ async def test_a_daemon_answers_the_prefix_its_budget_can_load(sock_dir: Path) -
             "kvtier_lookup_budget_cut_total", {"tier": "disk"}
         )
         assert cut == 8 - fits
+
+
+async def test_a_daemons_probes_teach_their_tiers_time_to_first_byte(sock_dir: Path) -> None:
+    """A remote tier's estimate starts at an object store's prior (30 ms);
+    probes that answer in microseconds bring it down before any load."""
+    remote = MemoryRemoteTier("remote")
+    async with running_daemon(sock_dir, remote_tiers=[remote]) as daemon:
+        async with await Client.connect(daemon.socket_path) as c:
+            prior = (await c.stats())["sources"]["remote"]["ttfb_seconds"]
+            for i in range(20):
+                assert (await c.lookup([b"absent-%d" % i], wait=5.0)).states == [State.MISS]
+            learnt = (await c.stats())["sources"]["remote"]["ttfb_seconds"]
+    assert len(remote.lookup_calls) == 20 and not remote.load_calls
+    assert learnt < prior / 2

@@ -107,6 +107,15 @@ class Costs:
         rate = min(max(nbytes / transfer, _MIN_RATE), _MAX_RATE)
         est.throughput += ALPHA * (rate - est.throughput)
 
+    def round_trip(self, source: str, seconds: float) -> None:
+        """A request to ``source`` that moved no block (an existence probe)
+        answered in ``seconds``: its time to first byte, at most."""
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        est = self.sources.get(source) or self.of(source)
+        ttfb = min(max(seconds, _MIN_SECONDS), _MAX_SECONDS)
+        est.ttfb += ALPHA * (ttfb - est.ttfb)
+
 
 def budget_cut(
     sources: Sequence[str | None],

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.costs import Costs
 from kvtier.core.counts import CoreCounters, ProbeFailure, ProbeUse
 from kvtier.core.lookup import Locator
 from kvtier.core.probes import Probe, ProbeMap, Verdict
@@ -92,6 +94,7 @@ class RemoteProbes:
         counters: CoreCounters,
         task: Callable[[Coroutine[Any, Any, None]], object],
         on_present: Callable[[RemoteSlot, bytes, float], None],
+        costs: Costs,
     ) -> None:
         self.slots = [
             RemoteSlot(
@@ -113,6 +116,8 @@ class RemoteProbes:
         self._scheduler = scheduler
         self._counters = counters
         self._task = task
+        #: a probe's round trip teaches its tier's time to first byte
+        self._costs = costs
         self._on_present = on_present
         for slot in self.slots:
             scheduler.add_prober(slot.name, self._dispatcher(slot))
@@ -169,6 +174,7 @@ class RemoteProbes:
         backstop = self._scheduler.call_at(deadline, lambda: self._expire(batch))
         verdicts: list[Verdict] | None = None
         failure = ProbeFailure.ERROR
+        began = time.perf_counter()
         try:
             async with asyncio.timeout(self._timeout):
                 answers = await slot.tier.batch_lookup(keys)
@@ -181,6 +187,7 @@ class RemoteProbes:
                     f"{len(keys)} key(s), or not all of them booleans"
                 )
             verdicts = [Verdict.PRESENT if f else Verdict.ABSENT for f in found]
+            self._costs.round_trip(slot.name, time.perf_counter() - began)
         except TimeoutError:
             failure = ProbeFailure.TIMEOUT
             log.warning(

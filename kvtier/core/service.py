@@ -41,6 +41,7 @@ from typing import Any
 from kvtier.config import DiskConfig, LookupConfig
 from kvtier.core.answers import Answers
 from kvtier.core.context import Context
+from kvtier.core.costs import Costs
 from kvtier.core.counts import (
     OTHER_NAMESPACE,
     CoreCounters,
@@ -104,6 +105,8 @@ class Service:
         self.scheduler = scheduler
         now = scheduler.now
         self.life = life = Lifecycle()
+        #: what a load costs from each source (the lookups' budgets read it)
+        self.costs = costs = Costs()
         self.pending = PendingWrites(ram, scheduler, counters)
         self.probing = RemoteProbes(
             [spec.tier for spec in remotes],
@@ -115,6 +118,7 @@ class Service:
             counters=counters,
             task=life.task,
             on_present=lambda slot, key, at: self.loads.probed_present(slot, key, at),
+            costs=costs,
         )
         self.remotes = self.probing.slots
         table = self.pending.table
@@ -160,12 +164,11 @@ class Service:
             counters,
             life,
             now,
+            costs,
         )
         self.stores = Stores(c, self.propagation)
         self.loads = Loads(c, self.stores, [t.name for t in self.tiers()[1:]])
         self.answers = Answers(c, self.loads)
-        #: what a load costs from each source (the lookups' budgets read it)
-        self.costs = c.costs
         # The verbs are the parts' own; lookup and get reach the remote tiers.
         stores, loads, answers = self.stores, self.loads, self.answers
         self.lookup = partial(answers.lookup, reach=self.reach)
