@@ -17,6 +17,7 @@ from kvtier import BlockingClient, Client, State
 from kvtier.errors import KvtierError
 from kvtier.model import namespace_prefix
 from kvtier.tiers.rendezvous import owner, ranked
+from kvtier.tiers.s3 import CHECKSUM_META, object_checksum
 from kvtier.tiers.sealing import Keyring, Keys, Sealer
 from tests.helpers import DaemonProcess, metric_value, short_tmpdir
 from tests.ports import free_port
@@ -378,11 +379,16 @@ def test_a_get_from_a_hung_owner_is_hedged_to_the_next_owner() -> None:
         fleet.stop()
 
 
-def test_a_get_from_a_hung_owner_is_hedged_to_s3_which_holds_the_block_too() -> None:
+@pytest.mark.parametrize("tampered", [False, True])
+def test_a_get_from_a_hung_owner_is_hedged_to_s3_which_holds_the_block_too(
+    tampered: bool,
+) -> None:
     """One owner (replicas = 1) holds the block, and S3 below the peers has
     it too (the owner wrote it through). The owner hangs (SIGSTOP) after
     saying it holds it: past hedge_after the daemon asks S3, which delivers
-    and wins."""
+    and wins. An object whose bytes were changed in the bucket does not
+    win: the GET waits for the owner (here until its request times out)
+    and never returns those bytes."""
     server = S3Server()
     try:
         bucket = server.new_bucket()
@@ -405,17 +411,32 @@ def test_a_get_from_a_hung_owner_is_hedged_to_s3_which_holds_the_block_too() -> 
             with client(b) as cb:
                 cb.put(key, value)  # kept by B, written through to S3; A has none
             assert stored.wait(30)
+            if tampered:  # other bytes under the block's checksum
+                server.boto().put_object(
+                    Bucket=bucket,
+                    Key=tier["prefix"] + key.hex(),
+                    Body=b"X" + value[1:],
+                    Metadata={CHECKSUM_META: object_checksum(key, value)},
+                )
             with client(a) as ca:
                 assert ca.lookup([key], wait=5.0).states == [State.HIT]  # B says so
             b.send_signal(signal.SIGSTOP)
             try:
                 with client(a) as ca:
-                    assert bytes(ca.get(key) or b"") == value  # from S3, the hedge
-                    hedges = ca.stats()["tiers"]["peers"]["hedges"]
-                assert hedges == {"won": 1, "lost": 0, "skipped": 0}
-                assert server.proxy.counts[("GET", path)] == 1
-                text = a.scrape()
+                    got = ca.get(key)
+                    stats = ca.stats()["tiers"]
                 won = 'outcome="won",tier="peers"'
+                if tampered:
+                    # B timed out; S3's bytes failed their check, as the hedge
+                    # and then as the next place the GET looked
+                    assert got is None
+                    assert stats["peers"]["hedges"] == {"won": 0, "lost": 1, "skipped": 0}
+                    assert server.proxy.counts[("GET", path)] == stats["s3"]["corrupt"] == 2
+                    return
+                assert server.proxy.counts[("GET", path)] == 1
+                assert bytes(got or b"") == value  # from S3, the hedge
+                assert stats["peers"]["hedges"] == {"won": 1, "lost": 0, "skipped": 0}
+                text = a.scrape()
                 assert metric_value(text, "kvtier_hedged_reads_total", won) == 1
             finally:
                 b.send_signal(signal.SIGCONT)
