@@ -158,11 +158,13 @@ async def test_a_daemons_probes_teach_their_tiers_time_to_first_byte(sock_dir: P
     """A remote tier's estimate starts at an object store's prior (30 ms);
     probes that answer in microseconds bring it down before any load."""
     remote = MemoryRemoteTier("remote")
-    async with running_daemon(sock_dir, remote_tiers=[remote]) as daemon:
-        async with await Client.connect(daemon.socket_path) as c:
-            prior = (await c.stats())["sources"]["remote"]["ttfb_seconds"]
-            for i in range(20):
-                assert (await c.lookup([b"absent-%d" % i], wait=5.0)).states == [State.MISS]
-            learnt = (await c.stats())["sources"]["remote"]["ttfb_seconds"]
+    async with (
+        running_daemon(sock_dir, remote_tiers=[remote]) as daemon,
+        await Client.connect(daemon.socket_path) as c,
+    ):
+        prior = (await c.stats())["sources"]["remote"]["ttfb_seconds"]
+        for i in range(20):
+            assert (await c.lookup([b"absent-%d" % i], wait=5.0)).states == [State.MISS]
+        learnt = (await c.stats())["sources"]["remote"]["ttfb_seconds"]
     assert len(remote.lookup_calls) == 20 and not remote.load_calls
     assert learnt < prior / 2
