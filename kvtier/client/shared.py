@@ -7,7 +7,10 @@ and the staging region, which it maps read-write; once a process, for every
 session to that daemon (:class:`MappedMemory`). Then:
 
 * reads ask GET_SHARED and copy each leased block out of the mapping (or
-  hand the caller a read-only view of it, :meth:`SharedSession.lease`);
+  hand the caller a read-only view of it, :meth:`SharedSession.lease`),
+  streamed and without the GIL (:mod:`kvtier.blockcopy`): a block an
+  engine loads is read next by a device's DMA or a later step, not by
+  this core, and the loop takes the next piece's answer while it copies;
   the leases are given back in the next GET_SHARED, or by one UNLEASE
   sent as soon as the event loop is idle, whichever comes first;
 * writes of blocks of at least ``SOLO_VALUE_BYTES`` go in place where
@@ -381,7 +384,10 @@ class SharedSession:
                     raise ValueTooLargeError(
                         f"block {key.hex()} is {n} bytes; its destination holds {len(view)}"
                     )
-                view[:n] = self._block(e) if isinstance(e, Leased) else e
+                if isinstance(e, Leased):  # streamed, without the GIL (kvtier.blockcopy)
+                    blockcopy.copy_into(view, self._block(e))
+                else:
+                    view[:n] = e
                 out.append(n)
             return out
         finally:
