@@ -34,6 +34,7 @@ from kvtier.core.stores import Stores
 from kvtier.core.writes import End, Promotion, Reservation
 from kvtier.errors import TierError
 from kvtier.model import Buffer, PutStatus
+from kvtier.tiers.hedger import present
 
 log = logging.getLogger("kvtier.service")
 
@@ -189,7 +190,7 @@ class Loads:
                 hedger.timed(slot.name, _load_one(slot, key)),
                 hedge,
                 hedger.delay(slot.name),
-                delivers=_delivered,
+                delivers=present,
             )
             return value
 
@@ -303,7 +304,3 @@ async def _load_one(slot: RemoteSlot, key: bytes) -> Buffer | None:
     if len(values) != 1:
         raise TierError(f"{slot.name}: batch_load returned {len(values)} values for 1 key")
     return values[0]
-
-
-def _delivered(value: Buffer | None) -> bool:
-    return value is not None

@@ -36,6 +36,11 @@ T = TypeVar("T")
 HEDGE_FLOOR = 0.001
 
 
+def present(value: object) -> bool:
+    """A block read delivers when it found the block (None: a miss)."""
+    return value is not None
+
+
 class Hedger:
     """One tier's hedged reads: its read times by source, budget and counts."""
 

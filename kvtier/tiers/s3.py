@@ -42,7 +42,7 @@ from kvtier.errors import TierError
 from kvtier.model import NAMESPACE_MARK, Buffer
 from kvtier.tiers.base import S3Stats, Tier, block_checksum
 from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.hedger import Hedger
+from kvtier.tiers.hedger import Hedger, present
 from kvtier.tiers.sealing import Sealer, SealError
 
 log = logging.getLogger("kvtier.s3")
@@ -275,7 +275,7 @@ class S3Tier(Tier):
         def again() -> Awaitable[bytes | None]:
             return hedger.timed(self.name, self._get_once(key))
 
-        data, _ = await hedger.race(again(), again, hedger.delay(self.name), _delivered)
+        data, _ = await hedger.race(again(), again, hedger.delay(self.name), present)
         return data
 
     async def _get_once(self, key: bytes) -> bytes | None:
@@ -361,10 +361,6 @@ class S3Tier(Tier):
         if self.sealer is not None:
             self.sealer.counts.fill(stats)
         return stats
-
-
-def _delivered(data: bytes | None) -> bool:
-    return data is not None
 
 
 def _within(op_timeout: float, caller_deadline: float | None) -> float:
