@@ -89,12 +89,7 @@ async def test_two_daemons_share_one_bucket(s3: S3Server, sock_dir: Path, tmp_pa
 
 async def test_64_lookups_one_head_then_64_gets_one_get(s3: S3Server, daemon: Daemon) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
-    s3.boto().put_object(
-        Bucket=bucket,
-        Key=f"fleet-a/{K.hex()}",
-        Body=VALUE,
-        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
-    )
+    plant(s3, bucket, K)
     path = object_path(bucket, K)
     s3.proxy.hold("HEAD")
     clients = [await Client.connect(daemon.socket_path) for _ in range(8)]
@@ -112,12 +107,7 @@ async def test_64_lookups_one_head_then_64_gets_one_get(s3: S3Server, daemon: Da
     assert s3.proxy.counts[("GET", path)] == 1  # one promotion
 
     other = K[::-1]
-    s3.boto().put_object(
-        Bucket=bucket,
-        Key=f"fleet-a/{other.hex()}",
-        Body=VALUE,
-        Metadata={CHECKSUM_META: _checksum(other, VALUE)},
-    )
+    plant(s3, bucket, other)
     values = await asyncio.gather(*(c.get(other) for c in clients for _ in range(8)))
     assert all(v == VALUE for v in values)
     assert s3.proxy.counts[("GET", object_path(bucket, other))] == 1
@@ -173,12 +163,7 @@ async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
             assert (await c.stats())["maps"]["probes_inflight"] == 0
         finally:
             s3.proxy.come_back()
-        s3.boto().put_object(
-            Bucket=bucket,
-            Key=f"fleet-a/{K.hex()}",
-            Body=VALUE,
-            Metadata={CHECKSUM_META: _checksum(K, VALUE)},
-        )
+        plant(s3, bucket, K)
         reply = await c.lookup([K], wait=10.0)
         assert reply.states == [M]  # still open: the probe was refused, not sent
         skew += 60.0  # the breaker's reset interval passes
@@ -189,13 +174,7 @@ async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
 
 async def test_tampered_object_is_a_counted_miss(s3: S3Server, daemon: Daemon) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
-    boto = s3.boto()
-    boto.put_object(
-        Bucket=bucket,
-        Key=f"fleet-a/{K.hex()}",
-        Body=b"X" + VALUE[1:],  # bytes changed, checksum of the original kept
-        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
-    )
+    plant(s3, bucket, K, b"X" + VALUE[1:])  # bytes changed, checksum of the original kept
     async with await Client.connect(daemon.socket_path) as c:
         assert (await c.lookup([K], wait=10.0)).states == [M]  # HEAD yes, GET failed its check
         assert await c.get(K) is None
@@ -210,12 +189,7 @@ async def test_a_get_the_endpoint_holds_is_sent_again_and_the_first_answer_wins(
     """The endpoint holds the first GET: past hedge_after the object is asked
     for again, that answer (checksum-verified) is served, the held one dropped."""
     bucket = daemon.bucket  # type: ignore[attr-defined]
-    s3.boto().put_object(
-        Bucket=bucket,
-        Key=f"fleet-a/{K.hex()}",
-        Body=VALUE,
-        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
-    )
+    plant(s3, bucket, K)
     s3.proxy.hold("GET", count=1)
     try:
         async with await Client.connect(daemon.socket_path) as c:
@@ -233,12 +207,7 @@ async def test_without_a_hedge_budget_a_held_get_is_waited_for(
     s3: S3Server, daemon: Daemon
 ) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
-    s3.boto().put_object(
-        Bucket=bucket,
-        Key=f"fleet-a/{K.hex()}",
-        Body=VALUE,
-        Metadata={CHECKSUM_META: _checksum(K, VALUE)},
-    )
+    plant(s3, bucket, K)
     s3.proxy.hold("GET", count=1)
     async with await Client.connect(daemon.socket_path) as c:
         try:
@@ -268,6 +237,17 @@ async def test_write_through_and_delete_reach_the_bucket(s3: S3Server, daemon: D
         listed = s3.boto().list_objects_v2(Bucket=bucket, Prefix="fleet-a/")
         assert listed.get("KeyCount", 0) == 0
     assert sample(daemon, "kvtier_s3_bytes_total", tier="s3", direction="out") == len(VALUE)
+
+
+def plant(s3: S3Server, bucket: str, key: bytes, body: bytes = VALUE) -> None:
+    """An object in the bucket as the tier writes it (prefix ``fleet-a/``),
+    its checksum metadata ``VALUE``'s: another ``body`` is a tampered one."""
+    s3.boto().put_object(
+        Bucket=bucket,
+        Key=f"fleet-a/{key.hex()}",
+        Body=body,
+        Metadata={CHECKSUM_META: _checksum(key, VALUE)},
+    )
 
 
 def _checksum(key: bytes, value: bytes) -> str:
