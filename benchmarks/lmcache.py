@@ -4,7 +4,8 @@ Runs in .venv-lmcache. For chunks of 256 KiB to 2 MiB (64 MiB per run,
 median of 5 runs after a warm-up), in one run: GB/s of ``batched_get`` and
 ``batched_put`` through LMCache's own ``CreateConnector`` over its
 ``LocalCPUBackend`` (chunks land in, and leave from, the ``MemoryObj``s
-LMCache allocates; a daemon on a Unix socket), and of a plain memcpy of the
+LMCache allocates; a RAM-only daemon on a Unix socket, every run storing
+its chunks under keys no run stored before), and of a plain memcpy of the
 same bytes into the same kind of buffers (the ceiling). Prints the figures
 and the ratios.
 """
@@ -27,7 +28,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.storage_backend.connector import CreateConnector
 
 from benchmarks.engines import Figures
-from tests.enginedaemon import start_with_disk
+from tests.enginedaemon import start
 from tests.lmcache.test_connector import KV_SHAPE, engine
 
 TOTAL = 64 * 1024 * 1024
@@ -54,13 +55,19 @@ def measure(
         return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
 
     count = TOTAL // chunk
-    keys = [CacheEngineKey("bench", 1, 0, chunk * 1000 + i, torch.float16) for i in range(count)]
-    objs = [backend.allocate(ours.meta_shapes, ours.meta_dtypes, ours.meta_fmt) for _ in keys]
+    def fresh(attempt: int) -> list[CacheEngineKey]:
+        """Keys no run stored before: every put stores its chunks anew."""
+        first = (chunk * 100 + attempt) * count
+        return [CacheEngineKey("bench", 1, 0, first + i, torch.float16) for i in range(count)]
+
+    shapes, dtypes, fmt = ours.meta_shapes, ours.meta_dtypes, ours.meta_fmt
+    objs = [backend.allocate(shapes, dtypes, fmt) for _ in range(count)]
     for obj in objs:
         memoryview(obj.byte_array).cast("B")[:] = os.urandom(64) * (chunk // 64)
     puts, gets, copies = [], [], []
     dests = [bytearray(chunk) for _ in range(BATCH)]
     for attempt in range(RUNS + 1):
+        keys = fresh(attempt)
         started = time.perf_counter()
         for i in range(0, count, BATCH):
             batch = objs[i : i + BATCH]
@@ -99,7 +106,8 @@ def main() -> int:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     with tempfile.TemporaryDirectory(prefix="kvt-bench-lmc-", dir="/tmp") as tmp:
-        daemon = start_with_disk(Path(tmp))
+        # RAM only: what is measured is the engine-facing path, not a disk
+        daemon = start(Path(tmp), "--no-disk", "--ram-capacity", "512MiB")
         try:
             print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy")
             for chunk in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):

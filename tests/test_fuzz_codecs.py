@@ -36,6 +36,8 @@ DECODERS: dict[str, Callable[[bytes], Any]] = {
     "stage": lambda b: wire.decode_stage(b, "STAGE"),
     "commit": wire.decode_commit,
     "commit_reply": wire.decode_commit_reply,
+    "commit_many": lambda b: wire.decode_commit_many(b, MAX_KEYS),
+    "commit_many_reply": lambda b: wire.decode_commit_many_reply(b, 3),
 }
 
 fuzz = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -175,3 +177,45 @@ def test_stages_and_commits_round_trip(
         for room in (None, offset):
             reply = wire.encode_commit_reply(status, room)
             assert wire.decode_commit_reply(reply) == (status, room)
+
+
+@fuzz
+@given(
+    st.lists(
+        st.tuples(
+            st.binary(min_size=1, max_size=64),
+            st.integers(0, 2**64 - 2),
+            st.integers(0, 2**32 - 1),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=MAX_KEYS,
+    )
+)
+def test_commits_of_many_round_trip(commits: list[tuple[bytes, int, int, bool]]) -> None:
+    many = [wire.Commit(k, o, n, 0, keep, True, True) for k, o, n, keep in commits]
+    assert wire.decode_commit_many(wire.encode_commit_many(many), MAX_KEYS) == many
+    answers = [
+        (PutStatus.STORED, o) if keep else (PutStatus.EXISTS, None) for _, o, _, keep in commits
+    ]
+    reply = wire.encode_commit_many_reply(answers)
+    assert wire.decode_commit_many_reply(reply, len(answers)) == answers
+
+
+def test_a_commit_of_many_is_in_place_unchecked_and_bounded() -> None:
+    one = wire.Commit(b"k", 4096, 1 << 20, 0, True, True, True)
+    good = wire.encode_commit_many([one, wire.Commit(b"j", 0, 1 << 20, 0, False, True, True)])
+    with pytest.raises(wire.CodecError, match="1 to 1 are allowed"):
+        wire.decode_commit_many(good, 1)
+    with pytest.raises(wire.CodecError, match="1 to"):
+        wire.decode_commit_many(b"\0\0\0\0", MAX_KEYS)  # none
+    with pytest.raises(wire.CodecError, match="frame too short"):
+        wire.decode_commit_many(good[:-2], MAX_KEYS)  # a key cut short
+    with pytest.raises(wire.CodecError, match="one key per commit"):
+        wire.decode_commit_many(good + b"x", MAX_KEYS)  # more after the keys
+    checked = bytearray(good)
+    checked[4 + 20] = 0x02  # the first commit in place, but checked
+    with pytest.raises(wire.CodecError, match="in place and unchecked"):
+        wire.decode_commit_many(bytes(checked), MAX_KEYS)
+    with pytest.raises(wire.CodecError, match="does not answer 2 commits"):
+        wire.decode_commit_many_reply(wire.encode_commit_reply(PutStatus.STORED, None), 2)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -17,11 +19,12 @@ import xxhash
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.batching import READ_FIRST_PIECE_BYTES
-from kvtier.client.shared import attach
+from kvtier.client.shared import COMMITS_A_REQUEST, InPlaceCommits, attach
 from kvtier.core.shared.inplace import may_write_in_place
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadArgumentError,
+    DaemonUnavailableError,
     ErrorCode,
     ForbiddenError,
     NoCapacityError,
@@ -630,7 +633,7 @@ _HALF_WRITER = """
 import asyncio, sys
 from kvtier import wire
 from kvtier.client.aio import Client
-from kvtier.client.shared import attach
+from kvtier.client.shared import COMMITS_A_REQUEST, InPlaceCommits, attach
 from kvtier.wire import Op
 
 async def main():
@@ -697,6 +700,7 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
     other = sock_dir / "other"
     other.mkdir()
     async with running_daemon(sock_dir) as first, running_daemon(other) as second:
+        gc.collect()  # (mappings earlier tests left to the collector go first)
         daemons_own = arena_mappings()
         a = await Client.connect(first.socket_path)
         b = await Client.connect(first.socket_path)
@@ -785,3 +789,117 @@ async def test_a_batch_of_small_blocks_is_written_in_place(daemon: Daemon) -> No
         assert st["in_place_commits"] == 8 and st["staging_rooms"] == 0
         for key, value in zip(keys, values, strict=True):
             assert bytes(await c.get(key) or b"") == value
+
+
+async def test_a_commit_of_many_stores_each_block_or_none_of_them(daemon: Daemon) -> None:
+    """COMMIT_MANY: each block in its room is stored and each room renewed,
+    with one reply; a batch naming a room that is not the connection's, a
+    room twice or a key twice is refused whole, and leaves every room the
+    writer's."""
+    async with (
+        await Client.connect(daemon.socket_path) as a,
+        await Client.connect(daemon.socket_path) as b,
+    ):
+        rooms = [await _stage_in_place(a) for _ in range(3)]
+        theirs = await _stage_in_place(b)
+        mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
+        try:
+            for i, offset in enumerate(rooms):
+                mapped.arena[offset : offset + MiB] = block(20 + i)
+
+            def many(keys: list[bytes], offsets: list[int]) -> bytes:
+                return wire.encode_commit_many(
+                    [
+                        wire.Commit(k, o, MiB, 0, True, True, True)
+                        for k, o in zip(keys, offsets, strict=True)
+                    ]
+                )
+
+            keys = [b"many-%d" % i for i in range(3)]
+            for bad, why in (
+                (many(keys, [rooms[0], rooms[1], theirs]), "belongs to this connection"),
+                (many(keys, [rooms[0], rooms[1], rooms[1]]), "each room, and each key, once"),
+                (many([keys[0], keys[0], keys[1]], rooms), "each room, and each key, once"),
+            ):
+                with pytest.raises(BadArgumentError, match=why):
+                    await a.request(Op.COMMIT_MANY, bad)
+            st = shared_stats(daemon)
+            assert st["in_place_rooms"] == 4 and st["in_place_commits"] == 0
+            frame = await a.request(Op.COMMIT_MANY, many(keys, rooms))
+            answers = wire.decode_commit_many_reply(frame.meta, 3)
+            assert [status for status, _ in answers] == [PutStatus.STORED] * 3
+            renewed = [room for _, room in answers]
+            assert None not in renewed and not set(renewed) & set(rooms)
+            for i, key in enumerate(keys):
+                assert bytes(await b.get(key) or b"") == block(20 + i)
+            st = shared_stats(daemon)
+            assert st["in_place_commits"] == 3 and st["in_place_rooms"] == 4  # 3 renewed, b's
+        finally:
+            mapped.release()
+
+
+async def test_put_many_in_place_sends_its_commits_together(daemon: Daemon) -> None:
+    sample = daemon.metrics.registry.get_sample_value
+    keys = [b"together-%d" % i for i in range(16)]
+    values = [block(i, 256 * 1024) for i in range(16)]
+    async with await Client.connect(daemon.socket_path) as c:
+        assert await c.put_many(keys, values) == [PutStatus.STORED] * 16
+        for key, value in zip(keys, values, strict=True):
+            assert bytes(await c.get(key) or b"") == value
+    many = sample("kvtier_requests_total", {"op": "commit_many", "outcome": "ok"}) or 0
+    one = sample("kvtier_requests_total", {"op": "commit", "outcome": "ok"}) or 0
+    assert shared_stats(daemon)["in_place_commits"] == 16
+    assert many >= 16 // COMMITS_A_REQUEST and many + one < 16
+
+
+class _Calls:
+    """A connection's requests, recorded and answered at once (each COMMIT
+    of many: every block stored, next room 7)."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.sent: list[tuple[int, int, int]] = []  # (op, commits, flags)
+        self.fail = fail
+
+    async def request(
+        self, op: int, meta: bytes, data: object = (), *, flags: int = 0, timeout: object = None
+    ) -> object:
+        if self.fail is not None:
+            raise self.fail
+        if op == Op.COMMIT:
+            self.sent.append((op, 1, flags))
+            reply = wire.encode_commit_reply(PutStatus.STORED, 7)
+        else:
+            n = len(wire.decode_commit_many(meta, 64))
+            self.sent.append((op, n, flags))
+            reply = wire.encode_commit_many_reply([(PutStatus.STORED, 7)] * n)
+        return types.SimpleNamespace(meta=reply)
+
+
+def _commit(i: int) -> wire.Commit:
+    return wire.Commit(b"c%d" % i, i * MiB, MiB, 0, True, True, True)
+
+
+async def test_commits_of_one_step_leave_together_and_a_full_request_at_once() -> None:
+    calls = _Calls()
+    commits = InPlaceCommits(calls, b"")  # type: ignore[arg-type]
+    answers = [commits.commit(_commit(i), False, None) for i in range(COMMITS_A_REQUEST + 2)]
+    durable = commits.commit(_commit(99), True, None)
+    gone = answers.pop()
+    gone.cancel()  # its writer gave up before the request left: not sent
+    assert await asyncio.gather(*answers, durable) == [(PutStatus.STORED, 7)] * (
+        COMMITS_A_REQUEST + 2
+    )
+    assert calls.sent == [
+        (Op.COMMIT_MANY, COMMITS_A_REQUEST, 0),  # full: left at once
+        (Op.COMMIT, 1, 0),  # the rest of the step
+        (Op.COMMIT, 1, wire.FLAG_DURABLE),  # durable ones apart
+    ]
+    assert (commits.requests, commits.commits) == (3, COMMITS_A_REQUEST + 2)
+
+
+async def test_a_failed_request_fails_each_of_its_writers() -> None:
+    commits = InPlaceCommits(_Calls(fail=DaemonUnavailableError("gone")), b"")  # type: ignore[arg-type]
+    answers = [commits.commit(_commit(i), False, None) for i in range(3)]
+    for answer in answers:
+        with pytest.raises(DaemonUnavailableError, match="gone"):
+            await answer

@@ -244,6 +244,124 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return out
 
 
+#: an in-place COMMIT's answer: the block's status and the writer's next room
+Answered = tuple[PutStatus, int | None]
+
+#: in-place commits a COMMIT_MANY carries at most: half the rooms a
+#: connection holds, so that one batch is copied while the other commits
+COMMITS_A_REQUEST = MAX_IN_PLACE_ROOMS // 2
+
+
+class InPlaceCommits:
+    """The in-place COMMITs of one connection, sent together: those made in
+    one step of the loop leave as one COMMIT_MANY (at most
+    ``COMMITS_A_REQUEST``; a full request leaves at once), a lone one as a
+    COMMIT. Each writer awaits its own answer: its status and next room.
+
+    Invariants: a commit whose writer gave up before its request left is
+    not sent (the writer gives its room back); durable and plain commits
+    never share a request; a request's failure is every one of its
+    writers' failure."""
+
+    def __init__(self, calls: Calls, prefix: bytes) -> None:
+        self._calls = calls
+        self._prefix = prefix
+        #: commits not sent yet, durable ones apart: (commit, its answer)
+        self._waiting: dict[bool, list[tuple[wire.Commit, asyncio.Future[Answered]]]] = {
+            False: [],
+            True: [],
+        }
+        self._timeout: float | None = None
+        self._soon = False
+        #: requests on their way (each ends with its answer or its failure)
+        self._sending: set[asyncio.Future[None]] = set()
+        #: requests sent, and the commits they carried
+        self.requests = 0
+        self.commits = 0
+
+    def __repr__(self) -> str:
+        waiting = sum(len(w) for w in self._waiting.values())
+        return f"<InPlaceCommits waiting={waiting} requests={self.requests} commits={self.commits}>"
+
+    async def alone(self, c: wire.Commit, durable: bool, timeout: float | None) -> Answered:
+        """``c`` committed at once, in a COMMIT of its own (a lone PUT waits
+        for no step)."""
+        self.requests += 1
+        self.commits += 1
+        frame = await self._calls.request(
+            Op.COMMIT,
+            wire.encode_commit(c, self._prefix),
+            flags=FLAG_DURABLE if durable else 0,
+            timeout=timeout,
+        )
+        return wire.decode_commit_reply(frame.meta)
+
+    def commit(
+        self, c: wire.Commit, durable: bool, timeout: float | None
+    ) -> asyncio.Future[Answered]:
+        """``c``'s answer, once the request that carries it (with the
+        commits of this step) is answered."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Answered] = loop.create_future()
+        waiting = self._waiting[durable]
+        waiting.append((c, answer))
+        self._timeout = timeout
+        if len(waiting) >= COMMITS_A_REQUEST:
+            self._send(durable)
+        elif not self._soon:
+            self._soon = True
+            loop.call_soon(self._send_all)
+        return answer
+
+    def _send_all(self) -> None:
+        self._soon = False
+        for durable in (False, True):
+            self._send(durable)
+
+    def _send(self, durable: bool) -> None:
+        batch = [(c, a) for c, a in self._waiting[durable] if not a.done()]
+        self._waiting[durable] = []
+        if batch:
+            self.requests += 1
+            self.commits += len(batch)
+            task = asyncio.ensure_future(self._request(batch, durable, self._timeout))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _request(
+        self,
+        batch: list[tuple[wire.Commit, asyncio.Future[Answered]]],
+        durable: bool,
+        timeout: float | None,
+    ) -> None:
+        flags = FLAG_DURABLE if durable else 0
+        try:
+            if len(batch) == 1:
+                frame = await self._calls.request(
+                    Op.COMMIT,
+                    wire.encode_commit(batch[0][0], self._prefix),
+                    flags=flags,
+                    timeout=timeout,
+                )
+                answers = [wire.decode_commit_reply(frame.meta)]
+            else:
+                meta = wire.encode_commit_many([c for c, _ in batch], self._prefix)
+                frame = await self._calls.request(
+                    Op.COMMIT_MANY, meta, flags=flags, timeout=timeout
+                )
+                answers = wire.decode_commit_many_reply(frame.meta, len(batch))
+        except BaseException as exc:
+            for _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, answer), answered in zip(batch, answers, strict=True):
+            if not answer.done():
+                answer.set_result(answered)
+
+
 class SharedSession:
     def __init__(
         self,
@@ -270,6 +388,8 @@ class SharedSession:
         #: a connection hold (more wait for one, rather than stage)
         self._writing = asyncio.Semaphore(MAX_IN_PLACE_ROOMS)
         self._in_flight = 0
+        #: their COMMITs, sent together
+        self._commits = InPlaceCommits(calls, prefix)
         #: leases done with, given back with the next request
         self._releases: list[int] = []
         self._flush_soon = False
@@ -415,7 +535,7 @@ class SharedSession:
         """Store one block in place or through a staging room; None when
         neither has room."""
         if self.in_place:
-            status = await self._put_in_place(key, value, durable, timeout)
+            status = await self._put_in_place(key, value, durable, timeout, alone=True)
             if status is not None:
                 return status
         length = len(value)
@@ -437,20 +557,23 @@ class SharedSession:
         return wire.decode_put_reply(frame.meta)[0]
 
     async def _put_in_place(
-        self, key: bytes, value: Buffer, durable: bool, timeout: float | None
+        self, key: bytes, value: Buffer, durable: bool, timeout: float | None, alone: bool = False
     ) -> PutStatus | None:
         """Write the block into a RAM slot of its own and COMMIT it there (the
         reply brings the room for the next block); None when no room."""
         async with self._writing:
             self._in_flight += 1
             try:
-                return await self._write_in_place(key, value, durable, timeout)
+                return await self._write_in_place(key, value, durable, timeout, alone)
             finally:
                 self._in_flight -= 1
 
     async def _write_in_place(
-        self, key: bytes, value: Buffer, durable: bool, timeout: float | None
+        self, key: bytes, value: Buffer, durable: bool, timeout: float | None, alone: bool
     ) -> PutStatus | None:
+        """The block copied into a room of its own and committed there: with
+        the other writes of this step (:class:`InPlaceCommits`), or ``alone``
+        at once (a lone PUT waits for no step)."""
         length = len(value)
         offset = await self._place(length, timeout)
         if offset is None:
@@ -466,18 +589,17 @@ class SharedSession:
         # one is done with it before the COMMIT leaves.
         commit = wire.Commit(key, offset, length, 0, True, in_place=True, unchecked=True)
         try:
-            frame = await self._calls.request(
-                Op.COMMIT,
-                wire.encode_commit(commit, self._prefix),
-                flags=FLAG_DURABLE if durable else 0,
-                timeout=timeout,
+            commits = self._commits
+            status, renewed = await (
+                commits.alone(commit, durable, timeout)
+                if alone
+                else commits.commit(commit, durable, timeout)
             )
         except BaseException:
             # Committed or not, the room is not this writer's to reuse: an
             # UNSTAGE frees it if the COMMIT did not (a block it is not).
             self._give_back(offset)
             raise
-        status, renewed = wire.decode_commit_reply(frame.meta)
         if renewed is not None:
             self._places.setdefault(length, []).append(renewed)
         return status

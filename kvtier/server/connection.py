@@ -61,7 +61,7 @@ BODY_TIMEOUT = "body_timeout"
 _GATE_FRAME = 4096
 #: requests that store blocks: each waits for the end of its loop step, so
 #: that the reads which arrived with it are answered first (:meth:`Connection._hold`)
-STORES = frozenset({Op.PUT, Op.COMMIT, Op.PUT_REGION})
+STORES = frozenset({Op.PUT, Op.COMMIT, Op.COMMIT_MANY, Op.PUT_REGION})
 _CLOSES_FRAMING = (ErrorCode.MALFORMED, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OPCODE)
 
 

@@ -185,6 +185,7 @@ class Ops:
             Op.UNLEASE: self.unlease,
             Op.STAGE: self.stage,
             Op.COMMIT: self.commit,
+            Op.COMMIT_MANY: self.commit_many,
             Op.UNSTAGE: self.unstage,
             Op.REGION: self.region,
             Op.PUT_REGION: self.put_region,
@@ -453,6 +454,38 @@ class Ops:
             durable = self.service.make_durable([c.key], [None])
             return Later(durable, lambda _: Reply(meta))
         # answered first, stored right after (an in-place block: Copied)
+        return Reply(meta, then=self._announced(holds, store))
+
+    def commit_many(self, conn: Connection, frame: Frame) -> Reply | Later:
+        """In-place commits of many blocks, one reply for all (each block's
+        status and next room); stored right after it, or before it, durably,
+        when asked."""
+        shared = self._shared_of(conn)
+        if frame.data:
+            raise wire.CodecError("COMMIT_MANY carries no data: the blocks are in place")
+        commits = wire.decode_commit_many(frame.meta, self.max_batch, conn.scope)
+        done = shared.commit_many_in_place(
+            conn.conn_id, [(c.key, c.offset, c.length, c.keep_room) for c in commits]
+        )
+        meta = wire.encode_commit_many_reply([(copied.statuses[0], room) for copied, room in done])
+        holds = [key for copied, _ in done for key in copied.keys]
+        stores = [copied.store for copied, _ in done]
+
+        def store() -> None:
+            failed: Exception | None = None
+            for each in stores:  # (each one's, whatever another did)
+                try:
+                    each()
+                except Exception as exc:
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
+
+        if frame.header.flags & wire.FLAG_DURABLE:
+            store()
+            keys = [c.key for c in commits]
+            durable = self.service.make_durable(keys, [None] * len(keys))
+            return Later(durable, lambda _: Reply(meta))
         return Reply(meta, then=self._announced(holds, store))
 
     def unstage(self, conn: Connection, frame: Frame) -> Reply:

@@ -51,6 +51,7 @@ class Op(enum.IntEnum):
     STAGE = 0x32
     COMMIT = 0x33
     UNSTAGE = 0x34
+    COMMIT_MANY = 0x35
     REGION = 0x38
     PUT_REGION = 0x39
     GET_REGION = 0x3A

@@ -251,6 +251,59 @@ def decode_commit_reply(buf: Buffer) -> tuple[PutStatus, int | None]:
     return status, None if room == NO_ROOM else int(room)
 
 
+def encode_commit_many(commits: Sequence[Commit], prefix: bytes = b"") -> bytes:
+    """COMMIT_MANY: in-place commits without checksums, as one request: the
+    count, each one's offset, length and flags, then their keys."""
+    return (
+        _U32.pack(len(commits))
+        + b"".join(
+            _COMMIT.pack(
+                c.offset,
+                c.length,
+                0,
+                COMMIT_IN_PLACE | COMMIT_UNCHECKED | (COMMIT_KEEP_ROOM if c.keep_room else 0),
+            )
+            for c in commits
+        )
+        + encode_keys([c.key for c in commits], prefix)
+    )
+
+
+def decode_commit_many(buf: Buffer, max_batch: int, scope: KeyScope | None = None) -> list[Commit]:
+    """COMMIT_MANY's commits: each one in place and unchecked (a block with
+    a checksum, or in a staging room, is a COMMIT of its own)."""
+    if len(buf) < 4:
+        raise CodecError("truncated COMMIT_MANY")
+    (n,) = _U32.unpack_from(buf, 0)
+    if not 0 < n <= max_batch:
+        raise CodecError(f"COMMIT_MANY carries {n} commits; 1 to {max_batch} are allowed")
+    end = 4 + n * _COMMIT.size
+    if end > len(buf):
+        raise CodecError(f"COMMIT_MANY announces {n} commits; frame too short")
+    heads = list(_COMMIT.iter_unpack(buf[4:end]))
+    keys, after, _ = decode_keys(buf, end, n, scope)
+    if len(keys) != n or after != len(buf):
+        raise CodecError("COMMIT_MANY carries one key per commit")
+    out = []
+    for key, (offset, length, _, flags) in zip(keys, heads, strict=True):
+        if flags & ~COMMIT_KEEP_ROOM != COMMIT_IN_PLACE | COMMIT_UNCHECKED:
+            raise CodecError(f"a COMMIT_MANY commit is in place and unchecked, not 0x{flags:02x}")
+        out.append(Commit(key, offset, length, 0, bool(flags & COMMIT_KEEP_ROOM), True, True))
+    return out
+
+
+def encode_commit_many_reply(answers: Sequence[tuple[PutStatus, int | None]]) -> bytes:
+    """Each commit's status and next room (:data:`NO_ROOM`: none), in order."""
+    return b"".join(encode_commit_reply(status, room) for status, room in answers)
+
+
+def decode_commit_many_reply(buf: Buffer, n: int) -> list[tuple[PutStatus, int | None]]:
+    if len(buf) != 9 * n:
+        raise CodecError(f"a COMMIT_MANY reply of {len(buf)} bytes does not answer {n} commits")
+    view = memoryview(buf)
+    return [decode_commit_reply(view[i * 9 : (i + 1) * 9]) for i in range(n)]
+
+
 # --------------------------------------------------------------------------- regions
 
 

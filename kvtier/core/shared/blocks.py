@@ -109,6 +109,7 @@ class SharedBlocks:
         # The verbs are the parts' own.
         self.grant, self.unlease = self.leasing.grant, self.leasing.unlease
         self.commit, self.commit_in_place = self.staging.commit, self.in_place.commit
+        self.commit_many_in_place = self.in_place.commit_many
         self.may_write_in_place = self.in_place.may_write
         self.open_region, self.attach_region = self.regions.open, self.regions.attach
         self.check_region, self.put_region = self.regions.check, self.regions.put

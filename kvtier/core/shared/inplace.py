@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.checks import check_checksum
@@ -180,19 +180,8 @@ class InPlaceRooms:
         the daemon's own user: see :func:`may_write_in_place`). A key already
         held answers EXISTS; the room stays the writer's (it is the next
         room) or, without ``renew``, is freed."""
-        room = self._places.get(offset)
-        if room is None or room.owner != owner:
-            self.refused += 1
-            raise BadArgumentError(
-                f"no in-place room at offset {offset} belongs to this connection"
-            )
+        room = self._room_of(owner, offset, length)
         view, stores = room.view, self.stores
-        if length != len(view):
-            self.refused += 1
-            raise BadArgumentError(
-                f"a block of {length} bytes committed to an in-place room of {len(view)} "
-                "(a room holds one block of the length it was asked for)"
-            )
         if self.ram.get(key) is not None:  # (a touch, as a PUT of it would)
             if renew:
                 return Copied([PutStatus.EXISTS], nothing), offset
@@ -247,6 +236,42 @@ class InPlaceRooms:
             self._prepare(owner, length, room.namespace)
 
         return Copied([PutStatus.STORED], store_and_prepare, [key]), renewed
+
+    def commit_many(
+        self, owner: ConnId, commits: Sequence[tuple[bytes, int, int, bool]]
+    ) -> list[tuple[Copied, int | None]]:
+        """:meth:`commit` of each (key, offset, length, renew), unchecked,
+        once every one is known good: a room that is not ``owner``'s, a
+        length that is not its room's, or a room or key named twice refuses
+        the whole batch, and no room is used."""
+        offsets = {offset for _, offset, _, _ in commits}
+        keys = {key for key, _, _, _ in commits}
+        if len(offsets) != len(commits) or len(keys) != len(commits):
+            self.refused += 1
+            raise BadArgumentError("a COMMIT of many names each room, and each key, once")
+        for _, offset, length, _ in commits:
+            self._room_of(owner, offset, length)
+        return [
+            self.commit(owner, key, offset, length, None, renew)
+            for key, offset, length, renew in commits
+        ]
+
+    def _room_of(self, owner: ConnId, offset: int, length: int) -> Place:
+        """``owner``'s room at ``offset``, which holds ``length`` bytes; else
+        BadArgumentError (counted refused)."""
+        room = self._places.get(offset)
+        if room is None or room.owner != owner:
+            self.refused += 1
+            raise BadArgumentError(
+                f"no in-place room at offset {offset} belongs to this connection"
+            )
+        if length != len(room.view):
+            self.refused += 1
+            raise BadArgumentError(
+                f"a block of {length} bytes committed to an in-place room of {len(room.view)} "
+                "(a room holds one block of the length it was asked for)"
+            )
+        return room
 
     def unstage(self, owner: ConnId, offset: int) -> bool:
         room = self._places.get(offset)
