@@ -127,6 +127,22 @@ def committed_figures(path: Path) -> dict[str, Any] | None:
     return data
 
 
+def warm(sock: Path, size: int) -> None:
+    """Fill the daemon's RAM with blocks of ``size`` of its own, so the
+    figures are its steady state (every arena page touched by the daemon's
+    own copies, as the tier's stores make them, and blocks of the same size
+    evicted to make room), not the first touch of fresh memory. (Written in
+    place, the blocks would leave the pages unmapped in the daemon: its
+    first copy into each then maps it, docs/shared-memory.md.)"""
+    from kvtier import BlockingClient
+
+    block = bytes(size)
+    count = 640 * 2**20 // size  # 640 MiB through a 512 MiB RAM tier
+    with BlockingClient(sock, write_in_place=False) as c:
+        for lo in range(0, count, 32):
+            c.put_many([b"warm-%d" % i for i in range(lo, lo + 32)], [block] * 32)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engines")
     parser.add_argument("command", choices=["compare"])

@@ -4,7 +4,8 @@ Runs in .venv-lmcache. For chunks of 256 KiB to 2 MiB (64 MiB per run,
 median of 5 runs after a warm-up), in one run: GB/s of ``batched_get`` and
 ``batched_put`` through LMCache's own ``CreateConnector`` over its
 ``LocalCPUBackend`` (chunks land in, and leave from, the ``MemoryObj``s
-LMCache allocates; a RAM-only daemon on a Unix socket, every run storing
+LMCache allocates; a RAM-only daemon on a Unix socket for each chunk
+size, its RAM filled first with chunks of that size, every run storing
 its chunks under keys no run stored before), and of a plain memcpy of the
 same bytes into the same kind of buffers (the ceiling). Prints the figures
 and the ratios.
@@ -27,7 +28,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.storage_backend.connector import CreateConnector
 
-from benchmarks.engines import Figures
+from benchmarks.engines import Figures, warm
 from tests.enginedaemon import start
 from tests.lmcache.test_connector import KV_SHAPE, engine
 
@@ -55,6 +56,7 @@ def measure(
         return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
 
     count = TOTAL // chunk
+
     def fresh(attempt: int) -> list[CacheEngineKey]:
         """Keys no run stored before: every put stores its chunks anew."""
         first = (chunk * 100 + attempt) * count
@@ -105,19 +107,22 @@ def main() -> int:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    with tempfile.TemporaryDirectory(prefix="kvt-bench-lmc-", dir="/tmp") as tmp:
-        # RAM only: what is measured is the engine-facing path, not a disk
-        daemon = start(Path(tmp), "--no-disk", "--ram-capacity", "512MiB")
-        try:
-            print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy")
-            for chunk in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
+    print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy")
+    for chunk in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
+        with tempfile.TemporaryDirectory(prefix="kvt-bench-lmc-", dir="/tmp") as tmp:
+            # RAM only: what is measured is the engine-facing path, not a
+            # disk; a daemon a chunk size, its RAM filled first (its steady
+            # state: every page of its arena touched, chunks of the size evicted)
+            daemon = start(Path(tmp), "--no-disk", "--ram-capacity", "512MiB")
+            try:
+                warm(daemon.socket_path, chunk)
                 r = measure(chunk, daemon.socket_path, loop, figures)
-                print(
-                    f"{chunk // KiB:5d} KiB {r['get']:8.2f}  {r['put']:8.2f}  {r['memcpy']:11.2f}"
-                    f"  {r['get'] / r['memcpy']:9.2f}x  {r['put'] / r['memcpy']:9.2f}x"
-                )
-        finally:
-            daemon.stop()
+            finally:
+                daemon.stop()
+        print(
+            f"{chunk // KiB:5d} KiB {r['get']:8.2f}  {r['put']:8.2f}  {r['memcpy']:11.2f}"
+            f"  {r['get'] / r['memcpy']:9.2f}x  {r['put'] / r['memcpy']:9.2f}x"
+        )
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     if args.json is not None:

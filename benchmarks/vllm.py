@@ -34,7 +34,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from benchmarks.engines import Figures
+from benchmarks.engines import Figures, warm
 
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL = 64 * 1024 * 1024
@@ -168,22 +168,6 @@ def bench(block: int, sock: Path, tmp: Path, figures: Figures) -> dict[str, floa
         "memcpy_loads": gbps(TOTAL, copy_loads),
         "memcpy_stores": gbps(TOTAL, copy_stores),
     }
-
-
-def warm(sock: Path, size: int) -> None:
-    """Fill the daemon's RAM with blocks of ``size`` of its own, so the
-    figures are its steady state (every arena page touched by the daemon's
-    own copies, as the tier's stores make them, and blocks of the same size
-    evicted to make room), not the first touch of fresh memory. (Written in
-    place, the blocks would leave the pages unmapped in the daemon: its
-    first copy into each then maps it, docs/shared-memory.md.)"""
-    from kvtier import BlockingClient
-
-    block = bytes(size)
-    count = 640 * MiB // size  # 640 MiB through a 512 MiB RAM tier
-    with BlockingClient(sock, write_in_place=False) as c:
-        for lo in range(0, count, 32):
-            c.put_many([b"warm-%d" % i for i in range(lo, lo + 32)], [block] * 32)
 
 
 def main() -> int:
