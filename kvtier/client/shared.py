@@ -350,12 +350,14 @@ class InPlaceCommits:
                     Op.COMMIT_MANY, meta, flags=flags, timeout=timeout
                 )
                 answers = wire.decode_commit_many_reply(frame.meta, len(batch))
-        except BaseException as exc:
+        except asyncio.CancelledError:
+            for _, answer in batch:  # (the loop is closing: so are its writers)
+                answer.cancel()
+            raise
+        except Exception as exc:
             for _, answer in batch:
                 if not answer.done():
                     answer.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
             return
         for (_, answer), answered in zip(batch, answers, strict=True):
             if not answer.done():
