@@ -23,7 +23,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,9 +34,9 @@ from typing import Any
 
 from benchmarks.report import publish
 from kvtier import BlockingClient, State
-from kvtier.daemon import READY_MESSAGE
 from kvtier.tiers.rendezvous import ranked
 from kvtier.tiers.s3 import CHECKSUM_META, object_checksum
+from tests.helpers import DaemonProcess
 from tests.ports import free_port
 from tests.s3server import S3Server
 
@@ -102,42 +101,14 @@ class StallingProxy:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-class Daemon:
-    def __init__(self, tmp: Path, name: str, config: str) -> None:
-        self.dir = tmp / name
-        self.dir.mkdir()
-        (self.dir / "kvtier.toml").write_text(config)
-        self.socket = self.dir / "d.sock"
-        serve = os.environ.get("KVTIER_SERVE", str(ROOT / ".venv" / "bin" / "kvtier"))
-        self.proc = subprocess.Popen(
-            [
-                serve,
-                "serve",
-                "--socket",
-                str(self.socket),
-                "--metrics-port",
-                "0",
-                "--data-dir",
-                str(self.dir / "data"),
-                "--config",
-                str(self.dir / "kvtier.toml"),
-                "--ram-capacity",
-                "256MiB",
-            ],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            if READY_MESSAGE in line:
-                break
-        else:
-            raise RuntimeError(f"daemon {name} did not start")
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr or ()], daemon=True).start()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+def start_daemon(tmp: Path, name: str, config: str) -> DaemonProcess:
+    """A daemon of its own directory under ``tmp``, with ``config``."""
+    home = tmp / name
+    home.mkdir()
+    (home / "kvtier.toml").write_text(config)
+    return DaemonProcess(
+        home, "--config", str(home / "kvtier.toml"), "--ram-capacity", "256MiB"
+    ).start()
 
 
 @dataclass(frozen=True)
@@ -196,7 +167,7 @@ def run(
                 '[lookup]\nverdict_ttl = 60.0\nremote_hit = "hit"\n'
                 + (s3_section(tier, s3_hedge) if scenario.s3 else "")
             )
-            daemons.append(Daemon(tmp, f"{name}-{tag}", config))
+            daemons.append(start_daemon(tmp, f"{name}-{tag}", config))
         a, b, c = daemons
         # owners: B (and C with two replicas); A holds none
         owners = [n.encode() for n in names[1 : 1 + scenario.replicas]]
@@ -210,10 +181,10 @@ def run(
         value = os.urandom(BLOCK)
         boto = s3.boto()
         if scenario.stored_by_c:
-            with BlockingClient(c.socket) as cc:
+            with BlockingClient(c.socket_path) as cc:
                 for key in keys:
                     cc.put(key, value)  # C keeps it, pushes it to its owners, writes it to S3
-            with BlockingClient(b.socket) as cb:
+            with BlockingClient(b.socket_path) as cb:
                 deadline = time.monotonic() + 60
                 while cb.lookup(keys).states.count(State.HIT) < len(keys):
                     assert time.monotonic() < deadline, "pushes did not land"
@@ -234,7 +205,7 @@ def run(
                 pages = boto.get_paginator("list_objects_v2").paginate(Bucket=bucket)
                 listed = sum(page.get("KeyCount", 0) for page in pages)
         times = []
-        with BlockingClient(a.socket) as ca:
+        with BlockingClient(a.socket_path) as ca:
             for key in keys:
                 assert ca.lookup([key], wait=5.0).states == [State.HIT]
                 started = time.perf_counter()

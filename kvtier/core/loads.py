@@ -175,9 +175,11 @@ class Loads:
         lookup-says-HIT / load-fails livelock). A load the tier's hedger
         finds slow asks the next lower tier that may hold the block too."""
         hedger = slot.tier.hedger
-        below = next(
-            (s for s in slot.lower if s.probes.verdict(key, now) is not Verdict.ABSENT), None
-        )
+        below = None
+        if hedger is not None:  # (a tier that hedges: where its hedge may go)
+            below = next(
+                (s for s in slot.lower if s.probes.verdict(key, now) is not Verdict.ABSENT), None
+            )
 
         async def load() -> Buffer | None:
             if hedger is None or below is None:
