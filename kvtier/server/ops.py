@@ -468,25 +468,16 @@ class Ops:
             conn.conn_id, [(c.key, c.offset, c.length, c.keep_room) for c in commits]
         )
         meta = wire.encode_commit_many_reply([(copied.statuses[0], room) for copied, room in done])
-        holds = [key for copied, _ in done for key in copied.keys]
-        stores = [copied.store for copied, _ in done]
-
-        def store() -> None:
-            failed: Exception | None = None
-            for each in stores:  # (each one's, whatever another did)
-                try:
-                    each()
-                except Exception as exc:
-                    failed = failed or exc
-            if failed is not None:
-                raise failed
-
         if frame.header.flags & wire.FLAG_DURABLE:
-            store()
+            _each([copied.store for copied, _ in done])
             keys = [c.key for c in commits]
             durable = self.service.make_durable(keys, [None] * len(keys))
             return Later(durable, lambda _: Reply(meta))
-        return Reply(meta, then=self._announced(holds, store))
+        # Each block as its own COMMIT's: heard of before the reply, stored
+        # right after it, and settled before the next one is stored (whose
+        # room may evict it).
+        thens = [self._announced(copied.keys, copied.store) for copied, _ in done]
+        return Reply(meta, then=partial(_each, [t for t in thens if t is not None]))
 
     def unstage(self, conn: Connection, frame: Frame) -> Reply:
         shared = self._shared_of(conn)
@@ -625,3 +616,15 @@ def _lookup_reply(reply: LookupReply) -> Reply:
 
 def _delete_reply(deleted: list[bool]) -> Reply:
     return Reply(wire.encode_delete_reply(deleted))
+
+
+def _each(calls: Sequence[Callable[[], None]]) -> None:
+    """Call each one, whatever another did; then raise the first failure."""
+    failed: Exception | None = None
+    for call in calls:
+        try:
+            call()
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
