@@ -206,14 +206,15 @@ class Daemon:
 
     async def _startup(self) -> tuple[socket.socket, web.AppRunner | None]:
         """Open the tiers, bind the sockets and the metrics port. Failures (a
-        socket in use, a port taken) raise plainly, before any task exists,
-        and undo what was done."""
-        if self.disk is not None:
-            self.disk.prepare()
-            await self.disk.load_index()  # whole at once, or rebuilt by a scan once serving
+        data directory or a socket in use, a port taken) raise plainly,
+        before any task exists, and undo what was done."""
         opened: list[Tier] = []
         sock = None
         try:
+            if self.disk is not None:
+                opened.append(self.disk)  # (closed on a failure: its directory let go)
+                self.disk.prepare()
+                await self.disk.load_index()  # whole at once, or rebuilt by a scan once serving
             for tier in self.remote_tiers:
                 await tier.open()
                 opened.append(tier)

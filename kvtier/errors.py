@@ -157,6 +157,10 @@ class SocketInUseError(KvtierError):
     """Another live daemon already serves this socket path."""
 
 
+class DataDirInUseError(KvtierError):
+    """Another live daemon already keeps its blocks in this data directory."""
+
+
 class UnsafeSocketDirError(KvtierError):
     """The socket's directory could be tampered with by another user."""
 

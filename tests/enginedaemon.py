@@ -89,7 +89,9 @@ class EngineDaemon:
 
 
 def start(tmp: Path, *args: str) -> EngineDaemon:
-    """``kvtier serve`` on a socket in ``tmp`` (with ``args``), once it is ready."""
+    """``kvtier serve`` on a socket in ``tmp`` (with ``args``), once it is
+    ready; its disk tier in ``tmp`` too, unless ``args`` say otherwise."""
+    private = [] if {"--no-disk", "--data-dir"} & set(args) else ["--data-dir", str(tmp / "data")]
     proc = subprocess.Popen(
         [
             serve_command(),
@@ -98,6 +100,7 @@ def start(tmp: Path, *args: str) -> EngineDaemon:
             str(tmp / "d.sock"),
             "--metrics-port",
             "0",
+            *private,
             *args,
         ],
         stdout=subprocess.DEVNULL,

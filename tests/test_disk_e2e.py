@@ -8,6 +8,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from kvtier import Client, PutStatus, State
 from kvtier.errors import KvtierError
 from kvtier.tiers.disk.format import block_path
@@ -179,3 +181,23 @@ async def test_a_block_whose_disk_read_failed_looks_up_miss_at_both_sockets(
     assert not any(f.exists() for f in files[:5])
     assert all(f.exists() for f in files[5:])
     assert restarted.stop() == 0
+
+
+def test_a_second_daemon_is_refused_the_data_directory_of_a_live_one(sock_dir: Path) -> None:
+    """Two daemons in one data directory would evict and index each other's
+    blocks: the second is refused at start, naming the first; once the
+    first has gone (killed: the kernel lets go of its lock), one starts."""
+    first = DaemonProcess(sock_dir, "--ram-capacity", "16MiB").start()
+    other = sock_dir / "other"
+    other.mkdir()
+    second, third = (DaemonProcess(other, "--ram-capacity", "16MiB") for _ in range(2))
+    second.data_dir = third.data_dir = first.data_dir
+    try:
+        with pytest.raises(RuntimeError, match=f"pid {first.pid}.* keeps its blocks in"):
+            second.start()
+        assert second.wait(30) == 1
+        first.stop(signal.SIGKILL)
+        third.start()
+    finally:
+        third.stop()
+        first.stop()

@@ -11,6 +11,7 @@ Imports the format and the block checksum; never asyncio, the core or metrics.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import uuid
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.errors import DataDirInUseError
 from kvtier.model import Buffer
 from kvtier.tiers.base import block_checksum
 from kvtier.tiers.disk.format import (
@@ -168,3 +170,32 @@ def scan_bucket(bucket: Path, known: Sequence[bytes] = ()) -> ScanResult:
 def missing_files(paths: Sequence[Path]) -> list[bool]:
     """Whether each file is absent (checked again, now)."""
     return [not os.path.exists(path) for path in paths]
+
+
+#: the file whose lock marks a data directory as one daemon's
+LOCK_FILE = "lock"
+
+
+def lock_directory(root: Path) -> int:
+    """Hold ``root`` for this process: an exclusive lock on its lock file,
+    kept while the returned descriptor is open (the kernel lets go of it
+    when the process ends, however it ends). The file names the holder's
+    pid. Raises :class:`~kvtier.errors.DataDirInUseError` while another
+    process holds it: two daemons in one directory would each evict and
+    index the other's blocks."""
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DataDirInUseError(
+            f"another kvtier daemon (pid {holder}) keeps its blocks in {root}; "
+            "give this one a data directory of its own (--data-dir)"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

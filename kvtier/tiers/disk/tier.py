@@ -59,6 +59,7 @@ from kvtier.tiers.budget import Budget, Gone
 from kvtier.tiers.disk.format import CorruptBlock, block_path, by_bucket, file_size
 from kvtier.tiers.disk.io import (
     ScanResult,
+    lock_directory,
     missing_files,
     read_block,
     scan_bucket,
@@ -131,6 +132,8 @@ class DiskTier(LocalTier):
         self.loaded: Loaded | None = None
         #: a compaction of the index's files in flight
         self._compacting: asyncio.Future[None] | None = None
+        #: the held lock of the directory (:meth:`prepare` to :meth:`close`)
+        self._lock: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -147,8 +150,11 @@ class DiskTier(LocalTier):
     # -- start: the index is rebuilt while the daemon already serves
 
     def prepare(self) -> None:
-        """Create the directory tree (synchronous; called once at startup)."""
+        """Create the directory tree and hold it (:func:`lock_directory`:
+        synchronous; called once at startup)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        if self._lock is None:
+            self._lock = lock_directory(self.root)
         for i in range(256):
             (self.root / f"{i:02x}").mkdir(exist_ok=True)
         self._scanned = asyncio.get_running_loop().create_future()
@@ -586,6 +592,9 @@ class DiskTier(LocalTier):
             await asyncio.wait([self._compacting])  # (a failure is logged where it ends)
         self.executor.shutdown(wait=True)
         self.journal.close()
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def filesystem(self) -> tuple[int, int]:
         """(free bytes, size) of the filesystem holding the blocks; (0, 0) if unknown."""
