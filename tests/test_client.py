@@ -18,6 +18,7 @@ from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, S
 from kvtier.backoff import Backoff
 from kvtier.client.batching import SOCKET_ONLY, SOLO_VALUE_BYTES, WritePath, read_pieces
 from kvtier.client.options import ClientOptions, OptionChanges
+from kvtier.client.protocol import checked
 from kvtier.client.redial import Redial
 from kvtier.daemon import Daemon
 from kvtier.errors import (
@@ -25,6 +26,7 @@ from kvtier.errors import (
     BadKeyError,
     ConnectionClosedError,
     DaemonUnavailableError,
+    KvtierError,
     RequestTimeoutError,
     ValueTooLargeError,
 )
@@ -460,3 +462,16 @@ def test_read_pieces_cover_each_block_once_in_order_within_their_bounds(
     for lo, hi in pieces:
         assert hi - lo == 1 or sum(lengths[lo:hi]) <= bound
         bound = min(bound * 2, most)
+
+
+def test_a_request_sent_without_waiting_is_answered_through_its_future(sock_dir: Path) -> None:
+    proc = DaemonProcess(sock_dir, "--ram-capacity", "64MiB").start()
+    try:
+        with BlockingClient(proc.socket_path) as c:
+            reply = c.send(Op.PING, b"hello").result(10)
+            assert bytes(checked(reply).meta) == b"hello"
+            bad = c.send(Op.GET, b"\xff").result(10)  # a malformed key list: an error reply
+            with pytest.raises(KvtierError):
+                checked(bad)
+    finally:
+        proc.stop()

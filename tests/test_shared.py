@@ -28,6 +28,7 @@ from kvtier.errors import (
     ErrorCode,
     ForbiddenError,
     NoCapacityError,
+    RequestTimeoutError,
     ValueTooLargeError,
 )
 from kvtier.model import MAX_IN_PLACE_ROOMS, PutStatus, State
@@ -854,25 +855,33 @@ async def test_put_many_in_place_sends_its_commits_together(daemon: Daemon) -> N
 
 class _Calls:
     """A connection's requests, recorded and answered at once (each COMMIT
-    of many: every block stored, next room 7)."""
+    of many: every block stored, next room 7), or failed with ``fail``, or
+    never answered (``hang``)."""
 
-    def __init__(self, fail: Exception | None = None) -> None:
+    def __init__(self, fail: Exception | None = None, hang: bool = False) -> None:
         self.sent: list[tuple[int, int, int]] = []  # (op, commits, flags)
         self.fail = fail
+        self.hang = hang
 
-    async def request(
-        self, op: int, meta: bytes, data: object = (), *, flags: int = 0, timeout: object = None
-    ) -> object:
+    def send(self, op: int, meta: bytes, *, flags: int = 0) -> asyncio.Future[object]:
+        reply: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        n = 1 if op == Op.COMMIT else len(wire.decode_commit_many(meta, 64))
+        self.sent.append((op, n, flags))
+        if self.hang:
+            return reply
         if self.fail is not None:
-            raise self.fail
-        if op == Op.COMMIT:
-            self.sent.append((op, 1, flags))
-            reply = wire.encode_commit_reply(PutStatus.STORED, 7)
+            reply.set_exception(self.fail)
+        elif op == Op.COMMIT:
+            meta = wire.encode_commit_reply(PutStatus.STORED, 7)
+            reply.set_result(
+                types.SimpleNamespace(meta=meta, header=types.SimpleNamespace(status=0))
+            )
         else:
-            n = len(wire.decode_commit_many(meta, 64))
-            self.sent.append((op, n, flags))
-            reply = wire.encode_commit_many_reply([(PutStatus.STORED, 7)] * n)
-        return types.SimpleNamespace(meta=reply)
+            meta = wire.encode_commit_many_reply([(PutStatus.STORED, 7)] * n)
+            reply.set_result(
+                types.SimpleNamespace(meta=meta, header=types.SimpleNamespace(status=0))
+            )
+        return reply
 
 
 def _commit(i: int) -> wire.Commit:
@@ -902,4 +911,15 @@ async def test_a_failed_request_fails_each_of_its_writers() -> None:
     answers = [commits.commit(_commit(i), False, None) for i in range(3)]
     for answer in answers:
         with pytest.raises(DaemonUnavailableError, match="gone"):
+            await answer
+
+
+async def test_a_request_sent_leaves_at_once_and_one_unanswered_times_out() -> None:
+    calls = _Calls(hang=True)
+    commits = InPlaceCommits(calls, b"")  # type: ignore[arg-type]
+    answers = [commits.commit(_commit(i), False, 0.01) for i in range(2)]
+    commits.send()
+    assert calls.sent == [(Op.COMMIT_MANY, 2, 0)]  # written before this coroutine yields
+    for answer in answers:
+        with pytest.raises(RequestTimeoutError):
             await answer

@@ -27,7 +27,7 @@ from kvtier._version import __version__
 from kvtier.backoff import Backoff
 from kvtier.client.batching import SOCKET_ONLY, WritePath, put_batches
 from kvtier.client.options import DEFAULTS, ClientOptions, OptionChanges
-from kvtier.client.protocol import ClientProtocol, expire
+from kvtier.client.protocol import ClientProtocol, checked, expire
 from kvtier.client.shared import SharedSession, attach, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL, default_socket_path
 from kvtier.errors import (
@@ -40,7 +40,6 @@ from kvtier.errors import (
     ReferredError,
     RequestTimeoutError,
     ValueTooLargeError,
-    error_from_code,
 )
 from kvtier.loops import IdlePoll
 from kvtier.model import (
@@ -371,10 +370,7 @@ class Client:
         finally:
             for fut in futs:
                 fut.cancel()  # no-op when done; frees the slot when abandoned
-        for frame in frames:
-            if frame.header.status:
-                raise error_from_code(frame.header.status, wire.decode_error(frame.meta))
-        return frames
+        return [checked(frame) for frame in frames]
 
     async def request(
         self,
@@ -398,6 +394,12 @@ class Client:
         dropped, an error included). Raises only when the connection is closed."""
         self._send(op, meta).add_done_callback(_drop_reply)
 
+    def send(self, op: int, meta: Buffer, *, flags: int = 0) -> asyncio.Future[Frame]:
+        """Write one request now, and return its reply frame's future (an
+        error reply is a frame too: :func:`checked` raises it). The caller
+        bounds the wait. Raises only when the connection is closed."""
+        return self._send(op, meta, flags=flags)
+
     async def _call(
         self,
         op: int,
@@ -419,9 +421,7 @@ class Client:
         finally:
             if handle is not None:
                 handle.cancel()
-        if frame.header.status:
-            raise error_from_code(frame.header.status, wire.decode_error(frame.meta))
-        return frame
+        return checked(frame)
 
     def _timeout(self, timeout: Timeout) -> float | None:
         return self.timeout if isinstance(timeout, EllipsisType) else timeout
@@ -767,9 +767,7 @@ class Client:
                 proto.stream_taken(stream)
                 if isinstance(item, Exception):
                     raise item
-                if item.header.status:
-                    raise error_from_code(item.header.status, wire.decode_error(item.meta))
-                events = wire.decode_events(item.meta)
+                events = wire.decode_events(checked(item).meta)
                 if events:
                     yield events
                 if not item.header.flags & wire.FLAG_MORE:

@@ -198,6 +198,16 @@ class BlockingClient:
 
         self._run(post())
 
+    def send(self, op: int, meta: Buffer, *, flags: int = 0) -> ConcurrentFuture[Frame]:
+        """Write one request, and return its reply frame's future, as
+        :meth:`Client.send <kvtier.client.aio.Client.send>` does (an error
+        reply is a frame too: :func:`kvtier.client.protocol.checked` raises it)."""
+
+        async def send() -> Frame:
+            return await self._client.send(op, meta, flags=flags)
+
+        return asyncio.run_coroutine_threadsafe(send(), self._loop)
+
     # -- operations
 
     def hello(self) -> HelloReply:

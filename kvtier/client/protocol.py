@@ -122,6 +122,13 @@ class ClientProtocol(asyncio.BufferedProtocol):
             await self.flow.drain()
 
 
+def checked(frame: Frame) -> Frame:
+    """``frame``, or the :class:`~kvtier.errors.KvtierError` its error reply carries."""
+    if frame.header.status:
+        raise error_from_code(frame.header.status, wire.decode_error(frame.meta))
+    return frame
+
+
 def expire(fut: asyncio.Future[Frame], seconds: float) -> None:
     if not fut.done():
         fut.set_exception(RequestTimeoutError(f"no reply within {seconds}s"))

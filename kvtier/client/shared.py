@@ -41,6 +41,7 @@ import os
 import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import Protocol
 
 from kvtier import blockcopy, wire
@@ -50,6 +51,7 @@ from kvtier.client.batching import (
     SOLO_VALUE_BYTES,
     read_pieces,
 )
+from kvtier.client.protocol import checked, expire
 from kvtier.errors import (
     ForbiddenError,
     KvtierError,
@@ -84,6 +86,8 @@ class Calls(Protocol):
     ) -> Frame: ...
 
     def post(self, op: int, meta: Buffer) -> None: ...
+
+    def send(self, op: int, meta: Buffer, *, flags: int = 0) -> asyncio.Future[Frame]: ...
 
 
 class MappedMemory:
@@ -253,15 +257,18 @@ COMMITS_A_REQUEST = MAX_IN_PLACE_ROOMS // 2
 
 
 class InPlaceCommits:
-    """The in-place COMMITs of one connection, sent together: those made in
-    one step of the loop leave as one COMMIT_MANY (at most
-    ``COMMITS_A_REQUEST``; a full request leaves at once), a lone one as a
-    COMMIT. Each writer awaits its own answer: its status and next room.
+    """The in-place COMMITs of one connection, sent together: those queued
+    until :meth:`send` (a writer's blocks are all copied, or the loop runs
+    again first) leave as one COMMIT_MANY, a lone one as a COMMIT; a full
+    request (``COMMITS_A_REQUEST``) leaves at once. Each commit's answer,
+    its status and the writer's next room, is a future.
 
-    Invariants: a commit whose writer gave up before its request left is
-    not sent (the writer gives its room back); durable and plain commits
-    never share a request; a request's failure is every one of its
-    writers' failure."""
+    Invariants: a request is written the moment it is sent (the daemon
+    works on it while the writer copies its next blocks); a commit whose
+    answer was cancelled before its request left is not sent (the writer
+    gives its room back); durable and plain commits never share a request;
+    a request's failure (an error reply, its timeout, the connection lost)
+    is each of its commits' failure, and a request cancelled cancels them."""
 
     def __init__(self, calls: Calls, prefix: bytes) -> None:
         self._calls = calls
@@ -273,8 +280,6 @@ class InPlaceCommits:
         }
         self._timeout: float | None = None
         self._soon = False
-        #: requests on their way (each ends with its answer or its failure)
-        self._sending: set[asyncio.Future[None]] = set()
         #: requests sent, and the commits they carried
         self.requests = 0
         self.commits = 0
@@ -283,24 +288,10 @@ class InPlaceCommits:
         waiting = sum(len(w) for w in self._waiting.values())
         return f"<InPlaceCommits waiting={waiting} requests={self.requests} commits={self.commits}>"
 
-    async def alone(self, c: wire.Commit, durable: bool, timeout: float | None) -> Answered:
-        """``c`` committed at once, in a COMMIT of its own (a lone PUT waits
-        for no step)."""
-        self.requests += 1
-        self.commits += 1
-        frame = await self._calls.request(
-            Op.COMMIT,
-            wire.encode_commit(c, self._prefix),
-            flags=FLAG_DURABLE if durable else 0,
-            timeout=timeout,
-        )
-        return wire.decode_commit_reply(frame.meta)
-
     def commit(
         self, c: wire.Commit, durable: bool, timeout: float | None
     ) -> asyncio.Future[Answered]:
-        """``c``'s answer, once the request that carries it (with the
-        commits of this step) is answered."""
+        """``c``'s answer, once the request that carries it is answered."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Answered] = loop.create_future()
         waiting = self._waiting[durable]
@@ -310,58 +301,71 @@ class InPlaceCommits:
             self._send(durable)
         elif not self._soon:
             self._soon = True
-            loop.call_soon(self._send_all)
+            loop.call_soon(self._send_soon)
         return answer
 
-    def _send_all(self) -> None:
-        self._soon = False
+    def send(self) -> None:
+        """Send every commit queued."""
         for durable in (False, True):
             self._send(durable)
+
+    def _send_soon(self) -> None:
+        self._soon = False
+        self.send()
 
     def _send(self, durable: bool) -> None:
         batch = [(c, a) for c, a in self._waiting[durable] if not a.done()]
         self._waiting[durable] = []
-        if batch:
-            self.requests += 1
-            self.commits += len(batch)
-            task = asyncio.ensure_future(self._request(batch, durable, self._timeout))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
-
-    async def _request(
-        self,
-        batch: list[tuple[wire.Commit, asyncio.Future[Answered]]],
-        durable: bool,
-        timeout: float | None,
-    ) -> None:
+        if not batch:
+            return
+        self.requests += 1
+        self.commits += len(batch)
         flags = FLAG_DURABLE if durable else 0
         try:
             if len(batch) == 1:
-                frame = await self._calls.request(
-                    Op.COMMIT,
-                    wire.encode_commit(batch[0][0], self._prefix),
-                    flags=flags,
-                    timeout=timeout,
-                )
-                answers = [wire.decode_commit_reply(frame.meta)]
+                meta = wire.encode_commit(batch[0][0], self._prefix)
+                sent = self._calls.send(Op.COMMIT, meta, flags=flags)
             else:
                 meta = wire.encode_commit_many([c for c, _ in batch], self._prefix)
-                frame = await self._calls.request(
-                    Op.COMMIT_MANY, meta, flags=flags, timeout=timeout
-                )
-                answers = wire.decode_commit_many_reply(frame.meta, len(batch))
-        except asyncio.CancelledError:
-            for _, answer in batch:  # (the loop is closing: so are its writers)
-                answer.cancel()
-            raise
-        except Exception as exc:
+                sent = self._calls.send(Op.COMMIT_MANY, meta, flags=flags)
+        except KvtierError as exc:  # the connection is closed
             for _, answer in batch:
-                if not answer.done():
-                    answer.set_exception(exc)
+                answer.set_exception(exc)
             return
-        for (_, answer), answered in zip(batch, answers, strict=True):
+        timer = None
+        if self._timeout is not None:
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(self._timeout, expire, sent, self._timeout)
+        sent.add_done_callback(partial(_answer, batch, timer))
+
+
+def _answer(
+    batch: list[tuple[wire.Commit, asyncio.Future[Answered]]],
+    timer: asyncio.TimerHandle | None,
+    sent: asyncio.Future[Frame],
+) -> None:
+    """Each commit of ``batch`` answered from its request's reply."""
+    if timer is not None:
+        timer.cancel()
+    if sent.cancelled():
+        for _, answer in batch:
+            answer.cancel()
+        return
+    try:
+        frame = checked(sent.result())
+        answers = (
+            [wire.decode_commit_reply(frame.meta)]
+            if len(batch) == 1
+            else wire.decode_commit_many_reply(frame.meta, len(batch))
+        )
+    except Exception as exc:
+        for _, answer in batch:
             if not answer.done():
-                answer.set_result(answered)
+                answer.set_exception(exc)
+        return
+    for (_, answer), answered in zip(batch, answers, strict=True):
+        if not answer.done():
+            answer.set_result(answered)
 
 
 class SharedSession:
@@ -537,7 +541,7 @@ class SharedSession:
         """Store one block in place or through a staging room; None when
         neither has room."""
         if self.in_place:
-            status = await self._put_in_place(key, value, durable, timeout, alone=True)
+            (status,) = await self._put_in_place([key], [value], durable, timeout)
             if status is not None:
                 return status
         length = len(value)
@@ -559,52 +563,86 @@ class SharedSession:
         return wire.decode_put_reply(frame.meta)[0]
 
     async def _put_in_place(
-        self, key: bytes, value: Buffer, durable: bool, timeout: float | None, alone: bool = False
-    ) -> PutStatus | None:
-        """Write the block into a RAM slot of its own and COMMIT it there (the
-        reply brings the room for the next block); None when no room."""
-        async with self._writing:
-            self._in_flight += 1
-            try:
-                return await self._write_in_place(key, value, durable, timeout, alone)
-            finally:
-                self._in_flight -= 1
+        self, keys: Sequence[bytes], values: Sequence[Buffer], durable: bool, timeout: float | None
+    ) -> list[PutStatus | None]:
+        """Blocks written in place one after the other by this coroutine: each
+        copied into a RAM slot of its own (a spare room, or one an answer
+        brought back, or a new one: :meth:`_place`) and its COMMIT queued
+        (:class:`InPlaceCommits`: they leave ``COMMITS_A_REQUEST`` at a
+        time while the next blocks are copied, the rest once all are). A
+        block waits for a room while the connection has
+        ``MAX_IN_PLACE_ROOMS`` writes in flight. None for each block from
+        the first that found no room on (the caller stages them)."""
+        answers: list[asyncio.Future[Answered]] = []
+        try:
+            for key, value in zip(keys, values, strict=True):
+                offset = await self._room_in_place(len(value), timeout)
+                if offset is None:
+                    break
+                answers.append(self._write_in_place(key, value, offset, durable, timeout))
+            self._commits.send()
+            answered = await asyncio.gather(*answers)
+        except BaseException:
+            for answer in answers:  # (one not sent yet is never sent)
+                answer.cancel()
+            raise
+        statuses: list[PutStatus | None] = [status for status, _ in answered]
+        return statuses + [None] * (len(keys) - len(statuses))
 
-    async def _write_in_place(
-        self, key: bytes, value: Buffer, durable: bool, timeout: float | None, alone: bool
-    ) -> PutStatus | None:
-        """The block copied into a room of its own and committed there: with
-        the other writes of this step (:class:`InPlaceCommits`), or ``alone``
-        at once (a lone PUT waits for no step)."""
-        length = len(value)
-        offset = await self._place(length, timeout)
+    async def _room_in_place(self, length: int, timeout: float | None) -> int | None:
+        """A room for a block of ``length`` bytes, once fewer than
+        ``MAX_IN_PLACE_ROOMS`` writes are in flight (this one now is); None
+        when there is none."""
+        await self._writing.acquire()
+        self._in_flight += 1
+        try:
+            offset = await self._place(length, timeout)
+        except BaseException:
+            self._written()
+            raise
         if offset is None:
-            return None
+            self._written()
+        return offset
+
+    def _written(self) -> None:
+        """A write in place is over: another may start."""
+        self._in_flight -= 1
+        self._writing.release()
+
+    def _write_in_place(
+        self, key: bytes, value: Buffer, offset: int, durable: bool, timeout: float | None
+    ) -> asyncio.Future[Answered]:
+        """The block copied into its room, and its COMMIT's answer."""
+        length = len(value)
         room = self._arena_view[offset : offset + length]
         try:
             blockcopy.fault_in(room)  # (a room never written from here maps faster)
             blockcopy.copy_into(room, value)  # (streamed: no one reads it here)
+        except BaseException:
+            self._places.setdefault(length, []).append(offset)  # not committed: still a room
+            self._written()
+            raise
         finally:
             room.release()  # nothing here writes to the slot once COMMIT leaves
         # No checksum: nothing but this process (and others of the daemon's
         # own user, who could stop the daemon) can write the slot, and this
         # one is done with it before the COMMIT leaves.
         commit = wire.Commit(key, offset, length, 0, True, in_place=True, unchecked=True)
-        try:
-            commits = self._commits
-            status, renewed = await (
-                commits.alone(commit, durable, timeout)
-                if alone
-                else commits.commit(commit, durable, timeout)
-            )
-        except BaseException:
-            # Committed or not, the room is not this writer's to reuse: an
-            # UNSTAGE frees it if the COMMIT did not (a block it is not).
+        answer = self._commits.commit(commit, durable, timeout)
+        answer.add_done_callback(partial(self._committed, length, offset))
+        return answer
+
+    def _committed(self, length: int, offset: int, answer: asyncio.Future[Answered]) -> None:
+        """A COMMIT in place answered: the next room it brings is a spare
+        one; one whose outcome is unknown gives its room back (an UNSTAGE
+        frees only a room, never the block it may have become)."""
+        if not answer.cancelled() and answer.exception() is None:
+            renewed = answer.result()[1]
+            if renewed is not None:
+                self._places.setdefault(length, []).append(renewed)
+        else:
             self._give_back(offset)
-            raise
-        if renewed is not None:
-            self._places.setdefault(length, []).append(renewed)
-        return status
+        self._written()
 
     async def _place(self, length: int, timeout: float | None) -> int | None:
         """An in-place room for a block of ``length`` bytes: a spare one, else a
@@ -670,8 +708,8 @@ class SharedSession:
         if not self.in_place:
             return await self._put_staged_many(keys, values, durable, timeout, fallback)
         large = [i for i, v in enumerate(values) if len(v) >= SOLO_VALUE_BYTES]
-        placed = await asyncio.gather(
-            *(self._put_in_place(keys[i], values[i], durable, timeout) for i in large)
+        placed = await self._put_in_place(
+            [keys[i] for i in large], [values[i] for i in large], durable, timeout
         )
         out: list[PutStatus | None] = [None] * len(keys)
         for i, status in zip(large, placed, strict=True):
