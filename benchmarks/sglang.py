@@ -2,7 +2,9 @@
 
 Runs in .venv-sglang. For pages of 256 KiB to 2 MiB (a page is its K and its
 V half, one block each; 64 MiB per run, median of 5 runs after a warm-up),
-in one run: GB/s of ``batch_get_v1`` and ``batch_set_v1`` on the backend
+in one run: GB/s of ``batch_get_v1`` and ``batch_set_v1`` (called with
+``STORAGE_BATCH_SIZE`` pages at a time, as SGLang's cache controller
+slices its prefetches and backups) on the backend
 SGLang's own ``StorageBackendFactory`` builds, moving pages of SGLang's real
 host KV pool (page-first, on the CPU; a RAM-only daemon on a Unix socket,
 every run storing fresh blocks), and of a
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -34,8 +37,9 @@ TOTAL = 64 * 1024 * 1024
 RUNS = 5
 KiB, MiB = 1024, 1024 * 1024
 TOKENS, LAYERS = 16, 4
-#: SGLang's batch of pages per storage call
-BATCH = 16
+#: pages a storage call moves: SGLang's own batch (its cache controller
+#: prefetches and backs up a request's pages in slices of this many)
+BATCH = STORAGE_BATCH_SIZE
 
 
 def gbps(nbytes: int, seconds: list[float]) -> float:
