@@ -7,8 +7,11 @@ median of 5 runs after a warm-up), in one run: GB/s of ``batched_get`` and
 LMCache allocates; a RAM-only daemon on a Unix socket for each chunk
 size, its RAM filled first with chunks of that size, every run storing
 its chunks under keys no run stored before), and of a plain memcpy of the
-same bytes into the same kind of buffers (the ceiling). Prints the figures
-and the ratios.
+same bytes into the same kind of buffers (the ceiling). A load also takes
+LMCache's buffers and lets them go (LMCache frees them once on the GPU): the
+floor LMCache's allocator leaves for any remote backend is timed too, the
+same chunks copied into buffers ``batched_allocate`` gives and let go at
+once. Prints the figures and the ratios.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def measure(
     objs = [backend.allocate(shapes, dtypes, fmt) for _ in range(count)]
     for obj in objs:
         memoryview(obj.byte_array).cast("B")[:] = os.urandom(64) * (chunk // 64)
-    puts, gets, copies = [], [], []
+    puts, gets, copies, floors = [], [], [], []
     dests = [bytearray(chunk) for _ in range(BATCH)]
     for attempt in range(RUNS + 1):
         keys = fresh(attempt)
@@ -87,16 +90,32 @@ def measure(
             for j, obj in enumerate(objs[i : i + BATCH]):
                 dests[j][:] = memoryview(obj.byte_array).cast("B")
         copy_s = time.perf_counter() - started
+        # LMCache's own floor for a load: its buffers taken, filled and let go
+        started = time.perf_counter()
+        for i in range(0, count, BATCH):
+            bufs = backend.batched_allocate(shapes, dtypes, BATCH, fmt, eviction=False)
+            assert bufs is not None
+            for buf, obj in zip(bufs, objs[i : i + BATCH], strict=False):
+                memoryview(buf.byte_array).cast("B")[:] = memoryview(obj.byte_array).cast("B")
+                buf.ref_count_down()
+        floor_s = time.perf_counter() - started
         if attempt:  # the first run warms up
             puts.append(put_s)
             gets.append(get_s)
             copies.append(copy_s)
+            floors.append(floor_s)
     for obj in objs:
         obj.ref_count_down()
     run(conn.close())
     figures.add(f"get {chunk // KiB} KiB / memcpy", gets, copies)
     figures.add(f"put {chunk // KiB} KiB / memcpy", puts, copies)
-    return {"get": gbps(TOTAL, gets), "put": gbps(TOTAL, puts), "memcpy": gbps(TOTAL, copies)}
+    figures.add(f"get {chunk // KiB} KiB / LMCache's floor", gets, floors)
+    return {
+        "get": gbps(TOTAL, gets),
+        "put": gbps(TOTAL, puts),
+        "memcpy": gbps(TOTAL, copies),
+        "floor": gbps(TOTAL, floors),
+    }
 
 
 def main() -> int:
@@ -107,7 +126,7 @@ def main() -> int:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy")
+    print("chunk    get GB/s  put GB/s  memcpy GB/s  get/memcpy  put/memcpy  floor GB/s  get/floor")
     for chunk in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
         with tempfile.TemporaryDirectory(prefix="kvt-bench-lmc-", dir="/tmp") as tmp:
             # RAM only: what is measured is the engine-facing path, not a
@@ -122,6 +141,7 @@ def main() -> int:
         print(
             f"{chunk // KiB:5d} KiB {r['get']:8.2f}  {r['put']:8.2f}  {r['memcpy']:11.2f}"
             f"  {r['get'] / r['memcpy']:9.2f}x  {r['put'] / r['memcpy']:9.2f}x"
+            f"  {r['floor']:10.2f}  {r['get'] / r['floor']:8.2f}x"
         )
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)

@@ -151,8 +151,19 @@ class KvtierConnector(RemoteConnector):
 
     # ------------------------------------------------------------ loads
 
-    def _allocate(self) -> MemoryObj | None:
-        return self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+    def _allocate(self, n: int) -> list[MemoryObj | None]:
+        """``n`` chunks' buffers from LMCache's allocator: in one call where
+        it has room for all without evicting (LMCache's ``batched_allocate``:
+        one pass of its allocator for the batch; its eviction is written for
+        a batch of one chunk's layers, not of chunks), else one by one, each
+        evicting as LMCache's ``allocate`` does (None where none is left)."""
+        backend = self.local_cpu_backend
+        shapes, dtypes, fmt = self.meta_shapes, self.meta_dtypes, self.meta_fmt
+        if n > 1 and hasattr(backend, "batched_allocate"):
+            objs = backend.batched_allocate(shapes, dtypes, n, fmt, eviction=False)
+            if objs is not None:
+                return list(objs)
+        return [backend.allocate(shapes, dtypes, fmt) for _ in range(n)]
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         return (await self.batched_get([key]))[0]
@@ -162,7 +173,7 @@ class KvtierConnector(RemoteConnector):
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """Each chunk received straight into a ``MemoryObj``; None where missing."""
-        objs: list[MemoryObj | None] = [self._allocate() for _ in keys]
+        objs = self._allocate(len(keys))
         wanted = [i for i, obj in enumerate(objs) if obj is not None]
         out: list[MemoryObj | None] = [None] * len(keys)
         if not wanted:

@@ -4,6 +4,7 @@ LocalCPUBackend, against a real daemon process."""
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,37 @@ def test_a_prefill_rate_sends_budgets_and_chunks_slower_to_load_read_as_misses(
     finally:
         fast.close()
     assert daemon.total("kvtier_lookup_budget_cut_total") >= 1
+
+
+def test_buffers_come_in_one_call_when_lmcache_has_room_else_one_by_one() -> None:
+    """``batched_allocate`` is asked without eviction (LMCache evicts for it
+    as if the batch were one chunk's layers); when it has no room for the
+    whole batch, each buffer is asked for alone, evicting as LMCache does."""
+    calls: list[tuple[str, int, bool]] = []
+
+    class Backend:
+        def __init__(self, room: int) -> None:
+            self.room = room
+
+        def batched_allocate(
+            self, shapes: Any, dtypes: Any, n: int, fmt: Any, eviction: bool = True
+        ) -> Any:
+            calls.append(("batched", n, eviction))
+            return [object() for _ in range(n)] if n <= self.room else None
+
+        def allocate(self, shapes: Any, dtypes: Any, fmt: Any) -> Any:
+            calls.append(("one", 1, True))
+            self.room -= 1
+            return object() if self.room >= 0 else None
+
+    def connector(room: int) -> Any:
+        return types.SimpleNamespace(
+            local_cpu_backend=Backend(room), meta_shapes=[], meta_dtypes=[], meta_fmt=None
+        )
+
+    assert len(KvtierConnector._allocate(connector(4), 3)) == 3
+    assert calls == [("batched", 3, False)]
+    calls.clear()
+    got = KvtierConnector._allocate(connector(2), 3)
+    assert [g is not None for g in got] == [True, True, False]
+    assert calls == [("batched", 3, False), ("one", 1, True), ("one", 1, True), ("one", 1, True)]
