@@ -17,14 +17,14 @@ Where the extension is not built, or elsewhere than x86-64, the copy is
 memcpy's.
 
 :func:`fault_in` maps a shared file's pages into this process before they
-are written.
+are written; :func:`populate` has them allocated and mapped writable.
 
 Invariants: ``copy_into(dst, src)`` leaves the first ``len(src)`` bytes of
 ``dst`` equal to ``src`` and the rest as they were, and raises ValueError,
 writing nothing, when ``dst`` is shorter; when it returns, the stores are
 visible to any process that reads after a message this one sends next;
-copies of 64 KiB or more run without the GIL. Imports the shared records
-only.
+copies of 64 KiB or more, and :func:`fault_in` where the extension is
+built, run without the GIL. Imports the shared records only.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ try:
 except ImportError:
     _blockcopy = None
 
-__all__ = ["BUILT", "FAULT_AROUND", "STREAMING", "copy_into", "fault_in"]
+__all__ = ["BUILT", "FAULT_AROUND", "STREAMING", "copy_into", "fault_in", "populate"]
 
 #: the extension is built (else every copy is memoryview assignment's)
 BUILT = _blockcopy is not None
@@ -73,7 +73,26 @@ def fault_in(view: memoryview) -> None:
     them 16 pages a fault, where a write would fault each page (measured
     here, pages another process had touched: 105-145 against 450-480 us a
     MiB; fresh pages cost their allocation either way). A page already
-    mapped costs a read of one byte."""
-    if view.nbytes:
-        bytes(view[::FAULT_AROUND])
-        view[-1]  # the last window, when the span does not start on one
+    mapped costs a read of one byte. Without the GIL where the extension
+    is built (a long span faults for milliseconds)."""
+    if not view.nbytes:
+        return
+    if _blockcopy is not None:
+        _blockcopy.touch(view, FAULT_AROUND)
+        return
+    bytes(view[::FAULT_AROUND])
+    view[-1]  # the last window, when the span does not start on one
+
+
+def populate(view: memoryview) -> bool:
+    """Have the kernel allocate every page of ``view`` (a span of a writable
+    shared mapping) and map it writable into this process, without the GIL
+    and without changing a byte (Linux's ``MADV_POPULATE_WRITE``). A page
+    allocated this way is one a first copy into it does not fault, and one
+    another process's :func:`fault_in` maps 16 at a time (pages that were
+    only reserved, ``posix_fallocate``, are mapped one a fault, each zeroed
+    as it is). False, doing nothing, where the extension is not built or the
+    kernel (before 5.14) has no such advice."""
+    if _blockcopy is None or not view.nbytes:
+        return False
+    return bool(_blockcopy.populate(view))

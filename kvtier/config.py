@@ -174,9 +174,15 @@ class SharedConfig(Section):
     #: blocks straight into their RAM slots (no copy in the daemon); others,
     #: and all clients when off, write through the staging region
     write_in_place: bool = True
+    #: allocate the memory of the arena's first ram.capacity bytes and of the
+    #: staging region when the daemon starts (in the background, once it
+    #: serves), and map it into the daemon: the first blocks stored then cost
+    #: what later ones do; off: pages are allocated as blocks first land in
+    #: them, and memory grows with use
+    preallocate: bool = True
     #: threads the daemon copies blocks of clients' regions in (PUT_REGION,
-    #: GET_REGION), 0 to 64; 0 copies them on the event loop,
-    #: 256 KiB a loop step; "auto": 0 where the daemon may run on 2 CPUs or
+    #: GET_REGION), 0 to 64; 0 copies them on the event loop, in turns of
+    #: about 50 µs; "auto": 0 where the daemon may run on 2 CPUs or
     #: fewer, else half of them, up to 8
     copy_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
 

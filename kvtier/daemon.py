@@ -45,6 +45,7 @@ from kvtier.supervisors.lookup_process import TIMING, LookupSupervisor, Timing
 from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Tier
 from kvtier.tiers.peers import RendezvousPicker
+from kvtier.tiers.ram import prepare_memory
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -270,6 +271,11 @@ class Daemon:
             await self.server.start(sock, spawn)
             await self._start_peer_listener(spawn)
             self._announce()
+            if self.config.shared.preallocate and self.arena is not None:
+                memory = [(self.arena, self.ram.capacity)]
+                if self.staging is not None:
+                    memory.append((self.staging, self.staging.size))
+                spawn(prepare_memory(memory))
             if disk is not None and loaded:
                 # The pass over the files of an index loaded whole: after the
                 # start, not competing with the lookup process's first snapshot.

@@ -29,6 +29,9 @@ MAX_IN_PLACE_ROOMS: Final = 8
 #: frame's receive or a region copy's piece (about 50 µs of memcpy; other
 #: requests are answered between steps)
 LOOP_STEP: Final = 256 * 1024
+#: seconds of a region copy's steps the daemon's event loop runs in one turn
+#: before it answers other requests (as many steps as fit: one at least)
+LOOP_TURN: Final = 50e-6
 
 #: starts a background task in the daemon's task group
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]

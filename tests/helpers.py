@@ -61,12 +61,16 @@ async def running_daemon(
     Without the lookup process unless a test asks for it
     (``server={"lookup_process": True}``): clients then ask the daemon
     itself, which answers as the lookup process does (tests/test_lookup_truth.py
-    compares the two), and a daemon starts and stops in a third of the time."""
+    compares the two), and a daemon starts and stops in a third of the time.
+    Its shared memory is not allocated up front unless a test asks for it
+    (``shared={"preallocate": True}``): :meth:`Daemon.settle` would wait for
+    the 320 MiB of a test daemon's arena and staging region."""
     overrides: dict[str, dict[str, Any]] = {
         "server": {"socket_path": sock_dir / "d.sock", "lookup_process": False},
         "metrics": {"port": 0},
         "ram": {"capacity": "64MiB"},
         "disk": {"path": sock_dir / "data", "capacity": "256MiB"},
+        "shared": {"preallocate": False},
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
@@ -119,13 +123,16 @@ async def wait_on_timers(predicate: Callable[[], bool], seconds: float = 30.0) -
 
 
 class DaemonProcess:
-    """``kvtier serve`` as a real child process."""
+    """``kvtier serve`` as a real child process; its shared memory not
+    allocated up front unless ``env`` asks for it
+    (``KVTIER_SHARED__PREALLOCATE``): a test daemon lives seconds, and its
+    320 MiB would be allocated while the test runs."""
 
     def __init__(self, sock_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.socket_path = sock_dir / "d.sock"
         self.data_dir = sock_dir / "data"
         self.args = args
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, "KVTIER_SHARED__PREALLOCATE": "false", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.lines: list[str] = []
         self.metrics_url: str | None = None
@@ -227,12 +234,18 @@ class DaemonProcess:
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of process ``pid``."""
+    """Resident memory of process ``pid`` that is its own: the shared memory
+    it maps (a daemon's arena and staging region, their size set by its
+    configuration and allocated once it serves) left out."""
+    fields: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssShmem"):
+                fields[name] = int(rest.split()[0]) * 1024
+    if "VmRSS" not in fields:
+        raise AssertionError(f"no VmRSS for pid {pid}")
+    return fields["VmRSS"] - fields.get("RssShmem", 0)
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:

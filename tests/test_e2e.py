@@ -123,6 +123,7 @@ def test_stale_socket_is_replaced_and_live_one_is_not_stolen(sock_dir: Path) -> 
 
     second = DaemonProcess(sock_dir).start()
     third = DaemonProcess(sock_dir)
+    third.data_dir = sock_dir / "third"  # (the second's data directory is its own too)
     with pytest.raises(RuntimeError, match="another kvtier daemon is serving"):
         third.start()
     assert third.proc is not None and third.proc.returncode == 1

@@ -256,7 +256,7 @@ async def test_a_failed_copy_releases_at_once(threads: int) -> None:
 
 
 async def test_a_copy_on_the_loop_lets_other_work_run_between_its_steps() -> None:
-    copier = Copier(0)
+    copier = Copier(0, turn=0.0)  # a step a turn
     seen: list[str] = []
 
     def copy() -> Steps[int]:
@@ -273,11 +273,40 @@ async def test_a_copy_on_the_loop_lets_other_work_run_between_its_steps() -> Non
     result, _ = await asyncio.gather(copier.run(copy(), lambda: None), other())
     assert result == 42
     assert seen == ["step 0", "other", "step 1", "other", "step 2", "other"]
-    assert (copier.threads, copier.running, copier.steps) == (0, 0, 3)
+    assert (copier.threads, copier.running, copier.steps, copier.turns) == (0, 0, 3, 3)
+
+
+async def test_a_turn_on_the_loop_takes_the_steps_that_fit_in_it() -> None:
+    """Steps of 20 us in turns of 50 us: three a turn (the third ends past
+    the turn), then the others' work; the last turn ends with the copy."""
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    copier = Copier(0, turn=50e-6, clock=clock)
+    seen: list[str] = []
+
+    def copy() -> Steps[int]:
+        for i in range(5):
+            now[0] += 20e-6
+            seen.append(f"step {i}")
+            yield
+        return 7
+
+    async def other() -> None:
+        for _ in range(2):
+            seen.append("other")
+            await anyio.lowlevel.checkpoint()
+
+    result, _ = await asyncio.gather(copier.run(copy(), lambda: None), other())
+    assert result == 7
+    assert seen == ["step 0", "step 1", "step 2", "other", "step 3", "step 4", "other"]
+    assert (copier.steps, copier.turns) == (5, 1)
 
 
 async def test_a_cancelled_copy_on_the_loop_takes_no_further_step() -> None:
-    copier = Copier(0)
+    copier = Copier(0, turn=0.0)
     stepped = asyncio.Event()
     taken: list[int] = []
     ended: list[str] = []

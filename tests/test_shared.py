@@ -12,6 +12,7 @@ import textwrap
 import types
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -36,7 +37,14 @@ from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.ram import Arena
 from kvtier.wire import Op
-from tests.helpers import ROOT, received_bytes, running_daemon, shared_stats, watching_stores
+from tests.helpers import (
+    ROOT,
+    DaemonProcess,
+    received_bytes,
+    running_daemon,
+    shared_stats,
+    watching_stores,
+)
 
 MiB = 1024 * 1024
 
@@ -707,7 +715,7 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
         b = await Client.connect(first.socket_path)
         assert a.shared and b.shared
         assert arena_mappings() == daemons_own + 1  # one for both clients
-        assert "MappedMemory arena=" in repr(a) and "rw users=2>" in repr(a)
+        assert "MappedMemory arena=" in repr(a) and "rw users=2 " in repr(a)
         assert await a.put(b"from-a", block(1)) is PutStatus.STORED
         assert await b.put(b"from-b", block(2)) is PutStatus.STORED
         assert shared_stats(first)["in_place_commits"] == 2
@@ -716,12 +724,12 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
 
         c = await Client.connect(second.socket_path)  # another daemon: its own
         assert arena_mappings() == daemons_own + 2
-        assert "rw users=1>" in repr(c)
+        assert "rw users=1 " in repr(c)
 
         await a.close()
         await a.close()  # (once is all it lets go of)
         assert arena_mappings() == daemons_own + 2
-        assert "rw users=1>" in repr(b)
+        assert "rw users=1 " in repr(b)
         assert await b.put(b"after-a", block(3)) is PutStatus.STORED
         assert bytes(await b.get(b"after-a") or b"") == block(3)
         assert bytes(await b.get(b"from-a") or b"") == block(1)
@@ -729,7 +737,7 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
         await b.close()
         assert arena_mappings() == daemons_own + 1  # only the other daemon's client's
         again = await Client.connect(first.socket_path)  # maps it anew
-        assert arena_mappings() == daemons_own + 2 and "rw users=1>" in repr(again)
+        assert arena_mappings() == daemons_own + 2 and "rw users=1 " in repr(again)
         assert bytes(await again.get(b"after-a") or b"") == block(3)
         await again.close()
         await c.close()
@@ -923,3 +931,94 @@ async def test_a_request_sent_leaves_at_once_and_one_unanswered_times_out() -> N
     for answer in answers:
         with pytest.raises(RequestTimeoutError):
             await answer
+
+
+def _allocated(fd: int) -> int:
+    """Bytes of memory a memory file holds."""
+    return os.fstat(fd).st_blocks * 512
+
+
+async def test_a_daemon_allocates_and_maps_its_shared_memory_once_it_serves(
+    sock_dir: Path,
+) -> None:
+    shared = {"preallocate": True, "staging_bytes": "8MiB"}
+    async with running_daemon(sock_dir, shared=shared) as daemon:
+        await daemon.settle()  # (the preparation is the daemon's background work)
+        st = shared_stats(daemon)
+        assert daemon.arena is not None and daemon.staging is not None
+        assert st["arena_prepared_bytes"] == daemon.ram.capacity == 64 * MiB
+        assert st["staging_prepared_bytes"] == daemon.staging.size == 8 * MiB
+        # the arena's first ram.capacity bytes hold memory; the quarter above does not
+        assert _allocated(daemon.arena.fd) == 64 * MiB < daemon.arena.size
+        assert "prepared=67108864" in repr(daemon.arena)
+        # a client maps the daemon's allocated pages in ahead of use
+        async with await Client.connect(daemon.socket_path) as c:
+            assert c.server is not None and c.server.shared is not None
+            mapped = await asyncio.to_thread(attach, c.server.shared.path, 5.0)
+            try:
+                assert await asyncio.to_thread(mapped.mapped_in_done.wait, 10)
+                assert mapped.mapped_in == 64 * MiB
+            finally:
+                mapped.release()
+
+
+async def test_without_preallocation_memory_grows_with_the_blocks_stored(sock_dir: Path) -> None:
+    async with running_daemon(sock_dir, shared={"preallocate": False}) as daemon:
+        await daemon.settle()
+        assert daemon.arena is not None
+        assert shared_stats(daemon)["arena_prepared_bytes"] == 0
+        assert _allocated(daemon.arena.fd) == 0
+        async with await Client.connect(daemon.socket_path, shared=False) as plain:
+            assert await plain.put(b"one", block(1)) is PutStatus.STORED  # the daemon copies it
+        assert _allocated(daemon.arena.fd) == MiB
+        async with await Client.connect(daemon.socket_path) as c:  # maps the arena
+            assert c.server is not None and c.server.shared is not None
+            mapped = await asyncio.to_thread(attach, c.server.shared.path, 5.0)
+            try:
+                assert await asyncio.to_thread(mapped.mapped_in_done.wait, 10)
+                # only the pages the block holds: mapping in allocates none
+                assert mapped.mapped_in == MiB
+            finally:
+                mapped.release()
+        assert _allocated(daemon.arena.fd) == MiB
+
+
+async def test_a_daemon_stopped_while_it_prepares_its_memory_stops(sock_dir: Path) -> None:
+    async with running_daemon(
+        sock_dir, ram={"capacity": "512MiB"}, shared={"preallocate": True}
+    ) as daemon:
+        assert daemon.arena is not None
+        arena = daemon.arena
+    # stopped at once: the step in flight ended before the arena closed
+    assert 0 <= arena.prepared <= 512 * MiB
+
+
+async def test_a_daemon_process_holds_its_shared_memory_once_it_has_prepared_it(
+    sock_dir: Path,
+) -> None:
+    proc = DaemonProcess(
+        sock_dir, "--ram-capacity", "64MiB", env={"KVTIER_SHARED__PREALLOCATE": "true"}
+    ).start()
+    try:
+        async with await Client.connect(proc.socket_path) as c:
+
+            async def prepared() -> dict[str, Any]:
+                shared: dict[str, Any] = (await c.stats())["shared"]
+                return shared
+
+            st = await prepared()
+            for _ in range(600):  # (the daemon's worker thread, on real time)
+                if (st["arena_prepared_bytes"], st["staging_prepared_bytes"]) == (
+                    64 * MiB,
+                    st["staging_bytes"],
+                ):
+                    break
+                await asyncio.sleep(0.05)  # allow-sleep: another process's background work
+                st = await prepared()
+            assert st["arena_prepared_bytes"] == 64 * MiB
+            assert st["staging_prepared_bytes"] == st["staging_bytes"]
+        with open(f"/proc/{proc.pid}/status") as fh:
+            shmem = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("RssShmem:"))
+        assert shmem >= 64 * MiB + st["staging_bytes"]  # allocated and mapped in the daemon
+    finally:
+        assert proc.stop() == 0

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Protocol
 
@@ -97,8 +98,16 @@ class MappedMemory:
     faults as it is first written, so one a connection would cost a
     process with many connections that many times over.
 
+    The arena's pages the daemon has allocated are mapped in by a thread of
+    their own as soon as the arena is mapped (:meth:`map_in`), so that a
+    block read or written in place first costs no page fault (measured on
+    a 2-vCPU virtual machine: 45 us a MiB when a copy maps the pages it
+    touches, 16 a fault; a 1 MiB block's copy is 50-60 us).
+
     Invariants: ``users`` counts the sessions that attached and have not
-    released it; the mappings are closed when it falls to 0, and not before.
+    released it; the mappings are closed when it falls to 0, and not
+    before; ``mapped_in`` only grows, never past the arena, and
+    ``mapped_in_done`` is set once the thread has ended, however it ends.
     """
 
     def __init__(
@@ -111,10 +120,39 @@ class MappedMemory:
         self.writable = writable
         #: sessions using these mappings (guarded by ``_MAPPED_LOCK``)
         self.users = 0
+        #: arena bytes mapped in ahead of use (:meth:`map_in`), and its end
+        self.mapped_in = 0
+        self.mapped_in_done = threading.Event()
 
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
-        return f"<MappedMemory arena={len(self.arena)} {mode} users={self.users}>"
+        return (
+            f"<MappedMemory arena={len(self.arena)} {mode} users={self.users}"
+            f" mapped_in={self.mapped_in}>"
+        )
+
+    def map_in(self, fd: int) -> None:
+        """Map the arena's allocated pages into this process, from the start,
+        ``MAP_IN_STEP`` bytes a step without the GIL
+        (:func:`kvtier.blockcopy.fault_in`), until done or the last session
+        has gone. ``fd`` is the arena's file, closed here: the pages the
+        daemon has not allocated yet are skipped (``SEEK_DATA``), since
+        touching them would allocate them. A thread's work."""
+        try:
+            with memoryview(self.arena) as arena:
+                for start, end in _data_ranges(fd, len(arena)):
+                    for lo in range(start, end, MAP_IN_STEP):
+                        if not self.users:
+                            return
+                        hi = min(end, lo + MAP_IN_STEP)
+                        with arena[lo:hi] as span:
+                            blockcopy.fault_in(span)
+                        self.mapped_in += hi - lo
+        except (OSError, ValueError) as exc:  # (ValueError: the mapping closed first)
+            log.debug("mapping the arena in ahead of use stopped: %s", exc)
+        finally:
+            os.close(fd)
+            self.mapped_in_done.set()
 
     def release(self) -> None:
         """A session is done with the mappings: closed after the last one."""
@@ -124,6 +162,7 @@ class MappedMemory:
                 return
             if _MAPPED.get(self.identity) is self:
                 del _MAPPED[self.identity]
+        self.mapped_in_done.wait()  # (its thread sees no user left within a step)
         for mapping in (self.arena, self.staging):
             with contextlib.suppress(BufferError):  # a caller still holds a lease's view
                 mapping.close()
@@ -168,14 +207,52 @@ def attach(path: str, timeout: float) -> MappedMemory:
         )
         with _MAPPED_LOCK:
             mapped = _MAPPED.get(identity)
+            fresh = mapped is None
             if mapped is None:
                 arena, staging = _map(fds, arena_bytes, staging_bytes, writable)
                 mapped = _MAPPED[identity] = MappedMemory(identity, arena, staging, writable)
             mapped.users += 1
-            return mapped
+        if fresh:
+            _start_map_in(mapped, fds[0])
+        return mapped
     finally:
         for fd in fds:
             os.close(fd)
+
+
+#: bytes of the arena one step of :meth:`MappedMemory.map_in` maps
+MAP_IN_STEP = 16 * 1024 * 1024
+
+
+def _start_map_in(mapped: MappedMemory, arena_fd: int) -> None:
+    """:meth:`MappedMemory.map_in` in a thread of its own, on a descriptor of its own."""
+    fd = os.dup(arena_fd)
+    try:
+        threading.Thread(
+            target=mapped.map_in, args=(fd,), name="kvtier-map-in", daemon=True
+        ).start()
+    except BaseException:
+        os.close(fd)
+        mapped.mapped_in_done.set()
+        raise
+
+
+def _data_ranges(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """The ``(start, end)`` byte ranges of the memory file ``fd``'s first
+    ``size`` bytes that hold pages (``SEEK_DATA``/``SEEK_HOLE``), in order."""
+    at = 0
+    while at < size:
+        try:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data past ``at``
+                return
+            raise
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, end
+        at = end
 
 
 def _receive(path: str, timeout: float) -> tuple[list[int], int, int, bool]:

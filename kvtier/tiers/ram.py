@@ -23,6 +23,11 @@ blocks in place. Space is handed out by an :class:`ExtentAllocator`, the
 arena's pure bookkeeping; a :class:`Slot` names a block's bytes. The arena
 never decides what to evict: the tier's budget and eviction policy do, and
 free slots only when no lease holds them (:mod:`kvtier.core.shared.leases`).
+Its memory is allocated and mapped into the daemon from the start up,
+a step at a time in a worker thread, once the daemon serves
+(:func:`prepare_memory`, ``shared.preallocate``): a page the kernel must
+allocate when a block first lands in it costs far more than the block's
+copy. ``Arena.prepared`` only grows, and never past the arena.
 
 A block stored in the arena is one :class:`Slot` and one writable
 ``memoryview`` of it; that view object *is* the block's value everywhere in
@@ -58,18 +63,23 @@ blocks in process memory and clients use the socket path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import mmap
 import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
 
+from kvtier import blockcopy
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
+
+log = logging.getLogger("kvtier.ram")
 
 #: lookups whose hits may wait to be shown to the policy (then they are applied)
 _MAX_DEFERRED_TOUCHES = 256
@@ -450,6 +460,33 @@ class RamTier(LocalTier):
         return st
 
 
+async def prepare_memory(arenas: Sequence[tuple[Arena, int]]) -> None:
+    """Each arena's memory up to its bound allocated and mapped into the
+    daemon (:meth:`Arena.prepare`), a step at a time in a worker thread,
+    while the daemon serves. A step in flight when this is cancelled is
+    waited for (its thread reads the mapping, which outlives it). Memory
+    that cannot be had ends it, logged: the rest is allocated as blocks
+    land in it."""
+    loop = asyncio.get_running_loop()
+    for arena, end in arenas:
+        while arena.prepared < min(end, arena.size):
+            step = loop.run_in_executor(None, arena.prepare, end)
+            try:
+                await asyncio.shield(step)
+            except asyncio.CancelledError:
+                await asyncio.wait([step])
+                raise
+            except OSError as exc:
+                log.warning(
+                    "the shared memory could not be allocated up front past %d of %d bytes"
+                    " (%s); the rest is allocated as blocks land in it",
+                    arena.prepared,
+                    min(end, arena.size),
+                    exc,
+                )
+                return
+
+
 def _is_slice(view: memoryview) -> bool:
     """Whether ``view`` shows only part of the buffer it comes from."""
     base = view.obj
@@ -559,6 +596,11 @@ class Slot:
     size: int
 
 
+#: bytes of an arena prepared at a time (:meth:`Arena.prepare`: one worker
+#: thread's step, tens of milliseconds)
+PREPARE_STEP = 64 * 1024 * 1024
+
+
 class Arena:
     def __init__(self, size: int, *, page: int = 4096, name: str = "kvtier-arena") -> None:
         self.allocator = ExtentAllocator(size, page)
@@ -572,9 +614,33 @@ class Arena:
             os.close(self.fd)
             raise
         self._view = memoryview(self.mapping)
+        #: bytes from the start whose memory is allocated and mapped here
+        #: (:meth:`prepare`); written by a worker thread
+        self.prepared = 0
 
     def __repr__(self) -> str:
-        return f"<Arena fd={self.fd} {self.allocator!r}>"
+        return f"<Arena fd={self.fd} prepared={self.prepared} {self.allocator!r}>"
+
+    def prepare(self, end: int) -> int:
+        """Allocate the memory of the next ``PREPARE_STEP`` bytes at most
+        before ``end`` and map it into this process, changing no byte (blocks
+        may already be there); returns how far from the start the arena is
+        prepared. A block written there then costs what a block written over
+        an older one does: measured on a 2-vCPU virtual machine, 512 MiB
+        written in 1 MiB blocks took 544 ms into pages never touched (each
+        allocated by a fault), 176 ms into pages only reserved
+        (``posix_fallocate``, 130 ms), 17 ms once allocated and mapped
+        (:func:`kvtier.blockcopy.populate`, 137 ms); a client then maps
+        them 16 pages a fault. Blocking, without the GIL: a worker thread's
+        work. Raises OSError when the memory cannot be had."""
+        start = self.prepared
+        stop = min(end, self.size, start + PREPARE_STEP)
+        if stop > start:
+            os.posix_fallocate(self.fd, start, stop - start)
+            with self._view[start:stop] as span:
+                blockcopy.populate(span)  # (where it cannot, pages are zeroed as first written)
+            self.prepared = stop
+        return self.prepared
 
     def allocate(self, length: int) -> Slot:
         """Room for ``length`` bytes; raises :class:`OutOfArena`."""

@@ -49,6 +49,10 @@ class SharedStats:
     leased_bytes: int
     arena_bytes: int
     arena_allocated_bytes: int
+    #: bytes from the start of the arena, and of the staging region, whose
+    #: memory the daemon has allocated and mapped (``shared.preallocate``)
+    arena_prepared_bytes: int
+    staging_prepared_bytes: int
     #: RAM slots clients write blocks into in place now, and those of closed
     #: connections waiting out the staging timeout before they are freed
     in_place_rooms: int
@@ -194,6 +198,8 @@ class SharedBlocks:
             leased_bytes=leases.leased_bytes,
             arena_bytes=self.slots.arena.size,
             arena_allocated_bytes=self.slots.arena.allocator.allocated_bytes,
+            arena_prepared_bytes=self.slots.arena.prepared,
+            staging_prepared_bytes=staging.staging.prepared,
             in_place_rooms=len(in_place),
             in_place_quarantined=in_place.quarantined,
             in_place_prepared=in_place.prepared,

@@ -10,11 +10,14 @@ and the shared records only.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import anyio.lowlevel
+
+from kvtier.model import LOOP_TURN
 
 T = TypeVar("T")
 
@@ -23,9 +26,11 @@ Steps = Generator[None, None, T]
 
 
 class Copier:
-    """Where region copies run: on the event loop, one step of at most
-    :data:`~kvtier.model.LOOP_STEP` bytes a loop step (``threads`` 0), or
-    each copy whole in one of ``threads`` worker threads.
+    """Where region copies run: on the event loop, in turns of as many steps
+    (of at most :data:`~kvtier.model.LOOP_STEP` bytes) as fit in ``turn``
+    seconds (``threads`` 0: other requests are answered between turns, and
+    a step's fixed cost is paid once a turn, not once a step), or each copy
+    whole in one of ``threads`` worker threads.
 
     On a machine of few cores the loop is the better place (docs/shared-memory.md,
     7.): a worker thread is one more thread wanting a core while writers
@@ -37,22 +42,36 @@ class Copier:
     once, and never while a step of it may still touch its memory (a copy on
     the loop takes no step after it is cancelled; a cancelled copy in a
     thread runs it once the thread ends); ``steps`` counts the steps taken
-    on the loop; ``running`` the copies begun and not ended. Raises what a
+    on the loop and ``turns`` the loop turns they ended; a turn takes one
+    step at least and no more once ``turn`` seconds have passed since it
+    began; ``running`` counts the copies begun and not ended. Raises what a
     step raises; never swallows a cancellation.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(
+        self,
+        threads: int,
+        *,
+        turn: float = LOOP_TURN,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         #: worker threads copies run in (0: on the loop)
         self.threads = threads
         self._executor = (
             ThreadPoolExecutor(threads, thread_name_prefix="kvtier-copy") if threads else None
         )
+        #: seconds of steps a loop turn runs (0: one step a turn)
+        self.turn = turn
+        self._clock = clock
         self.running = 0
         self.steps = 0
+        self.turns = 0
 
     def __repr__(self) -> str:
-        where = f"threads={self.threads}" if self.threads else "on-loop"
-        return f"<Copier {where} running={self.running} steps={self.steps}>"
+        where = (
+            f"threads={self.threads}" if self.threads else f"on-loop turn={self.turn * 1e6:.0f}us"
+        )
+        return f"<Copier {where} running={self.running} steps={self.steps} turns={self.turns}>"
 
     async def run(self, steps: Steps[T], abandoned: Callable[[], None]) -> T:
         """The copy's result once its every step has run; see the class."""
@@ -66,10 +85,15 @@ class Copier:
 
     async def _on_loop(self, steps: Steps[T], abandoned: Callable[[], None]) -> T:
         result: list[T] = []
+        clock, turn = self._clock, self.turn
         try:
+            began = clock()
             for _ in _collect(steps, result):
                 self.steps += 1
-                await anyio.lowlevel.checkpoint()  # other requests between steps
+                if clock() - began >= turn:
+                    self.turns += 1
+                    await anyio.lowlevel.checkpoint()  # other requests between turns
+                    began = clock()
         except BaseException:
             steps.close()
             abandoned()
