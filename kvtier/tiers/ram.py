@@ -597,8 +597,9 @@ class Slot:
 
 
 #: bytes of an arena prepared at a time (:meth:`Arena.prepare`: one worker
-#: thread's step, tens of milliseconds)
-PREPARE_STEP = 64 * 1024 * 1024
+#: thread's step, a few milliseconds, during which the daemon's own mmap
+#: calls wait for the kernel's lock on its mappings)
+PREPARE_STEP = 16 * 1024 * 1024
 
 
 class Arena:
