@@ -122,12 +122,14 @@ def test_stale_socket_is_replaced_and_live_one_is_not_stolen(sock_dir: Path) -> 
     assert first.socket_path.exists()
 
     second = DaemonProcess(sock_dir).start()
-    third = DaemonProcess(sock_dir)
-    third.data_dir = sock_dir / "third"  # (the second's data directory is its own too)
-    with pytest.raises(RuntimeError, match="another kvtier daemon is serving"):
-        third.start()
-    assert third.proc is not None and third.proc.returncode == 1
-    assert second.stop() == 0
+    try:
+        third = DaemonProcess(sock_dir)
+        third.data_dir = sock_dir / "third"  # (the second's data directory is its own too)
+        with pytest.raises(RuntimeError, match="another kvtier daemon is serving"):
+            third.start()
+        assert third.proc is not None and third.proc.returncode == 1
+    finally:
+        assert second.stop() == 0
 
 
 def test_make_run_serves_and_ping_answers(sock_dir: Path) -> None:
