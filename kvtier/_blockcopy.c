@@ -27,10 +27,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __linux__
-#include <errno.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #ifndef MADV_POPULATE_WRITE
@@ -154,12 +154,12 @@ blockcopy_populate(PyObject *module, PyObject *args)
     }
 #else
     rc = -1;
-    err = 22; /* EINVAL: no such advice here */
+    err = EINVAL; /* no such advice here */
 #endif
     PyBuffer_Release(&buf);
     if (rc == 0)
         Py_RETURN_TRUE;
-    if (err == 22)
+    if (err == EINVAL)
         Py_RETURN_FALSE;
     errno = err;
     return PyErr_SetFromErrno(PyExc_OSError);

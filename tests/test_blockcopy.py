@@ -113,3 +113,23 @@ def test_fault_in_maps_every_page_of_a_span_another_mapping_wrote() -> None:
                 whole.release()
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not blockcopy.BUILT, reason="the extension is not built here")
+def test_populate_allocates_a_shared_files_pages_and_changes_no_byte() -> None:
+    fd = os.memfd_create("kvtier-test-populate")
+    try:
+        os.ftruncate(fd, 8 * 4096)
+        with mmap.mmap(fd, 8 * 4096) as mapping:
+            mapping[4096:4100] = b"kept"  # a block already there
+            with memoryview(mapping) as view:
+                assert os.fstat(fd).st_blocks * 512 == 4096
+                assert blockcopy.populate(view[4096:]) is True  # (Linux 5.14 on)
+                assert os.fstat(fd).st_blocks * 512 == 7 * 4096  # the span's pages, not the first
+                assert bytes(view[4096:4100]) == b"kept"
+                blockcopy.fault_in(view)  # reads only
+                assert bytes(view[4096:4100]) == b"kept" and not any(view[:4096])
+                with pytest.raises(ValueError, match="step"):
+                    blockcopy._blockcopy.touch(view, 0)  # type: ignore[union-attr]
+    finally:
+        os.close(fd)

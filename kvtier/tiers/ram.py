@@ -597,8 +597,7 @@ class Slot:
 
 
 #: bytes of an arena prepared at a time (:meth:`Arena.prepare`: one worker
-#: thread's step, a few milliseconds, during which the daemon's own mmap
-#: calls wait for the kernel's lock on its mappings)
+#: thread's step, a few milliseconds; a shutdown waits for one at most)
 PREPARE_STEP = 16 * 1024 * 1024
 
 
