@@ -6,8 +6,9 @@ in one run: GB/s of ``batch_get_v1`` and ``batch_set_v1`` (called with
 ``STORAGE_BATCH_SIZE`` pages at a time, as SGLang's cache controller
 slices its prefetches and backups) on the backend
 SGLang's own ``StorageBackendFactory`` builds, moving pages of SGLang's real
-host KV pool (page-first, on the CPU; a RAM-only daemon on a Unix socket,
-every run storing fresh blocks), and of a
+host KV pool (page-first, on the CPU; a RAM-only daemon on a Unix socket
+for each page size, its RAM filled first with blocks of a page's half, every
+run storing fresh blocks), and of a
 plain memcpy of the same pages between the same pool's pages (the ceiling).
 Each size runs twice: the pool in process memory (pages cross the socket)
 and the pool in a memfd (``allocator: shm``: the daemon copies the pages
@@ -29,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from benchmarks.engines import Figures
+from benchmarks.engines import Figures, warm
 from tests.enginedaemon import start
 from tests.sglang.test_storage import HEAD_DIM, host_pool, storage_config
 
@@ -101,12 +102,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="merge the rows into this figures file")
     args = parser.parse_args()
     figures = Figures("sglang")
-    with tempfile.TemporaryDirectory(prefix="kvt-bench-sgl-", dir="/tmp") as tmp:
-        # RAM only: what is measured is the engine-facing path, not a disk
-        daemon = start(Path(tmp), "--no-disk", "--ram-capacity", "512MiB")
-        try:
-            print("page      path     get GB/s  set GB/s  memcpy GB/s  get/memcpy  set/memcpy")
-            for page in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
+    print("page      path     get GB/s  set GB/s  memcpy GB/s  get/memcpy  set/memcpy")
+    for page in (256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB):
+        with tempfile.TemporaryDirectory(prefix="kvt-bench-sgl-", dir="/tmp") as tmp:
+            # RAM only: what is measured is the engine-facing path, not a
+            # disk; a daemon a page size, its RAM filled first with blocks
+            # of a page's half (its steady state, as make bench-vllm's and
+            # make bench-lmcache's daemons)
+            daemon = start(Path(tmp), "--no-disk", "--ram-capacity", "512MiB")
+            try:
+                warm(daemon.socket_path, page // 2)
                 for path, allocator in (("socket", "default"), ("region", "shm")):
                     r = measure(page, daemon.socket_path, allocator, figures)
                     print(
@@ -114,8 +119,8 @@ def main() -> int:
                         f"  {r['memcpy']:11.2f}  {r['get'] / r['memcpy']:9.2f}x"
                         f"  {r['set'] / r['memcpy']:9.2f}x"
                     )
-        finally:
-            daemon.stop()
+            finally:
+                daemon.stop()
     if args.json is not None:
         figures.write(args.json)
     return 0
