@@ -233,18 +233,26 @@ class DaemonProcess:
             return text
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of process ``pid`` that is its own: the shared memory
-    it maps (a daemon's arena and staging region, their size set by its
-    configuration and allocated once it serves) left out."""
+def memory_of(pid: int) -> dict[str, int]:
+    """Process ``pid``'s memory figures from ``/proc/<pid>/status``, in bytes
+    (``VmRSS``, ``RssShmem``, ...)."""
     fields: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
             name, _, rest = line.partition(":")
-            if name in ("VmRSS", "RssShmem"):
-                fields[name] = int(rest.split()[0]) * 1024
+            value = rest.split()
+            if len(value) == 2 and value[1] == "kB":
+                fields[name] = int(value[0]) * 1024
     if "VmRSS" not in fields:
         raise AssertionError(f"no VmRSS for pid {pid}")
+    return fields
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` that is its own: the shared memory
+    it maps (a daemon's arena and staging region, their size set by its
+    configuration and allocated once it serves) left out."""
+    fields = memory_of(pid)
     return fields["VmRSS"] - fields.get("RssShmem", 0)
 
 

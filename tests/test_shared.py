@@ -12,12 +12,11 @@ import textwrap
 import types
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import xxhash
 
-from kvtier import wire
+from kvtier import BlockingClient, wire
 from kvtier.client.aio import Client
 from kvtier.client.batching import READ_FIRST_PIECE_BYTES
 from kvtier.client.shared import COMMITS_A_REQUEST, InPlaceCommits, attach
@@ -40,9 +39,11 @@ from kvtier.wire import Op
 from tests.helpers import (
     ROOT,
     DaemonProcess,
+    memory_of,
     received_bytes,
     running_daemon,
     shared_stats,
+    wait_on_timers,
     watching_stores,
 )
 
@@ -1000,25 +1001,18 @@ async def test_a_daemon_process_holds_its_shared_memory_once_it_has_prepared_it(
         sock_dir, "--ram-capacity", "64MiB", env={"KVTIER_SHARED__PREALLOCATE": "true"}
     ).start()
     try:
-        async with await Client.connect(proc.socket_path) as c:
+        with BlockingClient(proc.socket_path) as c:
 
-            async def prepared() -> dict[str, Any]:
-                shared: dict[str, Any] = (await c.stats())["shared"]
-                return shared
-
-            st = await prepared()
-            for _ in range(600):  # (the daemon's worker thread, on real time)
-                if (st["arena_prepared_bytes"], st["staging_prepared_bytes"]) == (
+            def prepared() -> bool:
+                st = c.stats()["shared"]
+                return (st["arena_prepared_bytes"], st["staging_prepared_bytes"]) == (
                     64 * MiB,
                     st["staging_bytes"],
-                ):
-                    break
-                await asyncio.sleep(0.05)  # allow-sleep: another process's background work
-                st = await prepared()
-            assert st["arena_prepared_bytes"] == 64 * MiB
-            assert st["staging_prepared_bytes"] == st["staging_bytes"]
-        with open(f"/proc/{proc.pid}/status") as fh:
-            shmem = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("RssShmem:"))
-        assert shmem >= 64 * MiB + st["staging_bytes"]  # allocated and mapped in the daemon
+                )
+
+            await wait_on_timers(prepared)  # (the daemon's worker thread)
+            staging = c.stats()["shared"]["staging_bytes"]
+        # allocated and mapped in the daemon
+        assert memory_of(proc.pid)["RssShmem"] >= 64 * MiB + staging
     finally:
         assert proc.stop() == 0

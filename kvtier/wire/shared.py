@@ -234,6 +234,10 @@ def decode_commit(buf: Buffer, scope: KeyScope | None = None) -> Commit:
     )
 
 
+#: an in-place COMMIT's reply: its status byte and the next room's offset
+COMMIT_REPLY_SIZE = 1 + _U64.size
+
+
 def encode_commit_reply(status: PutStatus, room: int | None) -> bytes:
     """An in-place COMMIT's reply: the status, then the offset of the next
     room (:data:`NO_ROOM`: none)."""
@@ -241,7 +245,7 @@ def encode_commit_reply(status: PutStatus, room: int | None) -> bytes:
 
 
 def decode_commit_reply(buf: Buffer) -> tuple[PutStatus, int | None]:
-    if len(buf) != 9:
+    if len(buf) != COMMIT_REPLY_SIZE:
         raise CodecError("an in-place COMMIT's reply is a status and an 8-byte offset")
     (room,) = _U64.unpack_from(buf, 1)
     try:
@@ -298,10 +302,11 @@ def encode_commit_many_reply(answers: Sequence[tuple[PutStatus, int | None]]) ->
 
 
 def decode_commit_many_reply(buf: Buffer, n: int) -> list[tuple[PutStatus, int | None]]:
-    if len(buf) != 9 * n:
+    size = COMMIT_REPLY_SIZE
+    if len(buf) != size * n:
         raise CodecError(f"a COMMIT_MANY reply of {len(buf)} bytes does not answer {n} commits")
     view = memoryview(buf)
-    return [decode_commit_reply(view[i * 9 : (i + 1) * 9]) for i in range(n)]
+    return [decode_commit_reply(view[i * size : (i + 1) * size]) for i in range(n)]
 
 
 # --------------------------------------------------------------------------- regions
