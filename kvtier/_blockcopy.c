@@ -8,11 +8,14 @@
  * destination. On x86-64 they are SSE2's (every x86-64 CPU has them); elsewhere
  * the copy is memcpy's.
  *
- * Invariants: copy(dst, src) leaves the first len(src) bytes of dst equal
- * to src and the rest untouched; it refuses a dst shorter than src; the
- * stores are fenced (sfence) before it returns, so another process that
- * reads dst after a message this one sends next sees them all; a copy of
- * STREAM_MIN bytes or more runs without the GIL.
+ * copy(dst, src, 0) is memcpy's, through the caches: for a destination
+ * likely cached already and read soon.
+ *
+ * Invariants: copy(dst, src[, stream]) leaves the first len(src) bytes of
+ * dst equal to src and the rest untouched; it refuses a dst shorter than
+ * src; the stores are fenced (sfence) before it returns, so another process
+ * that reads dst after a message this one sends next sees them all; a copy
+ * of STREAM_MIN bytes or more runs without the GIL.
  *
  * touch(buf, step) reads one byte of buf every step bytes, and its last
  * byte, without the GIL: a shared file's pages mapped into this process
@@ -83,8 +86,9 @@ static PyObject *
 blockcopy_copy(PyObject *module, PyObject *args)
 {
     Py_buffer dst, src;
+    int stream = 1;
     (void)module;
-    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src))
+    if (!PyArg_ParseTuple(args, "w*y*|p:copy", &dst, &src, &stream))
         return NULL;
     if (src.len > dst.len) {
         PyErr_Format(PyExc_ValueError, "a block of %zd bytes does not fit %zd bytes",
@@ -95,7 +99,10 @@ blockcopy_copy(PyObject *module, PyObject *args)
     }
     if (src.len >= STREAM_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        stream_copy((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+        if (stream)
+            stream_copy((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+        else
+            memcpy(dst.buf, src.buf, (size_t)src.len);
         Py_END_ALLOW_THREADS
     }
     else {
@@ -167,7 +174,8 @@ blockcopy_populate(PyObject *module, PyObject *args)
 
 static PyMethodDef blockcopy_methods[] = {
     {"copy", blockcopy_copy, METH_VARARGS,
-     "copy(dst, src): src's bytes into the start of dst, with streaming stores."},
+     "copy(dst, src, stream=True): src's bytes into the start of dst, with streaming\n"
+     "stores unless stream is false."},
     {"touch", blockcopy_touch, METH_VARARGS,
      "touch(buf, step): read a byte of buf every step bytes (and its last), without the GIL."},
     {"populate", blockcopy_populate, METH_VARARGS,

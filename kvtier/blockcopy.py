@@ -55,11 +55,12 @@ STREAMING = bool(_blockcopy is not None and _blockcopy.STREAMING)
 FAULT_AROUND = 64 * 1024
 
 
-def copy_into(dst: memoryview, src: Buffer) -> None:
+def copy_into(dst: memoryview, src: Buffer, *, stream: bool = True) -> None:
     """Copy ``src`` into the start of ``dst`` (writable, C-contiguous),
-    streaming the stores where it can."""
+    streaming the stores where it can, through the caches (memcpy's, still
+    without the GIL) when ``stream`` is false."""
     if _blockcopy is not None:
-        _blockcopy.copy(dst, src)
+        _blockcopy.copy(dst, src, stream)
         return
     n = memoryview(src).nbytes
     if n > dst.nbytes:

@@ -44,13 +44,14 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 import kvtier
 from kvtier import loops
 from kvtier.client import Client
 from kvtier.config import load_config
+from kvtier.core.timers import Scheduler
 from kvtier.daemon import Daemon
 from kvtier.model import FeedOp, LookupMode, LookupReply
 from kvtier.replica.__main__ import build as build_lookup_process
@@ -70,6 +71,12 @@ CLOCKED = frozenset({"loops.py"})
 #: comprehensions are expressions of the function they sit in: Python 3.12
 #: inlines them (PEP 709), 3.11 still runs each in a frame of its own
 COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>"})
+
+#: the daemon's periodic housekeeping (leases and rooms past their
+#: deadlines, ...): what it calls is on no request's path, whenever it runs
+_PERIODIC = next(
+    c for c in Scheduler.every.__code__.co_consts if isinstance(c, CodeType) and c.co_name == "tick"
+)
 
 _SUSPENDABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 
@@ -105,6 +112,15 @@ class PathCount:
         return f"{len(self.calls)} calls in {len(self.files)} files, {self.switches} switches"
 
 
+def _periodic(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs within the daemon's periodic housekeeping."""
+    while frame is not None:
+        if frame.f_code is _PERIODIC:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class ThreadedLoop:
     """An event loop in a thread of its own, with a switchable call recorder."""
 
@@ -136,6 +152,8 @@ class ThreadedLoop:
             return
         caller = frame.f_back
         if caller is not None and caller.f_code in self._helpers:
+            return
+        if _periodic(frame):
             return
         if code.co_flags & _SUSPENDABLE:
             if id(frame) in count.frames:

@@ -31,7 +31,7 @@ from kvtier.errors import (
     RequestTimeoutError,
     ValueTooLargeError,
 )
-from kvtier.model import MAX_IN_PLACE_ROOMS, PutStatus, State
+from kvtier.model import MAX_IN_PLACE_ROOMS, Leased, PutStatus, State
 from kvtier.server.handoff import Handoff
 from kvtier.server.sockets import PeerPolicy
 from kvtier.tiers.ram import Arena
@@ -765,10 +765,33 @@ async def test_the_blocks_of_one_read_share_one_lease(daemon: Daemon) -> None:
         assert daemon.ram.budget.pinned_count == 0
 
 
-async def test_a_read_in_pieces_that_fails_gives_every_lease_back(daemon: Daemon) -> None:
-    """A read of 12 MiB is asked for in pieces (all at once); a block that
-    does not fit its destination ends it, and the pieces not copied give
-    their leases back once answered."""
+async def test_leases_given_back_with_a_read_end_once_it_is_answered(daemon: Daemon) -> None:
+    """A GET_SHARED that gives leases back is answered first, and the leases
+    have ended by the time the reply is read; a key asked again keeps its
+    block pinned by the new lease alone."""
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put_many([b"a", b"b"], [block(1), block(2)])
+        frame = await c.request(Op.GET_SHARED, wire.encode_get_shared([], [b"a", b"b"]))
+        (first, _) = wire.decode_get_shared_reply(frame.meta, frame.data)
+        assert isinstance(first, Leased)
+        assert daemon.ram.budget.pinned_count == 2
+        frame = await c.request(Op.GET_SHARED, wire.encode_get_shared([first.lease_id], [b"b"]))
+        (again,) = wire.decode_get_shared_reply(frame.meta, frame.data)
+        assert isinstance(again, Leased) and again.lease_id != first.lease_id
+        st = shared_stats(daemon)
+        assert st["leases"] == 1 and st["leases_ended"]["released"] == 1
+        assert daemon.ram.budget.pinned_count == 1
+        await c.request(Op.UNLEASE, wire.encode_unlease([again.lease_id]))
+        assert daemon.ram.budget.pinned_count == 0
+
+
+async def test_a_read_in_pieces_that_fails_gives_every_lease_back(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of 12 MiB, with a first piece of 2 MiB, is asked for in pieces
+    (all at once); a block that does not fit its destination ends it, and
+    the pieces not copied give their leases back once answered."""
+    monkeypatch.setattr("kvtier.client.shared.READ_FIRST_PIECE_BYTES", 2 * MiB)
     keys = [b"piece-%d" % i for i in range(12)]
     async with await Client.connect(daemon.socket_path) as c:
         await c.put_many(keys, [block(i) for i in range(12)])

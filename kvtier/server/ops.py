@@ -390,11 +390,25 @@ class Ops:
         if frame.data:
             raise wire.CodecError("GET_SHARED carries no data")
         releases, keys = wire.decode_get_shared(frame.meta, self.max_batch, conn.scope)
-        shared.unlease(conn.conn_id, releases)
         values = self.service.get(keys)
-        if isinstance(values, list):
-            return self._shared_reply(shared, conn, keys, values)
-        return Later(values, partial(self._shared_reply, shared, conn, keys))
+        if not isinstance(values, list):
+            shared.unlease(conn.conn_id, releases)
+            return Later(values, partial(self._shared_reply, shared, conn, keys))
+        # The leases given back end once this answer is written: ending them
+        # (unpinning each block) is work the reader need not wait for.
+        try:
+            reply = self._shared_reply(shared, conn, keys, values)
+        except BaseException:
+            shared.unlease(conn.conn_id, releases)
+            raise
+        if releases:
+            owner = conn.conn_id
+
+            def unlease() -> None:
+                shared.unlease(owner, releases)
+
+            reply.then = unlease
+        return reply
 
     def _shared_reply(
         self,
