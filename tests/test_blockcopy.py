@@ -37,16 +37,18 @@ def built(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 @pytest.mark.parametrize("length", [0, 1, 15, 16, 63, 64, 65, 4096, 64 * 1024 - 1, MiB + 7])
 @pytest.mark.parametrize("shift", [0, 1, 8, 15])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "cached"])
 def test_copy_into_leaves_the_source_bytes_and_nothing_past_them(
-    built: str, length: int, shift: int
+    built: str, length: int, shift: int, stream: bool
 ) -> None:
     """Any length, any alignment of either side (the streamed body starts at
     the destination's first 16-byte boundary; head and tail are copied
-    plainly): the first ``length`` bytes are the source's, the rest untouched."""
+    plainly), streamed or through the caches: the first ``length`` bytes
+    are the source's, the rest untouched."""
     source = bytes((i * 7 + 3) % 251 for i in range(length + 3))[3:]  # (unaligned start)
     dest = bytearray(b"\xee" * (length + 40))
     view = memoryview(dest)[shift : shift + length + 20]
-    blockcopy.copy_into(view, source)
+    blockcopy.copy_into(view, source, stream=stream)
     assert dest[shift : shift + length] == source
     assert dest[:shift] == b"\xee" * shift
     assert dest[shift + length :] == b"\xee" * (len(dest) - shift - length)
@@ -60,6 +62,8 @@ def test_copy_into_takes_any_contiguous_buffer_and_refuses_a_short_destination(b
     assert bytes(dest) == b"abcdefghwxyz\x00\x00\x00\x00"
     with pytest.raises(ValueError, match="does not fit"):
         blockcopy.copy_into(memoryview(dest)[:4], b"too long")
+    with pytest.raises(ValueError, match="does not fit"):
+        blockcopy.copy_into(memoryview(dest)[:4], b"too long" * 10**4, stream=False)
     assert bytes(dest[:4]) == b"abcd"  # nothing written
     with pytest.raises(TypeError):
         blockcopy.copy_into(memoryview(b"read-only"), b"x")
