@@ -12,7 +12,9 @@ steady rows show what it does for stores). A slot is read long after it
 is written, by another process, if ever; a block a client copies out of
 shared memory into an engine's buffer is read next by a device's DMA or
 a later step, and streams too (loads through the vLLM tier, 64 MiB of
-1 MiB blocks: 0.73x memcpy copied plainly, 1.02x streamed, same run).
+1 MiB blocks: 0.73x memcpy copied plainly, 1.02x streamed, same run),
+unless its batch is small enough for the engine's buffers to be cached
+(``stream=False``: memcpy's, see ``kvtier.client.shared.CACHED_READ_BYTES``).
 Where the extension is not built, or elsewhere than x86-64, the copy is
 memcpy's.
 
