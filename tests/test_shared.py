@@ -18,7 +18,7 @@ import xxhash
 
 from kvtier import BlockingClient, wire
 from kvtier.client.aio import Client
-from kvtier.client.batching import READ_FIRST_PIECE_BYTES
+from kvtier.client.batching import READ_FIRST_PIECE_BLOCKS
 from kvtier.client.shared import COMMITS_A_REQUEST, InPlaceCommits, attach
 from kvtier.core.shared.inplace import may_write_in_place
 from kvtier.daemon import Daemon
@@ -748,7 +748,7 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
 async def test_the_blocks_of_one_read_share_one_lease(daemon: Daemon) -> None:
     """A batch (read in one piece) costs the daemon one lease, granted and
     given back whole."""
-    n = READ_FIRST_PIECE_BYTES // (256 * 1024)
+    n = READ_FIRST_PIECE_BLOCKS
     keys = [b"batch-%d" % i for i in range(n)]
     blocks = [block(i, 256 * 1024) for i in range(n)]
     async with await Client.connect(daemon.socket_path) as c:
@@ -788,10 +788,11 @@ async def test_leases_given_back_with_a_read_end_once_it_is_answered(daemon: Dae
 async def test_a_read_in_pieces_that_fails_gives_every_lease_back(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A read of 12 MiB, with a first piece of 2 MiB, is asked for in pieces
-    (all at once); a block that does not fit its destination ends it, and
-    the pieces not copied give their leases back once answered."""
-    monkeypatch.setattr("kvtier.client.shared.READ_FIRST_PIECE_BYTES", 2 * MiB)
+    """A read of 12 blocks, with a first piece of 2, is asked for in pieces
+    (the next asked for as the last's answer comes); a block that does not
+    fit its destination ends it, and the piece asked for but not copied
+    gives its lease back once answered."""
+    monkeypatch.setattr("kvtier.client.shared.READ_FIRST_PIECE_BLOCKS", 2)
     keys = [b"piece-%d" % i for i in range(12)]
     async with await Client.connect(daemon.socket_path) as c:
         await c.put_many(keys, [block(i) for i in range(12)])
@@ -805,6 +806,27 @@ async def test_a_read_in_pieces_that_fails_gives_every_lease_back(
         await c.ping()  # and given back
         st = shared_stats(daemon)
         assert st["leases"] == 0 and st["leases_ended"]["released"] == 3
+        assert daemon.ram.budget.pinned_count == 0
+
+
+async def test_a_read_cancelled_while_its_answer_comes_gives_its_lease_back(
+    daemon: Daemon,
+) -> None:
+    """A caller cancelled after its read was asked for: the answer still
+    comes, and its lease goes back once it does (nothing stays pinned until
+    the lease deadline)."""
+    keys = [b"cancelled-%d" % i for i in range(4)]
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put_many(keys, [block(i) for i in range(4)])
+        dests = [bytearray(MiB) for _ in keys]
+        reading = asyncio.create_task(c.get_many_into(keys, dests))
+        asyncio.get_running_loop().call_soon(reading.cancel)  # once the request is written
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        await c.ping()  # the answer has come by now, its lease queued to go back
+        await c.ping()  # and given back
+        st = shared_stats(daemon)
+        assert st["leases"] == 0 and st["leases_ended"]["released"] == 1
         assert daemon.ram.budget.pinned_count == 0
 
 

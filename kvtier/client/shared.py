@@ -47,7 +47,7 @@ from typing import Protocol
 
 from kvtier import blockcopy, wire
 from kvtier.client.batching import (
-    READ_FIRST_PIECE_BYTES,
+    READ_FIRST_PIECE_BLOCKS,
     READ_PIECE_BYTES,
     SOLO_VALUE_BYTES,
     read_pieces,
@@ -557,32 +557,53 @@ class SharedSession:
         timeout: float | None,
     ) -> list[int | None]:
         """Copy each block into its view. A read of more than
-        ``READ_FIRST_PIECE_BYTES`` is asked for in growing pieces
-        (:func:`read_pieces`), all at once: the daemon answers the next piece
-        while this one is copied, so the read costs its copies and the first
-        piece's round trip."""
+        ``READ_FIRST_PIECE_BLOCKS`` is asked for in growing pieces
+        (:func:`read_pieces`), each asked for as the last one's answer
+        comes, before it is copied: the daemon answers the next piece while
+        this one is copied, so the read costs its copies and the first
+        piece's round trip, with one request in flight at a time."""
         lengths = [len(v) for v in views]
         stream = sum(lengths) > CACHED_READ_BYTES
-        pieces = read_pieces(lengths, READ_FIRST_PIECE_BYTES, READ_PIECE_BYTES)
-        if len(pieces) == 1:
-            return self._copy_into(keys, views, await self._entries(keys, timeout), stream)
-        asks = [asyncio.ensure_future(self._entries(keys[lo:hi], timeout)) for lo, hi in pieces]
+        pieces = read_pieces(lengths, READ_FIRST_PIECE_BLOCKS, READ_PIECE_BYTES)
+        lo, hi = pieces[0]
+        asked = [self._ask(keys[lo:hi], timeout)]  # answers not copied yet
         out: list[int | None] = []
-        copied = 0
         try:
-            for (lo, hi), ask in zip(pieces, asks, strict=True):
-                entries = await ask
-                copied += 1  # (its leases go back whatever the copy does)
+            for i, (lo, hi) in enumerate(pieces):
+                # (shielded: a caller cancelled meanwhile leaves the answer to
+                # come, and its lease goes back once it does)
+                frame = checked(await asyncio.shield(asked[0]))
+                asked.pop(0)  # its leases are the copy's to give back
+                entries = wire.decode_get_shared_reply(frame.meta, frame.data)
+                if i + 1 < len(pieces):
+                    nlo, nhi = pieces[i + 1]
+                    asked.append(self._ask(keys[nlo:nhi], timeout))
                 out += self._copy_into(keys[lo:hi], views[lo:hi], entries, stream)
         finally:
-            for ask in asks[copied:]:  # pieces not copied: their leases go back once answered
+            for ask in asked:  # answers nobody will copy: their leases go back
                 ask.add_done_callback(self._release_unread)
         return out
 
-    def _release_unread(self, ask: asyncio.Future[list[Leased | memoryview | None]]) -> None:
+    def _ask(self, keys: Sequence[bytes], timeout: float | None) -> asyncio.Future[Frame]:
+        """A GET_SHARED of ``keys``, written now (the leases done with go
+        back in it); its reply's future, failed past ``timeout``."""
+        releases, self._releases = self._releases, []
+        meta = wire.encode_get_shared(releases, keys, self._prefix)
+        sent = self._calls.send(Op.GET_SHARED, meta)
+        if timeout is not None:
+            timer = asyncio.get_running_loop().call_later(timeout, expire, sent, timeout)
+            sent.add_done_callback(lambda _: timer.cancel())
+        return sent
+
+    def _release_unread(self, ask: asyncio.Future[Frame]) -> None:
         """A piece's answer nobody will copy: its lease goes back."""
-        if not ask.cancelled() and ask.exception() is None:
-            self._done({e.lease_id for e in ask.result() if isinstance(e, Leased)})
+        if ask.cancelled() or ask.exception() is not None:
+            return
+        frame = ask.result()
+        if frame.header.status:
+            return  # an error reply grants nothing
+        entries = wire.decode_get_shared_reply(frame.meta, frame.data)
+        self._done({e.lease_id for e in entries if isinstance(e, Leased)})
 
     def _copy_into(
         self,
