@@ -42,6 +42,26 @@ def test_evicts_least_recently_used() -> None:
     assert not ram.contains(b"b") and ram.contains(b"a")
 
 
+@pytest.mark.parametrize("write", ["put", "stage", "reserve"])
+def test_a_batch_read_counts_as_recent_at_the_next_eviction(write: str) -> None:
+    """A read of many blocks shows its touches to the policy at the next
+    write or eviction, not on the read's path; in the order read."""
+    page = 64 * 1024
+    ram = RamTier(3 * page, LRUPolicy(), arena=Arena(4 * page), min_slot=page)
+    for key in (b"a", b"b", b"c"):
+        ram.put(key, b"x" * page)
+    values = ram.pin_many([b"b", b"a", b"nope"])
+    ram.unpin_many([b"b", b"a", b"nope"], values)
+    if write == "put":
+        _, evicted = ram.put(b"d", b"y" * page)
+    elif write == "stage":
+        _, evicted = ram.stage(page, b"d")
+    else:
+        evicted = ram.reserve(page, b"d")
+    assert [k for k, _ in evicted] == [b"c"]  # b and a were read after it
+    assert ram.contains(b"a") and ram.contains(b"b")
+
+
 def test_pinned_blocks_are_never_evicted() -> None:
     ram = RamTier(30)
     for key in (b"a", b"b", b"c"):

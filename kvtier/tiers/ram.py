@@ -98,7 +98,8 @@ class RamTier(LocalTier):
     ) -> None:
         self.budget = Budget(capacity, policy)
         self._values: dict[bytes, Buffer] = {}
-        #: lookups' hits not yet shown to the eviction policy (see touch_later)
+        #: reads' and lookups' hits not yet shown to the eviction policy (see
+        #: touch_later)
         self._touches: list[tuple[Sequence[bytes], int]] = []
         #: the shared arena's views and their holders; None: every block in the heap
         self.slots = Slots(arena) if arena is not None else None
@@ -134,9 +135,10 @@ class RamTier(LocalTier):
     # -- reads
 
     def touch_later(self, keys: Sequence[bytes], count: int) -> None:
-        """A lookup answered HIT for ``keys[:count]``: refresh the resident ones in
-        the eviction order before the next write, off the lookup's reply path.
-        The same lookup again (a reader polling) adds nothing to do."""
+        """A lookup answered HIT for ``keys[:count]``, or a read pinned them:
+        refresh the resident ones in the eviction order before the next
+        write or eviction, off the reply's path (the order matters only
+        then). The same lookup again (a reader polling) adds nothing to do."""
         touches = self._touches
         if touches and touches[-1][1] == count and touches[-1][0] == keys:
             return
@@ -175,16 +177,16 @@ class RamTier(LocalTier):
         return value
 
     def pin_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """:meth:`pin` of each key, in one call: the touches in one pass of
-        the eviction policy, in the keys' order (a read of many blocks)."""
+        """:meth:`pin` of each key, in one call: the touches shown to the
+        eviction policy in one pass, in the keys' order (a read of many
+        blocks)."""
         if len(keys) == 1:  # (a lone GET: the batch's lists cost more than they save)
             return [self.pin(keys[0])]
         values = list(map(self._values.get, keys))
         present = [k for k, v in zip(keys, values, strict=True) if v is not None]
         if present:
-            budget = self.budget
-            budget.pin_many(present)
-            budget.touch_many(present)
+            self.budget.pin_many(present)
+            self.touch_later(present, len(present))
             if self.slots is not None:
                 hold = self.slots.hold
                 for value in values:
@@ -343,6 +345,8 @@ class RamTier(LocalTier):
             return []  # every other block of it is being read: it stays over
 
     def _make_room(self, size: int, key: bytes | None) -> list[tuple[bytes, Buffer]]:
+        if self._touches:  # (every eviction sees every read before it)
+            self._apply_touches()
         try:
             victims = self.budget.evict_for(size, key)
         except NoRoom as exc:
