@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.suite import kvtier_command, wait_for_line
+from benchmarks.suite import kvtier_command, wait_for_line, wait_until_prepared
 from kvtier import Client, loops
 from kvtier.bench import Figure, KvtierStore, MiB, lookup_batch, prefix_lookup, put_get
 
@@ -36,6 +36,7 @@ def start(source: Path, sock: Path) -> subprocess.Popen[bytes]:
     cmd[cmd.index("warning")] = "info"
     proc = subprocess.Popen(cmd, cwd=source, env=env, stderr=subprocess.PIPE)
     wait_for_line(proc, "kvtier ready")
+    wait_until_prepared(str(sock))  # (a tree without the stat does not wait)
     return proc
 
 

@@ -214,7 +214,22 @@ def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str,
         if time.monotonic() > deadline:
             raise RuntimeError("kvtier or redis did not start")
         time.sleep(0.05)  # allow-sleep: waiting for the sockets to appear
+    wait_until_prepared(paths["kvtier"])
     return [kv, rd, raw], paths
+
+
+def wait_until_prepared(sock: str, timeout: float = 120) -> None:
+    """Until the daemon on ``sock`` has allocated its shared memory up front
+    (STATS ``shared.preparing``): requests are slower while it does, and the
+    figures are of a daemon serving, not starting."""
+    from kvtier import BlockingClient
+
+    deadline = time.monotonic() + timeout
+    with BlockingClient(sock, shared=False, lookup_process=False) as c:
+        while c.stats().get("shared", {}).get("preparing"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the daemon did not finish allocating its memory")
+            time.sleep(0.05)  # allow-sleep: the daemon's worker thread allocating memory
 
 
 async def redis_lookups(
@@ -300,6 +315,7 @@ async def steady_state(tmp: Path, quick: bool, runs: int) -> list[Figure]:
             if time.monotonic() > deadline:
                 raise RuntimeError("kvtier or redis did not start")
             await asyncio.sleep(0.05)  # allow-sleep: waiting for two sockets to appear
+        await asyncio.to_thread(wait_until_prepared, str(kv_sock))
         async with AsyncExitStack() as stack:
             kv_clients = [await Client.connect(str(kv_sock)) for _ in range(8)]
             staged_clients = [

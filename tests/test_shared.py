@@ -994,6 +994,7 @@ async def test_a_daemon_allocates_and_maps_its_shared_memory_once_it_serves(
         assert daemon.arena is not None and daemon.staging is not None
         assert st["arena_prepared_bytes"] == daemon.ram.capacity == 64 * MiB
         assert st["staging_prepared_bytes"] == daemon.staging.size == 8 * MiB
+        assert st["preparing"] is False  # done
         # the arena's first ram.capacity bytes hold memory; the quarter above does not
         assert _allocated(daemon.arena.fd) == 64 * MiB < daemon.arena.size
         assert "prepared=67108864" in repr(daemon.arena)
@@ -1013,6 +1014,7 @@ async def test_without_preallocation_memory_grows_with_the_blocks_stored(sock_di
         await daemon.settle()
         assert daemon.arena is not None
         assert shared_stats(daemon)["arena_prepared_bytes"] == 0
+        assert shared_stats(daemon)["preparing"] is False  # (never started)
         assert _allocated(daemon.arena.fd) == 0
         async with await Client.connect(daemon.socket_path, shared=False) as plain:
             assert await plain.put(b"one", block(1)) is PutStatus.STORED  # the daemon copies it
@@ -1037,6 +1039,7 @@ async def test_a_daemon_stopped_while_it_prepares_its_memory_stops(sock_dir: Pat
         arena = daemon.arena
     # stopped at once: the step in flight ended before the arena closed
     assert 0 <= arena.prepared <= 512 * MiB
+    assert not arena.preparing
 
 
 async def test_a_daemon_process_holds_its_shared_memory_once_it_has_prepared_it(
@@ -1050,10 +1053,10 @@ async def test_a_daemon_process_holds_its_shared_memory_once_it_has_prepared_it(
 
             def prepared() -> bool:
                 st = c.stats()["shared"]
-                return (st["arena_prepared_bytes"], st["staging_prepared_bytes"]) == (
-                    64 * MiB,
-                    st["staging_bytes"],
-                )
+                return not st["preparing"] and (
+                    st["arena_prepared_bytes"],
+                    st["staging_prepared_bytes"],
+                ) == (64 * MiB, st["staging_bytes"])
 
             await wait_on_timers(prepared)  # (the daemon's worker thread)
             staging = c.stats()["shared"]["staging_bytes"]

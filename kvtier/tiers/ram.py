@@ -68,6 +68,7 @@ import contextlib
 import logging
 import mmap
 import os
+import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -467,19 +468,25 @@ class RamTier(LocalTier):
 async def prepare_memory(arenas: Sequence[tuple[Arena, int]]) -> None:
     """Each arena's memory up to its bound allocated and mapped into the
     daemon (:meth:`Arena.prepare`), a step at a time in a worker thread,
-    while the daemon serves. A step in flight when this is cancelled is
-    waited for (its thread reads the mapping, which outlives it). Memory
-    that cannot be had ends it, logged: the rest is allocated as blocks
-    land in it."""
+    while the daemon serves; each arena's ``preparing`` is true meanwhile,
+    and false once this ends, however it ends. A step in flight when this is
+    cancelled is waited for (its thread reads the mapping, which outlives
+    it). Memory that cannot be had ends it, logged: the rest is allocated
+    as blocks land in it."""
     loop = asyncio.get_running_loop()
-    for arena, end in arenas:
-        while arena.prepared < min(end, arena.size):
-            step = loop.run_in_executor(None, arena.prepare, end)
+    started = time.perf_counter()
+    for arena, _ in arenas:
+        arena.preparing = True
+    try:
+        for arena, end in arenas:
             try:
-                await asyncio.shield(step)
-            except asyncio.CancelledError:
-                await asyncio.wait([step])
-                raise
+                while arena.prepared < min(end, arena.size):
+                    step = loop.run_in_executor(None, arena.prepare, end)
+                    try:
+                        await asyncio.shield(step)
+                    except asyncio.CancelledError:
+                        await asyncio.wait([step])
+                        raise
             except OSError as exc:
                 log.warning(
                     "the shared memory could not be allocated up front past %d of %d bytes"
@@ -489,6 +496,14 @@ async def prepare_memory(arenas: Sequence[tuple[Arena, int]]) -> None:
                     exc,
                 )
                 return
+    finally:
+        for arena, _ in arenas:
+            arena.preparing = False
+    log.info(
+        "shared memory allocated up front: %d MiB in %.2fs",
+        sum(arena.prepared for arena, _ in arenas) >> 20,
+        time.perf_counter() - started,
+    )
 
 
 def _is_slice(view: memoryview) -> bool:
@@ -621,6 +636,9 @@ class Arena:
         #: bytes from the start whose memory is allocated and mapped here
         #: (:meth:`prepare`); written by a worker thread
         self.prepared = 0
+        #: :func:`prepare_memory` is at work on it (requests meanwhile are
+        #: slower: the kernel zeroes the pages it allocates)
+        self.preparing = False
 
     def __repr__(self) -> str:
         return f"<Arena fd={self.fd} prepared={self.prepared} {self.allocator!r}>"

@@ -53,6 +53,9 @@ class SharedStats:
     #: memory the daemon has allocated and mapped (``shared.preallocate``)
     arena_prepared_bytes: int
     staging_prepared_bytes: int
+    #: the daemon is still allocating that memory (requests are slower
+    #: meanwhile: the kernel zeroes each page it allocates)
+    preparing: bool
     #: RAM slots clients write blocks into in place now, and those of closed
     #: connections waiting out the staging timeout before they are freed
     in_place_rooms: int
@@ -200,6 +203,7 @@ class SharedBlocks:
             arena_allocated_bytes=self.slots.arena.allocator.allocated_bytes,
             arena_prepared_bytes=self.slots.arena.prepared,
             staging_prepared_bytes=staging.staging.prepared,
+            preparing=self.slots.arena.preparing or staging.staging.preparing,
             in_place_rooms=len(in_place),
             in_place_quarantined=in_place.quarantined,
             in_place_prepared=in_place.prepared,
