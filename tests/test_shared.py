@@ -766,9 +766,9 @@ async def test_the_blocks_of_one_read_share_one_lease(daemon: Daemon) -> None:
 
 
 async def test_leases_given_back_with_a_read_end_once_it_is_answered(daemon: Daemon) -> None:
-    """A GET_SHARED that gives leases back is answered first, and the leases
-    have ended by the time the reply is read; a key asked again keeps its
-    block pinned by the new lease alone."""
+    """The leases a GET_SHARED gives back (ended after its answer is
+    written) have ended by the time its reply is read; a key asked again
+    keeps its block pinned by the new lease alone."""
     async with await Client.connect(daemon.socket_path) as c:
         await c.put_many([b"a", b"b"], [block(1), block(2)])
         frame = await c.request(Op.GET_SHARED, wire.encode_get_shared([], [b"a", b"b"]))
