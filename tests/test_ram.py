@@ -8,7 +8,7 @@ import pytest
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.policy import LRUPolicy
-from kvtier.tiers.ram import Arena, RamTier
+from kvtier.tiers.ram import _MAX_DEFERRED_KEYS, Arena, RamTier
 
 
 def test_lru_policy_orders_by_recency() -> None:
@@ -60,6 +60,28 @@ def test_a_batch_read_counts_as_recent_at_the_next_eviction(write: str) -> None:
         evicted = ram.reserve(page, b"d")
     assert [k for k, _ in evicted] == [b"c"]  # b and a were read after it
     assert ram.contains(b"a") and ram.contains(b"b")
+
+
+def test_reads_without_a_write_keep_their_deferred_touches_bounded() -> None:
+    """A stream of reads with no write between defers at most
+    ``_MAX_DEFERRED_KEYS`` touches: past it, each read shows the oldest to
+    the policy (no read pays for a long backlog), and the next write the
+    rest."""
+    page = 64 * 1024
+    n = 64
+    ram = RamTier(n * page, LRUPolicy(), arena=Arena(n * page * 2), min_slot=page)
+    keys = [b"k%03d" % i for i in range(n)]
+    for key in keys:
+        ram.put(key, b"x" * page)
+    for r in range(_MAX_DEFERRED_KEYS // 8):
+        batch = [keys[(r * 8 + j) % (n - 1)] for j in range(16)]  # never the last key
+        ram.unpin_many(batch, ram.pin_many(batch))
+        deferred = int(repr(ram).split("deferred_touches=")[1].split()[0].rstrip(">"))
+        assert deferred <= _MAX_DEFERRED_KEYS
+    assert deferred > _MAX_DEFERRED_KEYS - 16  # (the bound was reached)
+    _, evicted = ram.put(b"new", b"y" * page)
+    assert [k for k, _ in evicted] == [keys[-1]]  # the one block never read
+    assert "deferred_touches=0" in repr(ram)
 
 
 def test_pinned_blocks_are_never_evicted() -> None:
@@ -137,7 +159,9 @@ def test_repr_shows_state() -> None:
     ram = RamTier(100)
     ram.put(b"k", b"123")
     ram.pin(b"k")
-    assert repr(ram) == "<RamTier used=3/100 reserved=0 blocks=1 pinned=1 evictions=0>"
+    assert repr(ram) == (
+        "<RamTier used=3/100 reserved=0 blocks=1 pinned=1 evictions=0 deferred_touches=0>"
+    )
 
 
 def test_reserved_bytes_count_against_capacity() -> None:

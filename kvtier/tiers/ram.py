@@ -69,6 +69,7 @@ import logging
 import mmap
 import os
 import time
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -82,8 +83,13 @@ from kvtier.tiers.policy import EvictionPolicy, NoRoom
 
 log = logging.getLogger("kvtier.ram")
 
-#: lookups whose hits may wait to be shown to the policy (then they are applied)
+#: lookups and reads whose hits may wait to be shown to the policy, and the
+#: keys they may name in all: past either bound the oldest are shown at once,
+#: so a stream of reads with no write between pays for its own touches, and
+#: never for a long backlog at one read (measured: 256 reads of 256 blocks
+#: applied at once cost one read 3.9 ms, against 63 us for the others)
 _MAX_DEFERRED_TOUCHES = 256
+_MAX_DEFERRED_KEYS = 4096
 
 
 class RamTier(LocalTier):
@@ -101,7 +107,9 @@ class RamTier(LocalTier):
         self._values: dict[bytes, Buffer] = {}
         #: reads' and lookups' hits not yet shown to the eviction policy (see
         #: touch_later)
-        self._touches: list[tuple[Sequence[bytes], int]] = []
+        self._touches: deque[tuple[Sequence[bytes], int]] = deque()
+        #: the keys they name
+        self._deferred = 0
         #: the shared arena's views and their holders; None: every block in the heap
         self.slots = Slots(arena) if arena is not None else None
         #: values below this size stay in the heap even with an arena
@@ -114,7 +122,8 @@ class RamTier(LocalTier):
         shared = f" {self.slots!r}" if self.slots is not None else ""
         return (
             f"<RamTier used={b.used}/{b.capacity} reserved={b.held} blocks={len(b)} "
-            f"pinned={b.pinned_count} evictions={b.evictions}{shared}>"
+            f"pinned={b.pinned_count} evictions={b.evictions} "
+            f"deferred_touches={self._deferred}{shared}>"
         )
 
     def __len__(self) -> int:
@@ -144,14 +153,19 @@ class RamTier(LocalTier):
         if touches and touches[-1][1] == count and touches[-1][0] == keys:
             return
         touches.append((keys, count))
-        if len(touches) >= _MAX_DEFERRED_TOUCHES:
-            self._apply_touches()
+        self._deferred += count
+        values = self._values
+        while len(touches) > _MAX_DEFERRED_TOUCHES or self._deferred > _MAX_DEFERRED_KEYS:
+            oldest, n = touches.popleft()
+            self._deferred -= n
+            self.budget.touch_many([key for key in islice(oldest, n) if key in values])
 
     def _apply_touches(self) -> None:
         """Each key touched once, in the order of its latest lookup: lookups of
         the same prefixes (a shared system prompt, a polling reader) cost the
         policy one touch per key per window, not one per lookup."""
-        touches, self._touches = self._touches, []
+        touches, self._touches = self._touches, deque()
+        self._deferred = 0
         if len(touches) == 1:
             keys, count = touches[0]
             latest: Iterable[bytes] = keys[:count]
