@@ -27,7 +27,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from benchmarks.raw import RawStore
-from kvtier import Client, blockcopy, loops
+from kvtier import BlockingClient, Client, blockcopy, loops
 from kvtier._version import __version__
 from kvtier.bench import (
     BLOCK_SIZES,
@@ -222,8 +222,6 @@ def wait_until_prepared(sock: str, timeout: float = 120) -> None:
     """Until the daemon on ``sock`` has allocated its shared memory up front
     (STATS ``shared.preparing``): requests are slower while it does, and the
     figures are of a daemon serving, not starting."""
-    from kvtier import BlockingClient
-
     deadline = time.monotonic() + timeout
     with BlockingClient(sock, shared=False, lookup_process=False) as c:
         while c.stats().get("shared", {}).get("preparing"):

@@ -809,8 +809,9 @@ async def test_a_read_in_pieces_that_fails_gives_every_lease_back(
         assert daemon.ram.budget.pinned_count == 0
 
 
+@pytest.mark.parametrize("read", ["get_many_into", "get_many"])
 async def test_a_read_cancelled_while_its_answer_comes_gives_its_lease_back(
-    daemon: Daemon,
+    daemon: Daemon, read: str
 ) -> None:
     """A caller cancelled after its read was asked for: the answer still
     comes, and its lease goes back once it does (nothing stays pinned until
@@ -819,7 +820,8 @@ async def test_a_read_cancelled_while_its_answer_comes_gives_its_lease_back(
     async with await Client.connect(daemon.socket_path) as c:
         await c.put_many(keys, [block(i) for i in range(4)])
         dests = [bytearray(MiB) for _ in keys]
-        reading = asyncio.create_task(c.get_many_into(keys, dests))
+        asking = c.get_many_into(keys, dests) if read == "get_many_into" else c.get_many(keys)
+        reading = asyncio.create_task(asking)
         asyncio.get_running_loop().call_soon(reading.cancel)  # once the request is written
         with pytest.raises(asyncio.CancelledError):
             await reading

@@ -428,6 +428,11 @@ class InPlaceCommits:
         sent.add_done_callback(partial(_answer, batch, timer))
 
 
+def _decoded(frame: Frame) -> list[Leased | memoryview | None]:
+    """A GET_SHARED reply's entries."""
+    return wire.decode_get_shared_reply(frame.meta, frame.data)
+
+
 def _answer(
     batch: list[tuple[wire.Commit, asyncio.Future[Answered]]],
     timer: asyncio.TimerHandle | None,
@@ -509,10 +514,18 @@ class SharedSession:
     async def _entries(
         self, keys: Sequence[bytes], timeout: float | None
     ) -> list[Leased | memoryview | None]:
-        releases, self._releases = self._releases, []
-        meta = wire.encode_get_shared(releases, keys, self._prefix)
-        frame = await self._calls.request(Op.GET_SHARED, meta, timeout=timeout)
-        return wire.decode_get_shared_reply(frame.meta, frame.data)
+        """The answer of one GET_SHARED of ``keys`` (:meth:`_ask`); a caller
+        cancelled meanwhile leaves it to come, and its lease goes back then."""
+        return _decoded(await self._reply_of(self._ask(keys, timeout)))
+
+    async def _reply_of(self, ask: asyncio.Future[Frame]) -> Frame:
+        """``ask``'s reply, awaited shielded: cancelled meanwhile, the
+        answer's lease goes back once it comes."""
+        try:
+            return checked(await asyncio.shield(ask))
+        except asyncio.CancelledError:
+            ask.add_done_callback(self._release_unread)
+            raise
 
     def _block(self, leased: Leased) -> memoryview:
         view = self._arena_view[leased.offset : leased.offset + leased.length]
@@ -570,11 +583,9 @@ class SharedSession:
         out: list[int | None] = []
         try:
             for i, (lo, hi) in enumerate(pieces):
-                # (shielded: a caller cancelled meanwhile leaves the answer to
-                # come, and its lease goes back once it does)
-                frame = checked(await asyncio.shield(asked[0]))
+                frame = await self._reply_of(asked[0])
                 asked.pop(0)  # its leases are the copy's to give back
-                entries = wire.decode_get_shared_reply(frame.meta, frame.data)
+                entries = _decoded(frame)
                 if i + 1 < len(pieces):
                     nlo, nhi = pieces[i + 1]
                     asked.append(self._ask(keys[nlo:nhi], timeout))
@@ -602,8 +613,7 @@ class SharedSession:
         frame = ask.result()
         if frame.header.status:
             return  # an error reply grants nothing
-        entries = wire.decode_get_shared_reply(frame.meta, frame.data)
-        self._done({e.lease_id for e in entries if isinstance(e, Leased)})
+        self._done({e.lease_id for e in _decoded(frame) if isinstance(e, Leased)})
 
     def _copy_into(
         self,

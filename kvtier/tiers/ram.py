@@ -154,11 +154,10 @@ class RamTier(LocalTier):
             return
         touches.append((keys, count))
         self._deferred += count
-        values = self._values
         while len(touches) > _MAX_DEFERRED_TOUCHES or self._deferred > _MAX_DEFERRED_KEYS:
             oldest, n = touches.popleft()
             self._deferred -= n
-            self.budget.touch_many([key for key in islice(oldest, n) if key in values])
+            self._touch_resident(islice(oldest, n))
 
     def _apply_touches(self) -> None:
         """Each key touched once, in the order of its latest lookup: lookups of
@@ -172,8 +171,12 @@ class RamTier(LocalTier):
         else:  # dict.fromkeys dedupes at C speed; built newest first, then reversed
             newest = chain.from_iterable(islice(k, c) for k, c in reversed(touches))
             latest = reversed(dict.fromkeys(newest))
+        self._touch_resident(latest)
+
+    def _touch_resident(self, keys: Iterable[bytes]) -> None:
+        """Show the policy a touch of each of ``keys`` still held, in order."""
         values = self._values
-        self.budget.touch_many([key for key in latest if key in values])
+        self.budget.touch_many([key for key in keys if key in values])
 
     def get(self, key: bytes) -> Buffer | None:
         value = self._values.get(key)
