@@ -11,6 +11,12 @@ for vLLM's own fs tier, which needs a full OffloadingSpec and reads with
 O_DIRECT); and of a plain memcpy of the same bytes (the ceiling), the
 memcpy timed right after each load and each store and the file reads
 after each load, so that each ratio compares figures of the same moments.
+Every load, memcpy and file read writes rows no one has written for the
+last ``DEST_BYTES`` (1 GiB) of writes, as an engine's CPU tier hands out
+its least recently used rows: each contender meets a destination in the
+same state, not in the caches (a memcpy into the rows a load had just
+written, or a load into rows just zeroed, would find them cached or not
+depending on how the other copied).
 Each block size has a daemon of its own, whose RAM is
 filled first with blocks of that size: the figures are the steady state of
 an engine's daemon (one model, one block size), not a daemon evicting
@@ -39,6 +45,9 @@ from benchmarks.engines import Figures, warm
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL = 64 * 1024 * 1024
 RUNS = 5
+#: the rows the loads, memcpys and file reads take turns writing, TOTAL at a
+#: time: more than the caches of the machines this runs on hold
+DEST_BYTES = 1024 * 1024 * 1024
 KiB, MiB = 1024, 1024 * 1024
 
 
@@ -82,13 +91,18 @@ def timed_copy(dest: np.ndarray, src: np.ndarray) -> float:
 
 def bench(block: int, sock: Path, tmp: Path, figures: Figures) -> dict[str, float]:
     n = TOTAL // block
+    sets = DEST_BYTES // TOTAL
     src = np.random.default_rng(block).integers(0, 255, (n, block), dtype=np.uint8)
     # vLLM's own CPU tier memory: a shared file in /dev/shm, which the daemon
-    # reads a store's rows from itself (a region)
-    shared = SharedOffloadRegion(f"kvtier-bench-{os.getpid()}-{block}", 2 * n, None, block, block)
+    # reads a store's rows from itself (a region); rows [0, n) are the
+    # source, then ``sets`` sets of n rows the loads and their ceilings write
+    shared = SharedOffloadRegion(
+        f"kvtier-bench-{os.getpid()}-{block}", (1 + sets) * n, None, block, block
+    )
     view = shared.create_kv_memoryview()
     region = np.asarray(view).view(np.uint8)
     region[:n] = src
+    region[n:] = 0
     tier = SecondaryTierFactory.create_secondary_tier(
         {
             "type": "KvtierTier",
@@ -108,15 +122,33 @@ def bench(block: int, sock: Path, tmp: Path, figures: Figures) -> dict[str, floa
     files.mkdir()
     for i in range(n):
         (files / str(i)).write_bytes(src[i].tobytes())
-    rows = memoryview(region[n:]).cast("B")  # type: ignore[arg-type]
+    turn = 0
 
-    def read_files() -> float:
+    def next_rows() -> int:
+        """The first row of the set written longest ago (zeroed when it was
+        last checked, ``sets`` - 1 writes of TOTAL before this one)."""
+        nonlocal turn
+        turn += 1
+        return n * (1 + turn % sets)
+
+    def checked(first: int) -> None:
+        """The rows hold the source's bytes; zeroed for their next turn."""
+        assert np.array_equal(region[first : first + n], src)
+        region[first : first + n] = 0
+
+    def read_files(first: int) -> float:
         """Seconds reading the blocks from their files (in the page cache)."""
+        rows = memoryview(region[first : first + n]).cast("B")  # type: ignore[arg-type]
         t = time.perf_counter()
         for i in range(n):
             with open(files / str(i), "rb", buffering=0) as fh:
                 fh.readinto(rows[i * block : (i + 1) * block])
-        return time.perf_counter() - t
+        elapsed = time.perf_counter() - t
+        rows.release()
+        return elapsed
+
+    def copy(first: int) -> float:
+        return timed_copy(region[first : first + n], src)
 
     # A memcpy of the same bytes, and the same bytes read from files, after
     # each load (and a memcpy after each store): each ratio's figures come
@@ -125,18 +157,24 @@ def bench(block: int, sock: Path, tmp: Path, figures: Figures) -> dict[str, floa
     copy_loads: list[float] = []
     page_cache: list[float] = []
     for run in range(RUNS + 1):
-        region[n:] = 0
+        first = next_rows()
         t = time.perf_counter()
-        tier.submit_load(TransferJob(run + 1, keys, np.arange(n, 2 * n), True, ReqContext("l")))
+        tier.submit_load(
+            TransferJob(run + 1, keys, np.arange(first, first + n), True, ReqContext("l"))
+        )
         tier.drain_jobs()
         elapsed = time.perf_counter() - t
         (result,) = tier.get_finished_jobs()
-        assert result.success and np.array_equal(region[n:], src)
+        assert result.success
+        checked(first)
         if run:
             kvtier.append(elapsed)
-            copy_loads.append(timed_copy(region[n:], src))
-            region[n:] = 0  # (as before a load)
-            page_cache.append(read_files())
+            first = next_rows()
+            copy_loads.append(copy(first))
+            checked(first)
+            first = next_rows()
+            page_cache.append(read_files(first))
+            checked(first)
 
     stores: list[float] = []
     copy_stores: list[float] = []
@@ -149,11 +187,12 @@ def bench(block: int, sock: Path, tmp: Path, figures: Figures) -> dict[str, floa
         assert all(r.success for r in tier.get_finished_jobs())
         if run:
             stores.append(elapsed)
-            copy_stores.append(timed_copy(region[n:], src))
+            first = next_rows()
+            copy_stores.append(copy(first))
+            checked(first)
     tier.shutdown()
 
-    rows.release()
-    del region
+    region = np.empty(0, np.uint8)  # (the rows' array let go: the view can be)
     view.release()
     shared.cleanup()
     label = f"{block // KiB}KiB" if block < MiB else f"{block // MiB}MiB"
