@@ -11,12 +11,12 @@ for vLLM's own fs tier, which needs a full OffloadingSpec and reads with
 O_DIRECT); and of a plain memcpy of the same bytes (the ceiling), the
 memcpy timed right after each load and each store and the file reads
 after each load, so that each ratio compares figures of the same moments.
-Every load, memcpy and file read writes rows no one has written for the
-last ``DEST_BYTES`` (1 GiB) of writes, as an engine's CPU tier hands out
-its least recently used rows: each contender meets a destination in the
-same state, not in the caches (a memcpy into the rows a load had just
-written, or a load into rows just zeroed, would find them cached or not
-depending on how the other copied).
+Every load, memcpy and file read writes the set of rows written longest
+ago (``DEST_BYTES`` of rows, 1 GiB, taken in turn), as vLLM's CPU tier
+hands out its least recently used rows: each contender meets its
+destination in the same state, out of the caches (a memcpy into the rows a
+load had just written, or a load into rows just zeroed, would find them
+cached or not depending on how the other had copied).
 Each block size has a daemon of its own, whose RAM is
 filled first with blocks of that size: the figures are the steady state of
 an engine's daemon (one model, one block size), not a daemon evicting

@@ -341,8 +341,8 @@ Answered = tuple[PutStatus, int | None]
 #: machine with a far larger cache (480 MiB reported), 16 and 64 MiB of
 #: 1 MiB blocks: into buffers out of the cache, streamed 11.8-13.5 GB/s
 #: against 8.5-9.0 through it; into buffers just written (dirty in the
-#: cache), 5.8-6.5 against 10.4-12.6. An engine's reused buffers are its
-#: least recently used ones: out of the cache, once a batch is large.
+#: cache), 5.8-6.5 against 10.4-12.6. vLLM's CPU tier loads into its
+#: least recently used rows: out of the cache.
 CACHED_READ_BYTES = 8 * 1024 * 1024
 
 #: in-place commits a COMMIT_MANY carries at most: half the rooms a
