@@ -11,6 +11,13 @@
  * copy(dst, src, 0) is memcpy's, through the caches: for a destination
  * likely cached already and read soon.
  *
+ * copy_many(dsts, srcs[, stream]) is copy() for each pair of two lists of
+ * the same length, with the GIL released once for them all: between two
+ * blocks this thread need not win the GIL back from a thread that keeps it
+ * busy (each win can wait the interpreter's switch interval, 5 ms). It
+ * checks every pair before it copies any, and copies nothing when one
+ * does not fit.
+ *
  * Invariants: copy(dst, src[, stream]) leaves the first len(src) bytes of
  * dst equal to src and the rest untouched; it refuses a dst shorter than
  * src; the stores are fenced (sfence) before it returns, so another process
@@ -114,6 +121,77 @@ blockcopy_copy(PyObject *module, PyObject *args)
 }
 
 static PyObject *
+blockcopy_copy_many(PyObject *module, PyObject *args)
+{
+    PyObject *dsts_arg, *srcs_arg, *dsts = NULL, *srcs = NULL;
+    Py_buffer *bufs = NULL;
+    Py_ssize_t n = 0, taken = 0, i;
+    Py_ssize_t total = 0;
+    int stream = 1;
+    PyObject *result = NULL;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OO|p:copy_many", &dsts_arg, &srcs_arg, &stream))
+        return NULL;
+    dsts = PySequence_Fast(dsts_arg, "copy_many needs a sequence of destinations");
+    if (dsts == NULL)
+        goto done;
+    srcs = PySequence_Fast(srcs_arg, "copy_many needs a sequence of sources");
+    if (srcs == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(dsts);
+    if (PySequence_Fast_GET_SIZE(srcs) != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_many needs one source per destination");
+        goto done;
+    }
+    /* (dst, src) of pair i are bufs[2 * i] and bufs[2 * i + 1] */
+    bufs = PyMem_Calloc((size_t)(2 * n + 1), sizeof(Py_buffer));
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(dsts, i), &bufs[2 * i],
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        taken = 2 * i + 1;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(srcs, i), &bufs[2 * i + 1],
+                               PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        taken = 2 * i + 2;
+        if (bufs[2 * i + 1].len > bufs[2 * i].len) {
+            PyErr_Format(PyExc_ValueError, "a block of %zd bytes does not fit %zd bytes",
+                         bufs[2 * i + 1].len, bufs[2 * i].len);
+            goto done;
+        }
+        total += bufs[2 * i + 1].len;
+    }
+    if (total >= STREAM_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        for (i = 0; i < n; i++) {
+            if (stream && bufs[2 * i + 1].len >= STREAM_MIN)
+                stream_copy((char *)bufs[2 * i].buf, (const char *)bufs[2 * i + 1].buf,
+                            (size_t)bufs[2 * i + 1].len);
+            else
+                memcpy(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        for (i = 0; i < n; i++)
+            memcpy(bufs[2 * i].buf, bufs[2 * i + 1].buf, (size_t)bufs[2 * i + 1].len);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (i = 0; i < taken; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    return result;
+}
+
+static PyObject *
 blockcopy_touch(PyObject *module, PyObject *args)
 {
     Py_buffer buf;
@@ -176,6 +254,8 @@ static PyMethodDef blockcopy_methods[] = {
     {"copy", blockcopy_copy, METH_VARARGS,
      "copy(dst, src, stream=True): src's bytes into the start of dst, with streaming\n"
      "stores unless stream is false."},
+    {"copy_many", blockcopy_copy_many, METH_VARARGS,
+     "copy_many(dsts, srcs, stream=True): copy() of each pair, the GIL released once."},
     {"touch", blockcopy_touch, METH_VARARGS,
      "touch(buf, step): read a byte of buf every step bytes (and its last), without the GIL."},
     {"populate", blockcopy_populate, METH_VARARGS,

@@ -26,12 +26,16 @@ Invariants: ``copy_into(dst, src)`` leaves the first ``len(src)`` bytes of
 writing nothing, when ``dst`` is shorter; when it returns, the stores are
 visible to any process that reads after a message this one sends next;
 copies of 64 KiB or more, and :func:`fault_in` where the extension is
-built, run without the GIL. Imports the shared records only.
+built, run without the GIL; :func:`copy_many` leaves each destination as
+:func:`copy_into` would, or, when one source does not fit, every
+destination as it was, and releases the GIL once for the whole batch.
+Imports the shared records only.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from types import ModuleType
 
 from kvtier.model import Buffer
@@ -45,7 +49,7 @@ try:
 except ImportError:
     _blockcopy = None
 
-__all__ = ["BUILT", "FAULT_AROUND", "STREAMING", "copy_into", "fault_in", "populate"]
+__all__ = ["BUILT", "FAULT_AROUND", "STREAMING", "copy_into", "copy_many", "fault_in", "populate"]
 
 #: the extension is built (else every copy is memoryview assignment's)
 BUILT = _blockcopy is not None
@@ -68,6 +72,26 @@ def copy_into(dst: memoryview, src: Buffer, *, stream: bool = True) -> None:
     if n > dst.nbytes:
         raise ValueError(f"a block of {n} bytes does not fit {dst.nbytes} bytes")
     dst[:n] = memoryview(src).cast("B")
+
+
+def copy_many(dsts: Sequence[memoryview], srcs: Sequence[Buffer], *, stream: bool = True) -> None:
+    """:func:`copy_into` of each ``srcs[i]`` into ``dsts[i]``, the GIL released
+    once for them all (where the extension is built): a thread that copies a
+    batch need not win the GIL back between its blocks from a thread that
+    keeps it busy, which can cost the interpreter's switch interval (5 ms)
+    a block. Raises ValueError, copying nothing, when the lists' lengths
+    differ or a source does not fit its destination."""
+    if len(dsts) != len(srcs):
+        raise ValueError("copy_many needs one source per destination")
+    if _blockcopy is not None:
+        _blockcopy.copy_many(dsts, srcs, stream)
+        return
+    sources = [memoryview(src).cast("B") for src in srcs]
+    for dst, src in zip(dsts, sources, strict=True):
+        if src.nbytes > dst.nbytes:
+            raise ValueError(f"a block of {src.nbytes} bytes does not fit {dst.nbytes} bytes")
+    for dst, src in zip(dsts, sources, strict=True):
+        dst[: src.nbytes] = src
 
 
 def fault_in(view: memoryview) -> None:

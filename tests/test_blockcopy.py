@@ -69,6 +69,39 @@ def test_copy_into_takes_any_contiguous_buffer_and_refuses_a_short_destination(b
         blockcopy.copy_into(memoryview(b"read-only"), b"x")
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "cached"])
+def test_copy_many_copies_each_pair_as_copy_into_does(built: str, stream: bool) -> None:
+    """A batch of blocks, short and long, at any alignment: each destination
+    holds its source's bytes and, past them, what it held."""
+    lengths = [0, 5, 64 * 1024 - 1, 64 * 1024, MiB + 7, 300]
+    sources = [os.urandom(n) for n in lengths]
+    dests = [bytearray(b"\xee" * (n + 9)) for n in lengths]
+    views = [memoryview(d)[i % 4 :] for i, d in enumerate(dests)]
+    blockcopy.copy_many(views, sources, stream=stream)
+    for i, (dest, source) in enumerate(zip(dests, sources, strict=True)):
+        shift = i % 4
+        assert dest[shift : shift + len(source)] == source
+        assert dest[:shift] == b"\xee" * shift
+        assert dest[shift + len(source) :] == b"\xee" * (len(dest) - shift - len(source))
+
+
+def test_copy_many_checks_every_pair_before_it_copies_any(built: str) -> None:
+    """A source that does not fit, even the last, leaves every destination
+    as it was; so do lists of different lengths; a read-only destination
+    is refused."""
+    dests = [bytearray(MiB), bytearray(MiB), bytearray(10)]
+    sources = [b"\x01" * MiB, b"\x02" * MiB, b"\x03" * 11]
+    with pytest.raises(ValueError, match="does not fit"):
+        blockcopy.copy_many([memoryview(d) for d in dests], sources)
+    assert dests[0] == dests[1] == bytes(MiB) and dests[2] == bytes(10)
+    with pytest.raises(ValueError, match="one source per destination"):
+        blockcopy.copy_many([memoryview(dests[0])], sources)
+    assert dests[0] == bytes(MiB)
+    with pytest.raises((TypeError, BufferError)):
+        blockcopy.copy_many([memoryview(b"read-only")], [b"x"])
+    blockcopy.copy_many([], [])
+
+
 def test_a_copy_into_a_shared_mapping_is_seen_through_another_mapping(built: str) -> None:
     """What a writer in place does: copy a block into its room of the arena;
     the daemon's own mapping of the same file reads the same bytes."""

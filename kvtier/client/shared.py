@@ -629,6 +629,8 @@ class SharedSession:
     ) -> list[int | None]:
         try:
             out: list[int | None] = []
+            dsts: list[memoryview] = []
+            blocks: list[memoryview] = []
             for key, view, e in zip(keys, views, entries, strict=True):
                 if e is None:
                     out.append(None)
@@ -638,11 +640,14 @@ class SharedSession:
                     raise ValueTooLargeError(
                         f"block {key.hex()} is {n} bytes; its destination holds {len(view)}"
                     )
-                if isinstance(e, Leased):  # without the GIL (kvtier.blockcopy)
-                    blockcopy.copy_into(view, self._block(e), stream=stream)
+                if isinstance(e, Leased):
+                    dsts.append(view)
+                    blocks.append(self._block(e))
                 else:
                     view[:n] = e
                 out.append(n)
+            # all leased blocks in one call, without the GIL (kvtier.blockcopy)
+            blockcopy.copy_many(dsts, blocks, stream=stream)
             return out
         finally:
             self._done({e.lease_id for e in entries if isinstance(e, Leased)})
