@@ -11,12 +11,14 @@
  * copy(dst, src, 0) is memcpy's, through the caches: for a destination
  * likely cached already and read soon.
  *
- * copy_many(dsts, srcs[, stream]) is copy() for each pair of two lists of
- * the same length, with the GIL released once for them all: between two
- * blocks this thread need not win the GIL back from a thread that keeps it
- * busy (each win can wait the interpreter's switch interval, 5 ms). It
- * checks every pair before it copies any, and copies nothing when one
- * does not fit.
+ * copy_many(dsts, srcs[, stream[, fault]]) is copy() for each pair of two
+ * lists of the same length, with the GIL released once for them all:
+ * between two blocks this thread need not win the GIL back from a thread
+ * that keeps it busy (each win can wait the interpreter's switch interval,
+ * 5 ms). It checks every pair before it copies any, and copies nothing when
+ * one does not fit. With fault > 0, each destination is touched first as
+ * touch(dst, fault) does (its pages mapped by read faults), in the same
+ * stretch without the GIL.
  *
  * Invariants: copy(dst, src[, stream]) leaves the first len(src) bytes of
  * dst equal to src and the rest untouched; it refuses a dst shorter than
@@ -128,10 +130,15 @@ blockcopy_copy_many(PyObject *module, PyObject *args)
     Py_ssize_t n = 0, taken = 0, i;
     Py_ssize_t total = 0;
     int stream = 1;
+    Py_ssize_t fault = 0;
     PyObject *result = NULL;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OO|p:copy_many", &dsts_arg, &srcs_arg, &stream))
+    if (!PyArg_ParseTuple(args, "OO|pn:copy_many", &dsts_arg, &srcs_arg, &stream, &fault))
         return NULL;
+    if (fault < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_many needs a fault step of 0 or more bytes");
+        return NULL;
+    }
     dsts = PySequence_Fast(dsts_arg, "copy_many needs a sequence of destinations");
     if (dsts == NULL)
         goto done;
@@ -168,6 +175,15 @@ blockcopy_copy_many(PyObject *module, PyObject *args)
     if (total >= STREAM_MIN) {
         Py_BEGIN_ALLOW_THREADS
         for (i = 0; i < n; i++) {
+            if (fault > 0 && bufs[2 * i].len > 0) {
+                const volatile char *p = (const volatile char *)bufs[2 * i].buf;
+                Py_ssize_t len = bufs[2 * i].len, j;
+                char sink = 0;
+                for (j = 0; j < len; j += fault)
+                    sink ^= p[j];
+                sink ^= p[len - 1];
+                (void)sink;
+            }
             if (stream && bufs[2 * i + 1].len >= STREAM_MIN)
                 stream_copy((char *)bufs[2 * i].buf, (const char *)bufs[2 * i + 1].buf,
                             (size_t)bufs[2 * i + 1].len);
@@ -255,7 +271,8 @@ static PyMethodDef blockcopy_methods[] = {
      "copy(dst, src, stream=True): src's bytes into the start of dst, with streaming\n"
      "stores unless stream is false."},
     {"copy_many", blockcopy_copy_many, METH_VARARGS,
-     "copy_many(dsts, srcs, stream=True): copy() of each pair, the GIL released once."},
+     "copy_many(dsts, srcs, stream=True, fault=0): copy() of each pair, each destination\n"
+     "first touched every fault bytes when fault > 0, the GIL released once."},
     {"touch", blockcopy_touch, METH_VARARGS,
      "touch(buf, step): read a byte of buf every step bytes (and its last), without the GIL."},
     {"populate", blockcopy_populate, METH_VARARGS,

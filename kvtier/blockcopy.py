@@ -74,23 +74,33 @@ def copy_into(dst: memoryview, src: Buffer, *, stream: bool = True) -> None:
     dst[:n] = memoryview(src).cast("B")
 
 
-def copy_many(dsts: Sequence[memoryview], srcs: Sequence[Buffer], *, stream: bool = True) -> None:
+def copy_many(
+    dsts: Sequence[memoryview],
+    srcs: Sequence[Buffer],
+    *,
+    stream: bool = True,
+    fault: bool = False,
+) -> None:
     """:func:`copy_into` of each ``srcs[i]`` into ``dsts[i]``, the GIL released
     once for them all (where the extension is built): a thread that copies a
     batch need not win the GIL back between its blocks from a thread that
     keeps it busy, which can cost the interpreter's switch interval (5 ms)
-    a block. Raises ValueError, copying nothing, when the lists' lengths
-    differ or a source does not fit its destination."""
+    a block. With ``fault``, each destination is first mapped as
+    :func:`fault_in` maps it, in the same stretch. Raises ValueError,
+    copying nothing, when the lists' lengths differ or a source does not fit
+    its destination."""
     if len(dsts) != len(srcs):
         raise ValueError("copy_many needs one source per destination")
     if _blockcopy is not None:
-        _blockcopy.copy_many(dsts, srcs, stream)
+        _blockcopy.copy_many(dsts, srcs, stream, FAULT_AROUND if fault else 0)
         return
     sources = [memoryview(src).cast("B") for src in srcs]
     for dst, src in zip(dsts, sources, strict=True):
         if src.nbytes > dst.nbytes:
             raise ValueError(f"a block of {src.nbytes} bytes does not fit {dst.nbytes} bytes")
     for dst, src in zip(dsts, sources, strict=True):
+        if fault:
+            fault_in(dst)
         dst[: src.nbytes] = src
 
 

@@ -69,15 +69,19 @@ def test_copy_into_takes_any_contiguous_buffer_and_refuses_a_short_destination(b
         blockcopy.copy_into(memoryview(b"read-only"), b"x")
 
 
+@pytest.mark.parametrize("fault", [False, True], ids=["", "faulted-in"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "cached"])
-def test_copy_many_copies_each_pair_as_copy_into_does(built: str, stream: bool) -> None:
-    """A batch of blocks, short and long, at any alignment: each destination
-    holds its source's bytes and, past them, what it held."""
+def test_copy_many_copies_each_pair_as_copy_into_does(
+    built: str, stream: bool, fault: bool
+) -> None:
+    """A batch of blocks, short and long, at any alignment, each destination
+    mapped first or not: each holds its source's bytes and, past them, what
+    it held."""
     lengths = [0, 5, 64 * 1024 - 1, 64 * 1024, MiB + 7, 300]
     sources = [os.urandom(n) for n in lengths]
     dests = [bytearray(b"\xee" * (n + 9)) for n in lengths]
     views = [memoryview(d)[i % 4 :] for i, d in enumerate(dests)]
-    blockcopy.copy_many(views, sources, stream=stream)
+    blockcopy.copy_many(views, sources, stream=stream, fault=fault)
     for i, (dest, source) in enumerate(zip(dests, sources, strict=True)):
         shift = i % 4
         assert dest[shift : shift + len(source)] == source

@@ -700,6 +700,41 @@ async def test_many_writes_in_place_share_the_connections_rooms(daemon: Daemon) 
             assert bytes(await c.get(key) or b"") == value
 
 
+async def test_concurrent_writers_in_place_never_wait_for_each_others_rooms(
+    daemon: Daemon,
+) -> None:
+    """Writers of one connection each copy their blocks a group at a time;
+    none waits for a room while holding rooms it has not written, so more
+    writers than a group's worth of rooms each all finish, every block in
+    place and intact."""
+    writers = MAX_IN_PLACE_ROOMS  # each could hold a room and wait for more
+    each = 2 * COMMITS_A_REQUEST + 1
+    async with await Client.connect(daemon.socket_path) as c:
+        values = {
+            b"w%d-%d" % (w, i): block(w * 100 + i, 300_000)
+            for w in range(writers)
+            for i in range(each)
+        }
+        keys = list(values)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    c.put_many(
+                        keys[w * each : (w + 1) * each],
+                        [values[k] for k in keys[w * each : (w + 1) * each]],
+                    )
+                    for w in range(writers)
+                )
+            ),
+            30,
+        )
+        assert results == [[PutStatus.STORED] * each] * writers
+        st = shared_stats(daemon)
+        assert st["in_place_commits"] == writers * each and st["staging_rooms"] == 0
+        for key, value in values.items():
+            assert bytes(await c.get(key) or b"") == value
+
+
 def arena_mappings() -> int:
     """Mappings of a daemon's arena in this process (each in-process daemon
     maps its own once)."""

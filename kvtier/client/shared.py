@@ -698,24 +698,38 @@ class SharedSession:
     async def _put_in_place(
         self, keys: Sequence[bytes], values: Sequence[Buffer], durable: bool, timeout: float | None
     ) -> list[PutStatus | None]:
-        """Blocks written in place one after the other by this coroutine: each
-        copied into a RAM slot of its own (a spare room, or one an answer
-        brought back, or a new one: :meth:`_place`) and its COMMIT queued
-        (:class:`InPlaceCommits`: they leave ``COMMITS_A_REQUEST`` at a
-        time while the next blocks are copied, the rest once all are). A
-        block waits for a room while the connection has
-        ``MAX_IN_PLACE_ROOMS`` writes in flight. None for each block from
-        the first that found no room on (the caller stages them)."""
+        """Blocks written in place by this coroutine, up to ``COMMITS_A_REQUEST``
+        at a time: each group's rooms taken (a spare room, or one an answer
+        brought back, or a new one: :meth:`_place`), its blocks copied in
+        one call and its COMMITs sent as one request (:class:`InPlaceCommits`)
+        while the next group is copied. A block waits for a room while the
+        connection has ``MAX_IN_PLACE_ROOMS`` writes in flight, and never
+        with rooms of its group taken and not written: the group is written
+        first (writers that each held rooms while waiting for one more
+        could wait for each other). None for each block from the first that
+        found no room on (the caller stages them)."""
         answers: list[asyncio.Future[Answered]] = []
+        group: list[tuple[bytes, Buffer, int]] = []  # rooms taken, not written yet
         try:
-            for key, value in zip(keys, values, strict=True):
-                offset = await self._room_in_place(len(value), timeout)
-                if offset is None:
-                    break
-                answers.append(self._write_in_place(key, value, offset, durable, timeout))
+            i, room = 0, True
+            while i < len(keys) and room:
+                while i < len(keys) and len(group) < COMMITS_A_REQUEST:
+                    if group and self._writing.locked():
+                        break  # no waiting for a room with rooms unwritten: others may
+                    offset = await self._room_in_place(len(values[i]), timeout)
+                    if offset is None:
+                        room = False
+                        break
+                    group.append((keys[i], values[i], offset))
+                    i += 1
+                written, group = group, []
+                answers += self._write_in_place(written, durable, timeout)
             self._commits.send()
             answered = await asyncio.gather(*answers)
         except BaseException:
+            for _, value, offset in group:  # taken, never written: still rooms
+                self._places.setdefault(len(value), []).append(offset)
+                self._written()
             for answer in answers:  # (one not sent yet is never sent)
                 answer.cancel()
             raise
@@ -743,27 +757,35 @@ class SharedSession:
         self._writing.release()
 
     def _write_in_place(
-        self, key: bytes, value: Buffer, offset: int, durable: bool, timeout: float | None
-    ) -> asyncio.Future[Answered]:
-        """The block copied into its room, and its COMMIT's answer."""
-        length = len(value)
-        room = self._arena_view[offset : offset + length]
+        self, group: Sequence[tuple[bytes, Buffer, int]], durable: bool, timeout: float | None
+    ) -> list[asyncio.Future[Answered]]:
+        """Each ``(key, value, offset)`` block copied into its room, in one
+        call (the GIL given up once: :func:`kvtier.blockcopy.copy_many`), and
+        its COMMIT's answer."""
+        rooms = [self._arena_view[offset : offset + len(value)] for _, value, offset in group]
         try:
-            blockcopy.fault_in(room)  # (a room never written from here maps faster)
-            blockcopy.copy_into(room, value)  # (streamed: no one reads it here)
+            # streamed (no one reads the rooms here); each mapped first (a
+            # room never written from here maps faster)
+            blockcopy.copy_many(rooms, [value for _, value, _ in group], fault=True)
         except BaseException:
-            self._places.setdefault(length, []).append(offset)  # not committed: still a room
-            self._written()
+            for _, value, offset in group:  # not committed: still rooms
+                self._places.setdefault(len(value), []).append(offset)
+                self._written()
             raise
         finally:
-            room.release()  # nothing here writes to the slot once COMMIT leaves
+            for room in rooms:
+                room.release()  # nothing here writes to a slot once its COMMIT leaves
         # No checksum: nothing but this process (and others of the daemon's
         # own user, who could stop the daemon) can write the slot, and this
         # one is done with it before the COMMIT leaves.
-        commit = wire.Commit(key, offset, length, 0, True, in_place=True, unchecked=True)
-        answer = self._commits.commit(commit, durable, timeout)
-        answer.add_done_callback(partial(self._committed, length, offset))
-        return answer
+        answers = []
+        for key, value, offset in group:
+            length = len(value)
+            commit = wire.Commit(key, offset, length, 0, True, in_place=True, unchecked=True)
+            answer = self._commits.commit(commit, durable, timeout)
+            answer.add_done_callback(partial(self._committed, length, offset))
+            answers.append(answer)
+        return answers
 
     def _committed(self, length: int, offset: int, answer: asyncio.Future[Answered]) -> None:
         """A COMMIT in place answered: the next room it brings is a spare
