@@ -703,10 +703,10 @@ async def test_many_writes_in_place_share_the_connections_rooms(daemon: Daemon) 
 async def test_concurrent_writers_in_place_never_wait_for_each_others_rooms(
     daemon: Daemon,
 ) -> None:
-    """Writers of one connection each copy their blocks a group at a time;
-    none waits for a room while holding rooms it has not written, so more
-    writers than a group's worth of rooms each all finish, every block in
-    place and intact."""
+    """Writers of one connection each copy their blocks a group at a time,
+    and none waits for a room while holding rooms it has not written: as
+    many writers as the connection has rooms, each with more blocks than a
+    group, all finish, every block in place and intact."""
     writers = MAX_IN_PLACE_ROOMS  # each could hold a room and wait for more
     each = 2 * COMMITS_A_REQUEST + 1
     async with await Client.connect(daemon.socket_path) as c:
