@@ -91,6 +91,22 @@ stream_copy(char *dst, const char *src, size_t n)
 #endif
 }
 
+/* read one byte every step bytes of buf, and its last: its pages mapped
+ * by read faults (the kernel's fault-around window each); call without the
+ * GIL */
+static void
+touch_span(const char *buf, Py_ssize_t len, Py_ssize_t step)
+{
+    const volatile char *p = (const volatile char *)buf;
+    char sink = 0;
+    if (len <= 0)
+        return;
+    for (Py_ssize_t i = 0; i < len; i += step)
+        sink ^= p[i];
+    sink ^= p[len - 1];
+    (void)sink;
+}
+
 static PyObject *
 blockcopy_copy(PyObject *module, PyObject *args)
 {
@@ -175,15 +191,8 @@ blockcopy_copy_many(PyObject *module, PyObject *args)
     if (total >= STREAM_MIN) {
         Py_BEGIN_ALLOW_THREADS
         for (i = 0; i < n; i++) {
-            if (fault > 0 && bufs[2 * i].len > 0) {
-                const volatile char *p = (const volatile char *)bufs[2 * i].buf;
-                Py_ssize_t len = bufs[2 * i].len, j;
-                char sink = 0;
-                for (j = 0; j < len; j += fault)
-                    sink ^= p[j];
-                sink ^= p[len - 1];
-                (void)sink;
-            }
+            if (fault > 0)
+                touch_span((const char *)bufs[2 * i].buf, bufs[2 * i].len, fault);
             if (stream && bufs[2 * i + 1].len >= STREAM_MIN)
                 stream_copy((char *)bufs[2 * i].buf, (const char *)bufs[2 * i + 1].buf,
                             (size_t)bufs[2 * i + 1].len);
@@ -221,15 +230,9 @@ blockcopy_touch(PyObject *module, PyObject *args)
         return NULL;
     }
     if (buf.len > 0) {
-        const volatile char *p = (const volatile char *)buf.buf;
-        Py_ssize_t n = buf.len;
-        char sink = 0;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i += step)
-            sink ^= p[i];
-        sink ^= p[n - 1];
+        touch_span((const char *)buf.buf, buf.len, step);
         Py_END_ALLOW_THREADS
-        (void)sink;
     }
     PyBuffer_Release(&buf);
     Py_RETURN_NONE;

@@ -711,25 +711,25 @@ class SharedSession:
         answers: list[asyncio.Future[Answered]] = []
         group: list[tuple[bytes, Buffer, int]] = []  # rooms taken, not written yet
         try:
-            i, room = 0, True
-            while i < len(keys) and room:
-                while i < len(keys) and len(group) < COMMITS_A_REQUEST:
-                    if group and self._writing.locked():
-                        break  # no waiting for a room with rooms unwritten: others may
-                    offset = await self._room_in_place(len(values[i]), timeout)
-                    if offset is None:
-                        room = False
-                        break
-                    group.append((keys[i], values[i], offset))
-                    i += 1
-                written, group = group, []
-                answers += self._write_in_place(written, durable, timeout)
+            i = 0
+            while i < len(keys):
+                # a full group, or one that would wait for a room with its
+                # rooms unwritten (others may wait for them), is written now
+                if group and (len(group) >= COMMITS_A_REQUEST or self._writing.locked()):
+                    written, group = group, []
+                    answers += self._write_in_place(written, durable, timeout)
+                    continue
+                offset = await self._room_in_place(len(values[i]), timeout)
+                if offset is None:
+                    break
+                group.append((keys[i], values[i], offset))
+                i += 1
+            written, group = group, []
+            answers += self._write_in_place(written, durable, timeout)
             self._commits.send()
             answered = await asyncio.gather(*answers)
         except BaseException:
-            for _, value, offset in group:  # taken, never written: still rooms
-                self._places.setdefault(len(value), []).append(offset)
-                self._written()
+            self._unwritten(group)  # taken, never written: still rooms
             for answer in answers:  # (one not sent yet is never sent)
                 answer.cancel()
             raise
@@ -768,9 +768,7 @@ class SharedSession:
             # room never written from here maps faster)
             blockcopy.copy_many(rooms, [value for _, value, _ in group], fault=True)
         except BaseException:
-            for _, value, offset in group:  # not committed: still rooms
-                self._places.setdefault(len(value), []).append(offset)
-                self._written()
+            self._unwritten(group)  # not committed: still rooms
             raise
         finally:
             for room in rooms:
@@ -786,6 +784,13 @@ class SharedSession:
             answer.add_done_callback(partial(self._committed, length, offset))
             answers.append(answer)
         return answers
+
+    def _unwritten(self, group: Sequence[tuple[bytes, Buffer, int]]) -> None:
+        """Rooms taken for these blocks and never committed: spare rooms
+        again, their writes over."""
+        for _, value, offset in group:
+            self._places.setdefault(len(value), []).append(offset)
+            self._written()
 
     def _committed(self, length: int, offset: int, answer: asyncio.Future[Answered]) -> None:
         """A COMMIT in place answered: the next room it brings is a spare
