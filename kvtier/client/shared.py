@@ -467,6 +467,45 @@ def _answer(
             answer.set_result(answered)
 
 
+def copy_entries(
+    arena: memoryview,
+    keys: Sequence[bytes],
+    views: Sequence[memoryview],
+    entries: Sequence[Leased | memoryview | None],
+    stream: bool,
+) -> list[int | None]:
+    """Each GET_SHARED entry copied into its view: a leased block out of
+    ``arena``, a small one from the reply itself; each view's length
+    filled, or None where the block is absent. Every block is checked
+    against its view first: one that does not fit raises
+    :class:`~kvtier.errors.ValueTooLargeError` and nothing is copied. The
+    leased blocks are copied in one call, without the GIL
+    (:func:`kvtier.blockcopy.copy_many`), streamed when ``stream``."""
+    out: list[int | None] = []
+    dsts: list[memoryview] = []
+    blocks: list[memoryview] = []
+    small: list[tuple[memoryview, memoryview]] = []
+    for key, view, e in zip(keys, views, entries, strict=True):
+        if e is None:
+            out.append(None)
+            continue
+        n = e.length if isinstance(e, Leased) else len(e)
+        if n > len(view):
+            raise ValueTooLargeError(
+                f"block {key.hex()} is {n} bytes; its destination holds {len(view)}"
+            )
+        if isinstance(e, Leased):
+            dsts.append(view)
+            blocks.append(arena[e.offset : e.offset + n])
+        else:
+            small.append((view, e))
+        out.append(n)
+    for view, value in small:
+        view[: len(value)] = value
+    blockcopy.copy_many(dsts, blocks, stream=stream)
+    return out
+
+
 class SharedSession:
     def __init__(
         self,
@@ -628,27 +667,7 @@ class SharedSession:
         stream: bool,
     ) -> list[int | None]:
         try:
-            out: list[int | None] = []
-            dsts: list[memoryview] = []
-            blocks: list[memoryview] = []
-            for key, view, e in zip(keys, views, entries, strict=True):
-                if e is None:
-                    out.append(None)
-                    continue
-                n = e.length if isinstance(e, Leased) else len(e)
-                if n > len(view):
-                    raise ValueTooLargeError(
-                        f"block {key.hex()} is {n} bytes; its destination holds {len(view)}"
-                    )
-                if isinstance(e, Leased):
-                    dsts.append(view)
-                    blocks.append(self._block(e))
-                else:
-                    view[:n] = e
-                out.append(n)
-            # all leased blocks in one call, without the GIL (kvtier.blockcopy)
-            blockcopy.copy_many(dsts, blocks, stream=stream)
-            return out
+            return copy_entries(self._arena_view, keys, views, entries, stream)
         finally:
             self._done({e.lease_id for e in entries if isinstance(e, Leased)})
 

@@ -1,18 +1,22 @@
-"""kvtier as an LMCache remote backend: :class:`KvtierConnector`.
+"""kvtier behind LMCache: :class:`KvtierBackend` and its :class:`KvtierConnector`.
 
-LMCache loads it as a remote storage plugin; in the engine's LMCache
-config::
+LMCache loads kvtier as a storage plugin; in the engine's LMCache config::
 
-    remote_storage_plugins: ["kvtier"]
+    storage_plugins: ["kvtier"]
     extra_config:
-      remote_storage_plugin.kvtier.module_path: kvtier.integrations.lmcache
-      remote_storage_plugin.kvtier.class_name: KvtierConnector
+      storage_plugin.kvtier.module_path: kvtier.integrations.lmcache
+      storage_plugin.kvtier.class_name: KvtierBackend
       kvtier.socket: /run/user/1000/kvtier/kvtier.sock   # optional
       kvtier.namespace: llama-3-8b                        # optional
 
-(Do not also set ``remote_url: "plugin://kvtier"``: LMCache 0.5.6 would
-build two backends and write every chunk twice. The plugin list alone is
-what registers the connector's class with LMCache.)
+The backend is LMCache's own ``RemoteBackend`` over the connector, except
+that its loads are read in the engine's thread (no hop onto LMCache's
+event loop and back). The connector alone also works as a remote storage
+plugin (``remote_storage_plugins: ["kvtier"]`` with
+``remote_storage_plugin.kvtier.module_path`` / ``class_name:
+KvtierConnector``); its loads then run on LMCache's loop. (With that form,
+do not also set ``remote_url: "plugin://kvtier"``: LMCache 0.5.6 would
+build two backends and write every chunk twice.)
 
 A chunk is stored as its bytes alone under a 32-byte key derived from
 LMCache's key (and the namespace); a partial chunk's shape is restored from
@@ -26,8 +30,9 @@ its bound (``kvtier.timeout``, default 1 s; LMCache waits on ``contains``
 without one); a PENDING block (another writer is storing it) reads as a
 miss; the daemon down means misses and dropped stores, never an exception,
 and the connection is dialled again with backoff. ``batched_async_contains``
-is one LOOKUP in prefix mode tagged with LMCache's lookup id. Runs on
-LMCache's event loop; imports LMCache, torch and the kvtier client only.
+is one LOOKUP in prefix mode tagged with LMCache's lookup id. The
+connector runs on LMCache's event loop, the backend's loads in the
+caller's thread; imports LMCache, torch and the kvtier client only.
 """
 
 from __future__ import annotations
@@ -35,14 +40,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.storage_backend.connector.instrumented_connector import (
+    InstrumentedRemoteConnector,
+)
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
+from kvtier.backoff import Backoff
 from kvtier.client import Client
+from kvtier.client.direct import DirectReader
 from kvtier.client.redial import Redial
 from kvtier.errors import KvtierError
 from kvtier.integrations.engine import block_key, engine_namespace
@@ -52,6 +66,8 @@ log = logging.getLogger("kvtier.lmcache")
 
 #: how long a lookup, and any one request, may take by default (seconds)
 DEFAULT_TIMEOUT = 1.0
+#: the name LMCache's config gives kvtier (``storage_plugins``)
+PLUGIN = "kvtier"
 
 
 def lmcache_namespace(local_cpu_backend: Any) -> str:
@@ -173,11 +189,9 @@ class KvtierConnector(RemoteConnector):
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """Each chunk received straight into a ``MemoryObj``; None where missing."""
-        objs = self._allocate(len(keys))
-        wanted = [i for i, obj in enumerate(objs) if obj is not None]
-        out: list[MemoryObj | None] = [None] * len(keys)
+        objs, wanted = self._buffers(len(keys))
         if not wanted:
-            return out
+            return [None] * len(keys)
         try:
             client = await self._redial.client()
             sizes = await client.get_many_into(
@@ -189,6 +203,38 @@ class KvtierConnector(RemoteConnector):
             log.debug("load failed (%s): every chunk reads as a miss", exc)
             self._count("load_failures")
             sizes = [None] * len(wanted)
+        return self._landed(objs, wanted, sizes)
+
+    def batched_get_direct(
+        self, reader: DirectReader, keys: list[CacheEngineKey]
+    ) -> list[MemoryObj | None]:
+        """:meth:`batched_get` in the calling thread, through ``reader``
+        (:class:`KvtierBackend`'s loads). A failed read closes the reader
+        and reads as misses."""
+        objs, wanted = self._buffers(len(keys))
+        if not wanted:
+            return [None] * len(keys)
+        try:
+            sizes = reader.get_many_into(
+                [self.key(keys[i]) for i in wanted], [_bytes_of(objs[i]) for i in wanted]
+            )
+        except KvtierError as exc:
+            log.debug("load failed (%s): every chunk reads as a miss", exc)
+            self._count("load_failures")
+            sizes = [None] * len(wanted)
+        return self._landed(objs, wanted, sizes)
+
+    def _buffers(self, n: int) -> tuple[list[MemoryObj | None], list[int]]:
+        """``n`` chunks' buffers (:meth:`_allocate`), and which of them LMCache gave."""
+        objs = self._allocate(n)
+        return objs, [i for i, obj in enumerate(objs) if obj is not None]
+
+    def _landed(
+        self, objs: list[MemoryObj | None], wanted: list[int], sizes: Sequence[int | None]
+    ) -> list[MemoryObj | None]:
+        """The chunks a load filled, shaped as their lengths say; every
+        other buffer given back to LMCache."""
+        out: list[MemoryObj | None] = [None] * len(objs)
         for i, size in zip(wanted, sizes, strict=True):
             obj = objs[i]
             assert obj is not None
@@ -202,9 +248,6 @@ class KvtierConnector(RemoteConnector):
                 obj.ref_count_down()
                 continue
             self._count("loaded_bytes", size)
-        for i, obj in enumerate(objs):
-            if i not in wanted and obj is not None:
-                obj.ref_count_down()
         return out
 
     # ------------------------------------------------------------ stores
@@ -266,9 +309,127 @@ class KvtierConnector(RemoteConnector):
         await self._redial.close()
 
 
+class KvtierBackend(RemoteBackend):
+    """kvtier as an LMCache storage backend: LMCache's own ``RemoteBackend``
+    over a :class:`KvtierConnector` (its lookups, stores, health checks and
+    metrics), whose loads run in the caller's thread.
+
+    LMCache calls a backend's ``batched_get_blocking`` from the engine's
+    thread; a remote backend then hands the load to its event loop and
+    waits for the result, two thread hand-offs a load that cost as much as
+    copying a 256 KiB chunk. Here the load is read through a
+    :class:`~kvtier.client.direct.DirectReader`, in that thread: the chunks
+    land in LMCache's buffers by one copy each. Where the daemon offers no
+    shared memory, or while it cannot be reached (dialled again after a
+    backoff), loads take the connector's path through the loop."""
+
+    #: LMCache's wrapper around the connector (:meth:`init_connection`)
+    connection: RemoteConnector | None
+
+    def __init__(
+        self,
+        config: Any,
+        dst_device: str = "cpu",
+        metadata: Any = None,
+        local_cpu_backend: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if local_cpu_backend is None or loop is None:
+            raise ValueError(
+                "kvtier's LMCache backend needs LMCache's local CPU backend "
+                "(local_cpu: true) and its event loop"
+            )
+        self._reader: DirectReader | None = None
+        #: held while a reader is dialled: concurrent loads share one attempt
+        self._dialling = threading.Lock()
+        self._reader_backoff = Backoff()
+        super().__init__(config, metadata, loop, local_cpu_backend, dst_device, plugin_name=PLUGIN)
+
+    def __repr__(self) -> str:
+        return f"<KvtierBackend {self._reader!r} {self._reader_backoff!r} {self.connection!r}>"
+
+    def __str__(self) -> str:
+        return "KvtierBackend"
+
+    def init_connection(self) -> None:
+        """The connector, wrapped as LMCache wraps a remote plugin's (its
+        metrics, and the reference its serializer takes for a put, dropped
+        once the put is done)."""
+        if self.connection is None:
+            self.connection = InstrumentedRemoteConnector(
+                KvtierConnector(self.loop, self.local_cpu_backend, self.config)
+            )
+
+    @property
+    def connector(self) -> KvtierConnector:
+        connection = self.connection
+        assert isinstance(connection, InstrumentedRemoteConnector), connection
+        inner = connection.getWrappedConnector()
+        assert isinstance(inner, KvtierConnector), inner
+        return inner
+
+    @property
+    def reader(self) -> DirectReader | None:
+        """The reader loads go through now; None: through LMCache's loop."""
+        reader = self._reader
+        return reader if reader is not None and not reader.closed else None
+
+    def _direct(self) -> DirectReader | None:
+        """The reader, dialled if there is none and the backoff allows; None:
+        loads take the loop."""
+        reader = self._reader
+        if reader is not None and not reader.closed:
+            return reader
+        with self._dialling:
+            reader = self._reader
+            if reader is not None and not reader.closed:
+                return reader
+            self._reader = None
+            now = time.monotonic()
+            if now < self._reader_backoff.not_before:
+                return None
+            connector = self.connector
+            try:
+                reader = DirectReader.connect(
+                    connector.socket_path, namespace=connector.namespace, timeout=connector.timeout
+                )
+            except KvtierError as exc:
+                delay = self._reader_backoff.failed(now)
+                log.info("loads go through the loop (%s); next attempt in %.2fs", exc, delay)
+                return None
+            self._reader_backoff.succeeded()
+            self._reader = reader
+            return reader
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        reader = self._direct()
+        if reader is None:
+            return list(super().batched_get_blocking(keys))
+        if self._mla_worker_id_as0_mode:
+            keys = [key.with_new_worker_id(0) for key in keys]
+        started = time.perf_counter()
+        objs = self.connector.batched_get_direct(reader, keys)
+        self.stats_monitor.update_interval_remote_time_to_get_sync(
+            (time.perf_counter() - started) * 1000
+        )
+        if None in objs:
+            self._get_blocking_failed_count += 1
+        return [None if obj is None else self.deserializer.deserialize(obj) for obj in objs]
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        return self.batched_get_blocking([key])[0]
+
+    def close(self) -> None:
+        with self._dialling:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+        super().close()
+
+
 def _bytes_of(obj: MemoryObj) -> memoryview:
     """A chunk's memory as bytes (LMCache's ``byte_array`` needs a cast)."""
     return memoryview(obj.byte_array).cast("B")
 
 
-__all__ = ["KvtierConnector"]
+__all__ = ["KvtierBackend", "KvtierConnector"]

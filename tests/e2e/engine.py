@@ -53,10 +53,10 @@ chunk_size: {block}
 local_cpu: true
 max_local_cpu_size: {local_gib}
 pre_caching_hash_algorithm: sha256_cbor_64bit
-remote_storage_plugins: ["kvtier"]
+storage_plugins: ["kvtier"]
 extra_config:
-  remote_storage_plugin.kvtier.module_path: kvtier.integrations.lmcache
-  remote_storage_plugin.kvtier.class_name: KvtierConnector
+  storage_plugin.kvtier.module_path: kvtier.integrations.lmcache
+  storage_plugin.kvtier.class_name: KvtierBackend
   kvtier.socket: {socket}
 """
 

@@ -12,8 +12,8 @@ LMCache's ``KV_2LTD`` chunks (``[2, layers, tokens, heads * head_size]``).
 vLLM loads ``CpuLMCacheConnector``: its own ``LMCacheConnectorV1``, with
 LMCache made to build that copy, and its cache engine closed with vLLM's
 (vLLM 0.32 does not pass its connector's shutdown on to LMCache). Everything else is
-LMCache's (its connector, cache engine, CPU backend, remote-plugin loading)
-and kvtier's (its LMCache connector).
+LMCache's (its connector, cache engine, CPU backend, storage-plugin loading)
+and kvtier's (its LMCache backend).
 """
 
 from __future__ import annotations

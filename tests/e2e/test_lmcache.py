@@ -2,8 +2,8 @@
 tokens as without, and a returning prompt's chunks come from kvtier.
 
 The path is vLLM's ``LMCacheConnectorV1``, LMCache's cache engine and its
-local CPU cache, and kvtier's LMCache connector as LMCache's remote storage
-plugin; the test's own part is the copy between vLLM's CPU KV cache and
+local CPU cache, and kvtier's LMCache backend as LMCache's storage plugin
+(loads read in the engine's thread); the test's own part is the copy between vLLM's CPU KV cache and
 LMCache's chunks (tests/e2e/lmcache_cpu.py), which LMCache 0.5.6 ships for
 accelerators only. The prompts are conftest's, one chunk per vLLM block.
 """
