@@ -176,3 +176,52 @@ async def test_a_read_past_its_timeout_closes_the_reader_and_its_leases_end(
         assert await read(again, [b"k"], [bytearray(MiB)]) == [MiB]
     finally:
         again.close()
+
+
+async def test_the_callers_buffers_are_taken_while_the_daemon_answers(daemon: Daemon) -> None:
+    """``read_into`` asks first and takes the buffers before the answer
+    comes: with the daemon unable to answer (the read runs on its loop's
+    thread) the buffers are still taken, and the read then times out."""
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put(b"k", block(1, MiB))
+    reader = await connect(daemon, timeout=0.2)
+    taken: list[bool] = []
+
+    def buffers() -> list[memoryview | None]:
+        taken.append(True)
+        return [memoryview(bytearray(MiB))]
+
+    with pytest.raises(RequestTimeoutError):
+        reader.read_into([b"k"], buffers)  # (blocks the loop)
+    assert taken == [True] and reader.closed
+
+
+async def test_keys_without_a_buffer_are_not_copied_and_bad_buffers_close_the_reader(
+    daemon: Daemon,
+) -> None:
+    keys = [b"a", b"b", b"c"]
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put_many(keys, [block(i, MiB) for i in range(3)])
+    reader = await connect(daemon)
+    dests = [bytearray(MiB), bytearray(MiB)]
+    got = await asyncio.to_thread(
+        reader.read_into, keys, lambda: [memoryview(dests[0]), None, memoryview(dests[1])]
+    )
+    assert got == [MiB, None, MiB] and dests == [block(0, MiB), block(2, MiB)]
+    assert reader.blocks_read == 2
+
+    def fails() -> list[memoryview | None]:
+        raise MemoryError("no buffers")
+
+    with pytest.raises(MemoryError):
+        await asyncio.to_thread(reader.read_into, keys, fails)
+    assert reader.closed
+    reader = await connect(daemon)
+    with pytest.raises(BadArgumentError, match="3 keys for 1 destinations"):
+        await asyncio.to_thread(reader.read_into, keys, lambda: [None])
+    assert reader.closed
+    # the answers nobody copied: their leases ended with the connections
+    await wait_until(lambda: shared_stats(daemon)["leases"] == 0)
+    assert daemon.ram.budget.pinned_count == 0
+    st = shared_stats(daemon)
+    assert st["leases_ended"]["released"] == 1

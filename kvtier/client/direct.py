@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier import wire
@@ -175,19 +175,59 @@ class DirectReader:
         reader is closed (the caller connects again)."""
         if len(keys) != len(views):
             raise BadArgumentError(f"{len(keys)} keys for {len(views)} destinations")
-        stream = sum(len(v) for v in views) > CACHED_READ_BYTES
+        return self.read_into(keys, lambda: views)
+
+    def read_into(
+        self, keys: Sequence[bytes], buffers: Callable[[], Sequence[memoryview | None]]
+    ) -> list[int | None]:
+        """:meth:`get_many_into`, with the destinations taken once the
+        blocks are asked for: ``buffers()`` runs while the daemon answers,
+        and returns a view for each key, or None for a key not to copy
+        (read as None). The caller's own work before a load (allocating
+        its buffers) then costs no time of the load's. A ``buffers()`` that
+        raises, or returns a view too few or too many, closes the reader
+        (the daemon ends the leases of an answer nobody copies)."""
         step = self.server.max_batch or len(keys) or 1
-        out: list[int | None] = []
         with self._turn:
-            for lo in range(0, len(keys), step):
-                out += self._read(keys[lo : lo + step], views[lo : lo + step], stream)
+            if not keys:
+                views = buffers()
+                if views:
+                    raise BadArgumentError(f"0 keys for {len(views)} destinations")
+                return []
+            asked = self._ask(keys[:step])
+            try:
+                views = buffers()
+                if len(views) != len(keys):
+                    raise BadArgumentError(f"{len(keys)} keys for {len(views)} destinations")
+            except BaseException:
+                self._close()
+                raise
+            stream = sum(len(v) for v in views if v is not None) > CACHED_READ_BYTES
+            out = self._copy(asked, keys[:step], views[:step], stream)
+            # (more keys than one request may carry: the rest in turn)
+            for lo in range(step, len(keys), step):
+                more = self._ask(keys[lo : lo + step])
+                out += self._copy(more, keys[lo : lo + step], views[lo : lo + step], stream)
         self.blocks_read += sum(1 for n in out if n is not None)
         return out
 
-    def _read(
-        self, keys: Sequence[bytes], views: Sequence[memoryview], stream: bool
+    def _ask(self, keys: Sequence[bytes]) -> tuple[int, float]:
+        """A GET_SHARED of ``keys`` written: its request id and the time its
+        answer is due by."""
+        if self.closed:
+            raise ConnectionClosedError("the reader is closed")
+        deadline = time.monotonic() + self.timeout
+        return self._post(Op.GET_SHARED, wire.encode_get_shared((), keys, self._prefix)), deadline
+
+    def _copy(
+        self,
+        asked: tuple[int, float],
+        keys: Sequence[bytes],
+        views: Sequence[memoryview | None],
+        stream: bool,
     ) -> list[int | None]:
-        frame = self._call(Op.GET_SHARED, wire.encode_get_shared((), keys, self._prefix))
+        """The blocks ``asked`` for copied into ``views``; their lease given back."""
+        frame = self._reply(*asked)
         entries = wire.decode_get_shared_reply(frame.meta, frame.data)
         leases = {e.lease_id for e in entries if isinstance(e, Leased)}
         self.leases_taken += len(leases)
@@ -202,12 +242,15 @@ class DirectReader:
     # -- the connection
 
     def _call(self, op: int, meta: bytes) -> Frame:
-        """Write one request and read frames until its reply (dropping the
-        replies of earlier posts); an error reply raises its error."""
+        """Write one request and read its reply; an error reply raises its error."""
         if self.closed:
             raise ConnectionClosedError("the reader is closed")
         deadline = time.monotonic() + self.timeout
-        rid = self._post(op, meta)
+        return self._reply(self._post(op, meta), deadline)
+
+    def _reply(self, rid: int, deadline: float) -> Frame:
+        """Request ``rid``'s reply, by ``deadline`` (the replies of earlier
+        posts before it are dropped); an error reply raises its error."""
         try:
             while True:
                 frame = self._frame(deadline)

@@ -470,13 +470,13 @@ def _answer(
 def copy_entries(
     arena: memoryview,
     keys: Sequence[bytes],
-    views: Sequence[memoryview],
+    views: Sequence[memoryview | None],
     entries: Sequence[Leased | memoryview | None],
     stream: bool,
 ) -> list[int | None]:
     """Each GET_SHARED entry copied into its view: a leased block out of
     ``arena``, a small one from the reply itself; each view's length
-    filled, or None where the block is absent. Every block is checked
+    filled, or None where the block is absent or has no view. Every block is checked
     against its view first: one that does not fit raises
     :class:`~kvtier.errors.ValueTooLargeError` and nothing is copied. The
     leased blocks are copied in one call, without the GIL
@@ -486,7 +486,7 @@ def copy_entries(
     blocks: list[memoryview] = []
     small: list[tuple[memoryview, memoryview]] = []
     for key, view, e in zip(keys, views, entries, strict=True):
-        if e is None:
+        if e is None or view is None:
             out.append(None)
             continue
         n = e.length if isinstance(e, Leased) else len(e)

@@ -189,65 +189,66 @@ class KvtierConnector(RemoteConnector):
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """Each chunk received straight into a ``MemoryObj``; None where missing."""
-        objs, wanted = self._buffers(len(keys))
+        objs = self._allocate(len(keys))
+        wanted = [i for i, obj in enumerate(objs) if obj is not None]
+        sizes: list[int | None] = [None] * len(keys)
         if not wanted:
-            return [None] * len(keys)
+            return self._landed(objs, sizes)
         try:
             client = await self._redial.client()
-            sizes = await client.get_many_into(
+            got = await client.get_many_into(
                 [self.key(keys[i]) for i in wanted],
-                [_bytes_of(objs[i]) for i in wanted],
+                [_bytes_of(obj) for obj in objs if obj is not None],
                 timeout=self.timeout,
             )
         except KvtierError as exc:
             log.debug("load failed (%s): every chunk reads as a miss", exc)
             self._count("load_failures")
-            sizes = [None] * len(wanted)
-        return self._landed(objs, wanted, sizes)
+        else:
+            for i, size in zip(wanted, got, strict=True):
+                sizes[i] = size
+        return self._landed(objs, sizes)
 
     def batched_get_direct(
         self, reader: DirectReader, keys: list[CacheEngineKey]
     ) -> list[MemoryObj | None]:
         """:meth:`batched_get` in the calling thread, through ``reader``
-        (:class:`KvtierBackend`'s loads). A failed read closes the reader
-        and reads as misses."""
-        objs, wanted = self._buffers(len(keys))
-        if not wanted:
-            return [None] * len(keys)
+        (:class:`KvtierBackend`'s loads): the chunks are asked for first,
+        and LMCache's buffers taken while the daemon answers. A failed read
+        closes the reader and reads as misses."""
+        objs: list[MemoryObj | None] = []
+
+        def buffers() -> list[memoryview | None]:
+            objs.extend(self._allocate(len(keys)))
+            return [None if obj is None else _bytes_of(obj) for obj in objs]
+
         try:
-            sizes = reader.get_many_into(
-                [self.key(keys[i]) for i in wanted], [_bytes_of(objs[i]) for i in wanted]
-            )
+            sizes = reader.read_into([self.key(k) for k in keys], buffers)
         except KvtierError as exc:
             log.debug("load failed (%s): every chunk reads as a miss", exc)
             self._count("load_failures")
-            sizes = [None] * len(wanted)
-        return self._landed(objs, wanted, sizes)
-
-    def _buffers(self, n: int) -> tuple[list[MemoryObj | None], list[int]]:
-        """``n`` chunks' buffers (:meth:`_allocate`), and which of them LMCache gave."""
-        objs = self._allocate(n)
-        return objs, [i for i, obj in enumerate(objs) if obj is not None]
+            sizes = [None] * len(objs)
+        return self._landed(objs, sizes) if objs else [None] * len(keys)
 
     def _landed(
-        self, objs: list[MemoryObj | None], wanted: list[int], sizes: Sequence[int | None]
+        self, objs: list[MemoryObj | None], sizes: Sequence[int | None]
     ) -> list[MemoryObj | None]:
-        """The chunks a load filled, shaped as their lengths say; every
-        other buffer given back to LMCache."""
-        out: list[MemoryObj | None] = [None] * len(objs)
-        for i, size in zip(wanted, sizes, strict=True):
-            obj = objs[i]
-            assert obj is not None
-            if size is None:
+        """The chunks a load filled (``sizes``: the bytes each buffer got,
+        None for none), shaped as their lengths say; every other buffer
+        given back to LMCache."""
+        out: list[MemoryObj | None] = []
+        for obj, size in zip(objs, sizes, strict=True):
+            if obj is not None and size is not None:
+                try:
+                    out.append(self.reshape_partial_chunk(obj, size))
+                except ValueError as exc:  # not a chunk of this engine's shape
+                    log.warning("discarding a block of %d bytes: %s", size, exc)
+                else:
+                    self._count("loaded_bytes", size)
+                    continue
+            if obj is not None:
                 obj.ref_count_down()
-                continue
-            try:
-                out[i] = self.reshape_partial_chunk(obj, size)
-            except ValueError as exc:  # not a chunk of this engine's shape
-                log.warning("discarding a block of %d bytes: %s", size, exc)
-                obj.ref_count_down()
-                continue
-            self._count("loaded_bytes", size)
+            out.append(None)
         return out
 
     # ------------------------------------------------------------ stores
