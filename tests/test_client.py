@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvtier import BlockingClient, Client, LookupMode, LookupReply, PutStatus, State, wire
 from kvtier.backoff import Backoff
-from kvtier.client.batching import SOCKET_ONLY, SOLO_VALUE_BYTES, WritePath, read_pieces
+from kvtier.client.batching import SOCKET_ONLY, SOLO_VALUE_BYTES, WritePath
 from kvtier.client.options import ClientOptions, OptionChanges
 from kvtier.client.protocol import checked
 from kvtier.client.redial import Redial
@@ -431,40 +429,6 @@ def test_client_options_refuse_bad_lookup_process_seconds() -> None:
         ClientOptions(lookups_timeout=0)
     with pytest.raises(BadArgumentError, match="lookups_redial"):
         ClientOptions(lookups_redial=-1)
-
-
-def test_a_large_read_is_asked_for_in_pieces_that_cover_every_block_once() -> None:
-    assert read_pieces([10] * 10, 3, 1000) == [(0, 3), (3, 9), (9, 10)]
-    assert read_pieces([10] * 10, 3, 35) == [(0, 3), (3, 6), (6, 9), (9, 10)]  # bytes bound
-    assert read_pieces([50, 10, 10], 3, 35) == [(0, 1), (1, 3)]  # a block larger alone
-    assert read_pieces([10, 10], 2, 35) == [(0, 2)]
-    assert read_pieces([], 2, 35) == [(0, 0)]
-
-
-def test_the_pieces_of_a_read_grow_from_the_first_to_the_largest() -> None:
-    # bounds 2, 4, 8, 16 blocks, and never above 100 bytes
-    pieces = read_pieces([10] * 40, 2, 100)
-    assert pieces == [(0, 2), (2, 6), (6, 14), (14, 24), (24, 34), (34, 40)]
-    assert read_pieces([10] * 16, 16, 1000) == [(0, 16)]  # an engine's batch: one request
-    assert read_pieces([30, 10, 10, 10], 2, 20) == [(0, 1), (1, 3), (3, 4)]  # a block larger alone
-
-
-@given(
-    st.lists(st.integers(1, 100), max_size=60),
-    st.integers(1, 20),
-    st.integers(1, 400),
-)
-def test_read_pieces_cover_each_block_once_in_order_within_their_bounds(
-    lengths: list[int], first: int, most: int
-) -> None:
-    pieces = read_pieces(lengths, first, most)
-    assert [i for lo, hi in pieces for i in range(lo, hi)] == list(range(len(lengths)))
-    bound = first
-    for lo, hi in pieces:
-        assert hi - lo == 1 or (hi - lo <= bound and sum(lengths[lo:hi]) <= most)
-        bound *= 2
-    if sum(lengths) <= most and len(lengths) <= first:
-        assert len(pieces) == 1  # a small read is one request
 
 
 def test_a_request_sent_without_waiting_is_answered_through_its_future(sock_dir: Path) -> None:

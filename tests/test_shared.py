@@ -18,7 +18,6 @@ import xxhash
 
 from kvtier import BlockingClient, wire
 from kvtier.client.aio import Client
-from kvtier.client.batching import READ_FIRST_PIECE_BLOCKS
 from kvtier.client.shared import COMMITS_A_REQUEST, InPlaceCommits, attach
 from kvtier.core.shared.inplace import may_write_in_place
 from kvtier.daemon import Daemon
@@ -781,9 +780,9 @@ async def test_a_process_maps_a_daemons_memory_once_however_many_clients(sock_di
 
 
 async def test_the_blocks_of_one_read_share_one_lease(daemon: Daemon) -> None:
-    """A batch (read in one piece) costs the daemon one lease, granted and
-    given back whole."""
-    n = READ_FIRST_PIECE_BLOCKS
+    """A read, asked for in one request, costs the daemon one lease,
+    granted and given back whole."""
+    n = 64
     keys = [b"batch-%d" % i for i in range(n)]
     blocks = [block(i, 256 * 1024) for i in range(n)]
     async with await Client.connect(daemon.socket_path) as c:
@@ -820,29 +819,23 @@ async def test_leases_given_back_with_a_read_end_once_it_is_answered(daemon: Dae
         assert daemon.ram.budget.pinned_count == 0
 
 
-async def test_a_read_in_pieces_that_fails_gives_every_lease_back(
-    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+async def test_a_read_with_a_block_too_long_for_its_buffer_copies_nothing(
+    daemon: Daemon,
 ) -> None:
-    """A read of 12 blocks, with a first piece of 2, is asked for in pieces
-    (the next asked for as the last's answer comes); a block that does not
-    fit its destination ends it before its piece is copied, and the piece
-    asked for but not copied gives its lease back once answered."""
-    monkeypatch.setattr("kvtier.client.shared.READ_FIRST_PIECE_BLOCKS", 2)
-    keys = [b"piece-%d" % i for i in range(12)]
+    """Every block of a read is checked against its destination before any
+    is copied: one that does not fit ends the read, nothing lands, and the
+    read's lease goes back."""
+    keys = [b"fit-%d" % i for i in range(12)]
     async with await Client.connect(daemon.socket_path) as c:
         await c.put_many(keys, [block(i) for i in range(12)])
         dests = [bytearray(MiB) for _ in keys]
-        dests[5] = bytearray(10)  # in the second piece (blocks 2-5; then 6-11)
+        dests[5] = bytearray(10)
         with pytest.raises(ValueTooLargeError, match="destination holds 10"):
             await c.get_many_into(keys, dests)
-        # the first piece landed; nothing of the piece with the block that
-        # did not fit (checked before it is copied), nor of the next
-        assert dests[0] == block(0) and dests[1] == block(1)
-        assert dests[2] == dests[4] == dests[6] == bytes(MiB)
-        await c.ping()  # every piece is answered by now, its lease queued to go back
-        await c.ping()  # and given back
+        assert dests[0] == dests[4] == dests[6] == dests[11] == bytes(MiB)
+        await c.ping()  # the release queued has been sent
         st = shared_stats(daemon)
-        assert st["leases"] == 0 and st["leases_ended"]["released"] == 3
+        assert st["leases"] == 0 and st["leases_ended"]["released"] == 1
         assert daemon.ram.budget.pinned_count == 0
 
 

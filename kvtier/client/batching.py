@@ -1,6 +1,6 @@
 """How a client's blocks travel: which writes go through shared memory or
-over the socket (:class:`WritePath`, chosen once after HELLO), in which
-frames, and in which pieces a large read is asked for. Pure.
+over the socket (:class:`WritePath`, chosen once after HELLO), and in
+which frames. Pure.
 
 Over the socket, large blocks travel one per frame: the daemon receives such a body
 straight into the block's place in RAM, and the shared-memory path stages
@@ -98,36 +98,3 @@ def put_batches(
     if cur:
         batches.append(cur)
     return batches
-
-
-#: a read of many blocks through shared memory is asked for in pieces: the
-#: first of this many blocks, each next of up to twice as many as the last
-#: and of at most ``READ_PIECE_BYTES``, each asked for as the last one's
-#: answer comes, so that the daemon answers it while the client copies the
-#: last. The daemon's answer costs it some microseconds a block whatever the
-#: block's size, and each piece costs both sides a round of work: a read
-#: of up to this many blocks (an engine's batch) is one request. Measured,
-#: ``get_many_into`` of 256 KiB to 1 MiB blocks, same run, 5 alternations:
-#: a first piece of 16 blocks against one request, 64 x 256 KiB 963 against
-#: 999 us, 128 x 256 KiB 1,691 against 1,744 us, 64 x 512 KiB 1,669 against
-#: 1,805 us, 64 x 1 MiB alike; a first piece of 8 blocks made a read of 16
-#: two pieces, 5-30% slower than one request.
-READ_FIRST_PIECE_BLOCKS = 16
-READ_PIECE_BYTES = 32 * 1024 * 1024
-
-
-def read_pieces(lengths: Sequence[int], first: int, most: int) -> list[tuple[int, int]]:
-    """The pieces a read of blocks of ``lengths`` is asked for in, as
-    ``(lo, hi)`` ranges of positions: in order, covering every block once;
-    the first of at most ``first`` blocks, each next of at most twice as
-    many blocks as the last's bound, and none of more than ``most`` bytes
-    unless one block alone is larger."""
-    pieces: list[tuple[int, int]] = []
-    lo, size, bound = 0, 0, max(first, 1)
-    for i, n in enumerate(lengths):
-        if i > lo and (i - lo >= bound or size + n > most):
-            pieces.append((lo, i))
-            lo, size, bound = i, 0, bound * 2
-        size += n
-    pieces.append((lo, len(lengths)))
-    return pieces
