@@ -100,7 +100,7 @@ def markdown(current: dict[str, Any]) -> str:
         "## What an engine's loads and stores cost",
         "",
         "Measured with `make bench-engines`: each engine's own classes moving blocks",
-        "through kvtier (vLLM's tier jobs, LMCache's connector, SGLang's HiCache",
+        "through kvtier (vLLM's tier jobs, LMCache's storage plugin, SGLang's HiCache",
         "storage), 64 MiB a run, as a ratio to the ceiling timed in the same run",
         "(memcpy of the same bytes, or vLLM reading the same bytes from files in the",
         "page cache); medians of 5 runs. The runs are in [engines.json](engines.json).",
