@@ -72,7 +72,7 @@ class DirectReader:
     ) -> None:
         self._sock = sock
         self.path = path
-        #: seconds a read may take, its reply and copies included
+        #: seconds the daemon may take to answer a request
         self.timeout = timeout
         self._prefix = prefix
         self.server = server

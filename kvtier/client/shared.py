@@ -470,9 +470,9 @@ def copy_entries(
     stream: bool,
 ) -> list[int | None]:
     """Each GET_SHARED entry copied into its view: a leased block out of
-    ``arena``, a small one from the reply itself; each view's length
-    filled, or None where the block is absent or has no view. Every block is checked
-    against its view first: one that does not fit raises
+    ``arena``, a small one from the reply itself; the bytes each view got,
+    or None where the block is absent or has no view. Every block is
+    checked against its view first: one that does not fit raises
     :class:`~kvtier.errors.ValueTooLargeError` and nothing is copied. The
     leased blocks are copied in one call, without the GIL
     (:func:`kvtier.blockcopy.copy_many`), streamed when ``stream``."""

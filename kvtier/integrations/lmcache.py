@@ -413,7 +413,7 @@ class KvtierBackend(RemoteBackend):
         self.stats_monitor.update_interval_remote_time_to_get_sync(
             (time.perf_counter() - started) * 1000
         )
-        if None in objs:
+        if any(obj is None for obj in objs):
             self._get_blocking_failed_count += 1
         return [None if obj is None else self.deserializer.deserialize(obj) for obj in objs]
 

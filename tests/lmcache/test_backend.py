@@ -12,17 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
 from kvtier.integrations.lmcache import KvtierBackend, KvtierConnector
 from tests.enginedaemon import start_with_disk
 from tests.lmcache.conftest import Daemon, Loop
-from tests.lmcache.test_connector import CHUNK, KV_SHAPE, bytes_of, key
+from tests.lmcache.test_connector import CHUNK, KV_SHAPE, bytes_of, key, metadata
 
 
 class Plugged:
@@ -46,17 +44,7 @@ class Plugged:
                 "kvtier.timeout": 1.0,
             },
         )
-        metadata = LMCacheMetadata(
-            model_name="tiny",
-            world_size=1,
-            local_world_size=1,
-            worker_id=0,
-            local_worker_id=0,
-            kv_dtype=torch.float16,
-            kv_shape=kv_shape,
-            chunk_size=CHUNK,
-        )
-        self.backends = CreateStorageBackends(config, metadata, loop, "cpu")
+        self.backends = CreateStorageBackends(config, metadata(kv_shape), loop, "cpu")
         self.local = self.backends["LocalCPUBackend"]
 
     @property

@@ -50,7 +50,12 @@ def engine(
         remote_storage_plugins=["kvtier"],
         extra_config=extra,
     )
-    metadata = LMCacheMetadata(
+    return config, LocalCPUBackend(config, metadata(kv_shape))
+
+
+def metadata(kv_shape: tuple[int, int, int, int, int] = KV_SHAPE) -> LMCacheMetadata:
+    """The model an engine runs, as LMCache describes it: one worker, float16."""
+    return LMCacheMetadata(
         model_name="tiny",
         world_size=1,
         local_world_size=1,
@@ -60,7 +65,6 @@ def engine(
         kv_shape=kv_shape,
         chunk_size=CHUNK,
     )
-    return config, LocalCPUBackend(config, metadata)
 
 
 class Engine:
