@@ -401,6 +401,9 @@ def test_bad_options_are_refused_before_connecting(tmp_path: Path) -> None:
         ClientOptions(idle_poll=-1)
     with pytest.raises(TypeError, match="nmespace"):
         asyncio.run(Client.connect(tmp_path / "none.sock", nmespace="x"))  # type: ignore[call-arg]
+    # no daemon listens there: the name is refused first
+    with pytest.raises(BadArgumentError, match="letters, digits"):
+        asyncio.run(Client.connect(tmp_path / "none.sock", namespace="no spaces"))
 
 
 def test_the_write_path_is_chosen_once_from_the_options_and_what_the_daemon_offers() -> None:

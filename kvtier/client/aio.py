@@ -26,12 +26,11 @@ from kvtier import wire
 from kvtier._version import __version__
 from kvtier.backoff import Backoff
 from kvtier.client.batching import SOCKET_ONLY, WritePath, put_batches
-from kvtier.client.options import DEFAULTS, ClientOptions, OptionChanges
+from kvtier.client.options import DEFAULTS, ClientOptions, OptionChanges, key_prefix
 from kvtier.client.protocol import ClientProtocol, checked, expire
 from kvtier.client.shared import SharedSession, attach, hand_region
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL, default_socket_path
 from kvtier.errors import (
-    BadArgumentError,
     ConnectionClosedError,
     DaemonUnavailableError,
     ForbiddenError,
@@ -43,7 +42,6 @@ from kvtier.errors import (
 )
 from kvtier.loops import IdlePoll
 from kvtier.model import (
-    DEFAULT_NAMESPACE_NAME,
     BlockEvent,
     Buffer,
     Lookup,
@@ -53,8 +51,6 @@ from kvtier.model import (
     PutStatus,
     Reserve,
     ReserveStatus,
-    namespace_id,
-    namespace_prefix,
 )
 from kvtier.wire import FLAG_DURABLE, FLAG_HINTS, Frame, HelloReply, Op
 
@@ -162,6 +158,7 @@ class Client:
         if changes:
             options = dataclasses.replace(options, **changes)
         path = Path(path) if path is not None else default_socket_path()
+        prefix = key_prefix(options.namespace)
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await loop.create_unix_connection(
@@ -172,13 +169,7 @@ class Client:
         except OSError as exc:
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from exc
         client = cls(protocol, path, options)
-        namespace = options.namespace
-        if namespace and namespace != DEFAULT_NAMESPACE_NAME:
-            try:
-                client._prefix = namespace_prefix(namespace_id(namespace))
-            except ValueError as exc:
-                await client.close()
-                raise BadArgumentError(str(exc)) from None
+        client._prefix = prefix
         try:
             try:
                 client.server = await client.hello()

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from kvtier import wire
 from kvtier._version import __version__
+from kvtier.client.options import key_prefix
 from kvtier.client.protocol import checked
 from kvtier.client.shared import CACHED_READ_BYTES, MappedMemory, attach, copy_entries
 from kvtier.defaults import DEFAULT_TIMEOUT, default_socket_path
@@ -46,7 +47,7 @@ from kvtier.errors import (
     RequestTimeoutError,
     error_from_code,
 )
-from kvtier.model import DEFAULT_NAMESPACE_NAME, Leased, namespace_id, namespace_prefix
+from kvtier.model import Leased
 from kvtier.wire import Frame, Op
 
 #: the name a direct reader gives the daemon at HELLO
@@ -107,12 +108,7 @@ class DirectReader:
         """Connect to the daemon at ``path`` (its default socket when None),
         say HELLO asking for shared memory in ``namespace``, and map it."""
         path = Path(path) if path is not None else default_socket_path()
-        prefix = b""
-        if namespace and namespace != DEFAULT_NAMESPACE_NAME:
-            try:
-                prefix = namespace_prefix(namespace_id(namespace))
-            except ValueError as exc:
-                raise BadArgumentError(str(exc)) from None
+        prefix = key_prefix(namespace)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)

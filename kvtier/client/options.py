@@ -20,6 +20,7 @@ from kvtier._version import __version__
 from kvtier.defaults import DEFAULT_TIMEOUT, IDLE_POLL
 from kvtier.errors import BadArgumentError
 from kvtier.loops import IdlePoll
+from kvtier.model import DEFAULT_NAMESPACE_NAME, namespace_id, namespace_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,18 @@ def check_idle_poll(idle_poll: float) -> None:
         IdlePoll(idle_poll)
     except ValueError as exc:
         raise BadArgumentError(f"idle_poll: {exc}") from None
+
+
+def key_prefix(namespace: str) -> bytes:
+    """What the daemon expects before every key of ``namespace`` (docs/tenancy.md):
+    nothing for the default namespace. A name no namespace can have is
+    refused before connecting."""
+    if not namespace or namespace == DEFAULT_NAMESPACE_NAME:
+        return b""
+    try:
+        return namespace_prefix(namespace_id(namespace))
+    except ValueError as exc:
+        raise BadArgumentError(str(exc)) from None
 
 
 #: the options of a client that names none

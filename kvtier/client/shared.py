@@ -553,15 +553,12 @@ class SharedSession:
     async def _entries(
         self, keys: Sequence[bytes], timeout: float | None
     ) -> list[Leased | memoryview | None]:
-        """The answer of one GET_SHARED of ``keys`` (:meth:`_ask`); a caller
-        cancelled meanwhile leaves it to come, and its lease goes back then."""
-        return _decoded(await self._reply_of(self._ask(keys, timeout)))
-
-    async def _reply_of(self, ask: asyncio.Future[Frame]) -> Frame:
-        """``ask``'s reply, awaited shielded: cancelled meanwhile, the
-        answer's lease goes back once it comes."""
+        """The answer of one GET_SHARED of ``keys`` (:meth:`_ask`), awaited
+        shielded: a caller cancelled meanwhile leaves it to come, and its
+        lease goes back then."""
+        ask = self._ask(keys, timeout)
         try:
-            return checked(await asyncio.shield(ask))
+            return _decoded(checked(await asyncio.shield(ask)))
         except asyncio.CancelledError:
             ask.add_done_callback(self._release_unread)
             raise
