@@ -192,7 +192,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
             policy=tier_policy(
                 config.disk.policy, disk_bytes, disk_quotas if shared_tiers else None
             ),
-            sealer=Sealer(keys),
+            sealer=Sealer(keys, max_block_bytes=int(sc.max_block_bytes)),
         )
     if remote_tiers is None:
         remotes = [

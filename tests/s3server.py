@@ -4,6 +4,7 @@ through a counting proxy that can also hold requests or go away."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -175,13 +176,15 @@ class S3Server:
         self.moto_url = f"http://{host}:{port}"
         self.proxy = CountingProxy(self.moto_url).start()
         self._buckets = 0
+        self._token = secrets.token_hex(4)
 
     def boto(self) -> Any:
         return boto3.client("s3", endpoint_url=self.moto_url, region_name=REGION, **CREDENTIALS)
 
     def new_bucket(self) -> str:
         self._buckets += 1
-        name = f"kvtier-test-{self._buckets}"
+        # (moto's buckets are the process's: another module's server sees them)
+        name = f"kvtier-test-{self._token}-{self._buckets}"
         self.boto().create_bucket(Bucket=name)
         return name
 

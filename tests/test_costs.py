@@ -3,6 +3,7 @@ cut (pure, table-driven), the wire field, and a daemon answering a budget."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,11 @@ from hypothesis import strategies as st
 
 from kvtier import Client, State
 from kvtier.core.costs import SMALL_LOAD, Costs, Estimate, budget_cut
-from kvtier.model import Lookup
+from kvtier.model import Lookup, LookupMode
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import CodecError, decode_lookup, encode_lookup
-from tests.helpers import running_daemon
+from tests.helpers import running_daemon, short_tmpdir
+from tests.s3server import S3Server, s3_server
 
 MiB = 1 << 20
 
@@ -168,3 +170,64 @@ async def test_a_daemons_probes_teach_their_tiers_time_to_first_byte(sock_dir: P
         learnt = (await c.stats())["sources"]["remote"]["ttfb_seconds"]
     assert len(remote.lookup_calls) == 20 and not remote.load_calls
     assert learnt < prior / 2
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    yield from s3_server()
+
+
+def requests(s3: S3Server, method: str) -> int:
+    return sum(n for (m, _), n in s3.proxy.counts.items() if m == method)
+
+
+@pytest.mark.parametrize("remote_hit", ["promote", "hit"])
+async def test_a_budget_starts_no_s3_work_for_what_it_cuts(s3: S3Server, remote_hit: str) -> None:
+    """Blocks only in S3, a reader that knows S3 costs 20 ms a block: a
+    budget too small for S3 (though RAM would fit it) answers MISS and
+    sends no HEAD and no GET, whatever ``remote_hit``; keys a promotion
+    is bringing from S3 are costed as S3's, and cut as S3's."""
+    bucket = s3.new_bucket()
+    keys = [b"s3-only-%d" % i for i in range(16)]
+    async with running_daemon(
+        short_tmpdir(), remote_tier_configs=[s3.tier_config(bucket)]
+    ) as writer:
+        async with await Client.connect(writer.socket_path) as c:
+            await c.put_many(keys, [bytes([i]) * MiB for i in range(16)])
+        await writer.settle()
+    async with (
+        running_daemon(
+            short_tmpdir(),
+            remote_tier_configs=[s3.tier_config(bucket)],
+            lookup={"remote_hit": remote_hit},
+        ) as daemon,
+        await Client.connect(daemon.socket_path) as c,
+    ):
+        daemon.service.answers.c.costs.sources.update(known().sources)
+        heads, gets = requests(s3, "HEAD"), requests(s3, "GET")
+        for budget in (1e-4, 16 * 0.5e-3):  # nothing fits; RAM would, S3 does not
+            for _ in range(3):
+                reply = await c.lookup(keys, mode=LookupMode.PREFIX, budget=budget, wait=1.0)
+                assert reply.states == [State.MISS] * 16 and reply.prefix_hits == 0
+        await daemon.settle()
+        assert (requests(s3, "HEAD"), requests(s3, "GET")) == (heads, gets)
+        assert (await c.stats())["lookup_budget_cut"] == {"s3": 6 * 16}
+
+        # A lookup without a budget finds them; with promote, loads start (held
+        # at S3): the keys in flight cost what S3 costs.
+        s3.proxy.hold("GET")
+        try:
+            first = await c.lookup(keys, mode=LookupMode.PREFIX, wait=5.0)
+            if remote_hit == "promote":
+                assert set(first.states) == {State.PENDING}
+            else:
+                assert first.states == [State.HIT] * 16
+            reply = await c.lookup(keys, mode=LookupMode.PREFIX, budget=16 * 0.5e-3)
+            assert reply.states == [State.MISS] * 16
+            assert (await c.stats())["lookup_budget_cut"] == {"s3": 7 * 16}
+            # a budget S3 fits keeps them all
+            reply = await c.lookup(keys, mode=LookupMode.PREFIX, budget=16 * 1.0)
+            assert State.MISS not in reply.states
+        finally:
+            s3.proxy.release()
+        await daemon.settle()

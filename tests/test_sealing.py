@@ -24,7 +24,9 @@ from kvtier.tiers.disk.format import MAGIC as FILE_MAGIC
 from kvtier.tiers.keyfiles import read_key_file, read_keyring
 from kvtier.tiers.s3 import CHECKSUM_META, S3Tier, object_checksum
 from kvtier.tiers.sealing import (
+    FORMAT_VERSION,
     HEADER,
+    MAGIC,
     Codec,
     Failure,
     Keyring,
@@ -67,11 +69,11 @@ def test_a_sealed_block_opens_as_it_was_and_only_as_it_was(value: bytes, codec: 
     s = sealer({A: Keyring.of(KEY_A)}, codec)
     key = ns_key(A, b"block-1")
     sealed = bytes(s.seal(key, value))
-    assert bytes(s.open(key, sealed)) == value
+    assert bytes(s.admit(key, sealed)) == value
     assert value == b"" or value not in sealed or len(value) < 8  # never stored in the clear
     for other in (ns_key(A, b"block-2"), ns_key(B, b"block-1"), b"block-1"):
         with pytest.raises(SealError):
-            s.open(other, sealed)
+            s.admit(other, sealed)
 
 
 def test_namespaces_with_the_same_key_material_still_cannot_read_each_other() -> None:
@@ -79,7 +81,7 @@ def test_namespaces_with_the_same_key_material_still_cannot_read_each_other() ->
     s = sealer({A: both, B: both})
     sealed = s.seal(ns_key(A, b"k"), b"secret prompt" * 100)
     with pytest.raises(SealError) as err:
-        s.open(ns_key(B, b"k"), sealed)  # (moved to B's key: its tag binds A's)
+        s.admit(ns_key(B, b"k"), sealed)  # (moved to B's key: its tag binds A's)
     assert err.value.failure is Failure.AUTH
     assert s.counts.failures[Failure.AUTH] == 1
 
@@ -91,7 +93,7 @@ def test_a_flipped_byte_never_opens(at: int, flip: int) -> None:
     sealed = bytearray(s.seal(key, kv_like(4096)))
     sealed[at % len(sealed)] ^= flip
     with pytest.raises(SealError):
-        s.open(key, bytes(sealed))
+        s.admit(key, bytes(sealed))
 
 
 def test_a_relabelled_key_id_or_codec_fails_its_tag() -> None:
@@ -102,7 +104,7 @@ def test_a_relabelled_key_id_or_codec_fails_its_tag() -> None:
     assert sealed[6:10] == key_id(KEY_A)
     sealed[6:10] = key_id(KEY_OLD)  # claims the other key of the ring
     with pytest.raises(SealError) as err:
-        s.open(key, bytes(sealed))
+        s.admit(key, bytes(sealed))
     assert err.value.failure is Failure.AUTH
 
 
@@ -113,12 +115,12 @@ def test_rotation_reads_old_blocks_and_writes_new_ones_under_the_current_key() -
     old = s.seal(key, b"old block")
     keys.replace({A: Keyring.of(KEY_A, KEY_OLD)})  # KEY_A current, KEY_OLD still read
     new = s.seal(key, b"new block")
-    assert bytes(s.open(key, old)) == b"old block"
-    assert bytes(s.open(key, new)) == b"new block"
+    assert bytes(s.admit(key, old)) == b"old block"
+    assert bytes(s.admit(key, new)) == b"new block"
     assert bytes(memoryview(new)[6:10]) == key_id(KEY_A)
     keys.replace({A: Keyring.of(KEY_A)})  # the old key dropped: its blocks are misses
     with pytest.raises(SealError) as err:
-        s.open(key, old)
+        s.admit(key, old)
     assert err.value.failure is Failure.NO_KEY
 
 
@@ -127,10 +129,10 @@ def test_plain_and_sealed_blocks_each_stay_in_their_kind_of_namespace() -> None:
     plain_key, sealed_key = ns_key(B, b"k"), ns_key(A, b"k")
     assert s.seal(plain_key, b"plain") == b"plain"  # B has no key: stored as it is
     with pytest.raises(SealError) as err:
-        s.open(sealed_key, b"a plain block planted where A's sealed one belongs")
+        s.admit(sealed_key, b"a plain block planted where A's sealed one belongs")
     assert err.value.failure is Failure.PLAIN
     with pytest.raises(SealError) as err:
-        s.open(plain_key, s.seal(sealed_key, b"x" * 100))  # (a sealed block in B)
+        s.admit(plain_key, s.seal(sealed_key, b"x" * 100))  # (a sealed block in B)
     assert err.value.failure in (Failure.NO_KEY, Failure.AUTH)
     assert s.counts.failures[Failure.PLAIN] == 1
 
@@ -141,7 +143,7 @@ def test_the_codec_packs_what_shrinks_and_leaves_the_rest() -> None:
     packed, kept = s.seal(b"a", compressible), s.seal(b"b", noise)
     assert len(packed) < len(compressible) // 10
     assert len(kept) == HEADER.size + len(noise)  # not smaller: stored unpacked
-    assert bytes(s.open(b"a", packed)) == compressible and bytes(s.open(b"b", kept)) == noise
+    assert bytes(s.admit(b"a", packed)) == compressible and bytes(s.admit(b"b", kept)) == noise
     assert s.counts.packed_in == 200_000 and s.counts.sealed_bytes == 0
 
 
@@ -224,7 +226,14 @@ async def test_the_disk_keeps_sealed_blocks_that_open_only_in_their_namespace(
     flipped[-5] ^= 1
     forge_file(tier, a_key, bytes(flipped))
     assert await tier.read(a_key) is None
-    assert tier.stats().seal_failures == {"no_key": 1, "auth": 1, "plain": 0, "format": 0}
+    assert tier.stats().seal_failures == {
+        "no_key": 1,
+        "auth": 1,
+        "plain": 0,
+        "format": 0,
+        "corrupt": 0,
+        "length": 0,
+    }
     await tier.close()
 
 
@@ -296,7 +305,14 @@ async def test_s3_objects_are_sealed_and_only_open_as_themselves(s3: S3Server) -
         )
         assert await tier.batch_load([a_key]) == [None]
         stats = tier.stats()
-        assert stats.seal_failures == {"no_key": 1, "auth": 1, "plain": 0, "format": 0}
+        assert stats.seal_failures == {
+            "no_key": 1,
+            "auth": 1,
+            "plain": 0,
+            "format": 0,
+            "corrupt": 0,
+            "length": 0,
+        }
         assert stats.packed_in_bytes == len(block) and 0 < (stats.packed_out_bytes or 0) < len(
             block
         )
@@ -367,8 +383,45 @@ def test_a_packed_block_that_would_unpack_past_the_limit_is_refused() -> None:
     bomb = s.seal(b"k", bytes(8 << 20))  # 8 MiB of zeros: a few hundred bytes packed
     assert len(bomb) < 4096
     with pytest.raises(SealError, match="within 1048576 bytes") as err:
-        s.open(b"k", bomb)
+        s.admit(b"k", bomb)
     assert err.value.failure is Failure.FORMAT
-    assert bytes(s.open(b"k", b"a block stored before the codec")) == (
+    assert bytes(s.admit(b"k", b"a block stored before the codec")) == (
         b"a block stored before the codec"  # headerless: plain, in a namespace without keys
     )
+
+
+def test_opened_bytes_count_plain_bytes_as_sealed_bytes_do_with_a_codec() -> None:
+    s = sealer({A: Keyring.of(KEY_A)}, Codec.ZSTD)
+    key = ns_key(A, b"k")
+    value = b"\x00\x01" * 50_000
+    assert bytes(s.admit(key, s.seal(key, value))) == value
+    assert s.counts.sealed_bytes == s.counts.opened_bytes == len(value)
+
+
+@given(st.binary(max_size=200), st.sampled_from(Codec), st.booleans())
+def test_a_value_that_begins_like_a_header_is_stored_wrapped_and_reads_as_it_was(
+    tail: bytes, codec: Codec, with_key: bool
+) -> None:
+    s = sealer({A: Keyring.of(KEY_A)} if with_key else {}, codec)
+    value = MAGIC + bytes([FORMAT_VERSION, 0, 0]) + bytes(HEADER.size) + tail
+    for key in (ns_key(A, b"k"), b"plain-k"):
+        stored = s.seal(key, value)
+        assert stored != value and s.sealed_size(key, value) in (None, len(stored))
+        assert bytes(s.admit(key, stored)) == value
+
+
+def test_admit_checks_the_checksum_and_length_its_medium_kept() -> None:
+    s = sealer({})
+    value = b"v" * 1000
+    assert bytes(s.admit(b"k", value, checksum=block_checksum(b"k", value), length=1000)) == value
+    with pytest.raises(SealError) as err:
+        s.admit(b"k", value, checksum=block_checksum(b"k", value) ^ 1)
+    assert err.value.failure is Failure.CORRUPT
+    with pytest.raises(SealError) as err:
+        s.admit(b"k", value, length=1001)
+    assert err.value.failure is Failure.LENGTH
+    small = Sealer(Keys(), max_block_bytes=999)
+    with pytest.raises(SealError) as err:
+        small.admit(b"k", value)
+    assert err.value.failure is Failure.LENGTH
+    assert s.counts.failures[Failure.CORRUPT] == s.counts.failures[Failure.LENGTH] == 1

@@ -44,6 +44,7 @@ from kvtier.core.lookup import (
     waits_for,
 )
 from kvtier.core.probing import Reach, RemoteSlot
+from kvtier.core.writes import Promotion
 from kvtier.model import (
     DEFAULT_NAMESPACE,
     HIT,
@@ -242,14 +243,18 @@ class Answers:
         states: bytearray,
         slots: Sequence[RemoteSlot],
     ) -> list[tuple[str, int] | None]:
-        """Where each key that may load (HIT or PENDING) loads from, and its
-        bytes where known (a pending write lands in RAM; a remote hit is its
-        tier's, of that tier's mean size)."""
+        """Where the bytes of each key that may load (HIT, PENDING, RETRY)
+        come from, and how many where known: RAM and the disk their own; a
+        remote hit its tier's (of that tier's mean size); a pending write
+        RAM's when a client writes it, its source tier's when it is a
+        promotion; a key still unknown the first tier that would be probed
+        for it (or the disk, while its index is rebuilt). A key past the cut
+        then starts none of that work, and is counted by that tier."""
         ram, disk = self.c.ram, self.c.disk
         out: list[tuple[str, int] | None] = []
         for key, loc, state in zip(keys, locations, states, strict=True):
             where = loc.where
-            if state not in (HIT, PENDING):
+            if state == MISS:
                 out.append(None)
             elif where is Where.RAM:
                 out.append((ram.name, ram.budget.size_of(key)))
@@ -257,8 +262,17 @@ class Answers:
                 out.append((disk.name, disk.budget.size_of(key)))
             elif where is Where.REMOTE:
                 out.append((slots[loc.remote].name, 0))
+            elif where is Where.PENDING and loc.reservation is not None:
+                owner = loc.reservation.owner
+                source = owner.source if isinstance(owner, Promotion) else ram.name
+                out.append((source, loc.reservation.size))
+            elif where is Where.PROBING:
+                first = min((*loc.unprobed, *(t for t, _ in loc.inflight)))
+                out.append((slots[first].name, 0))
+            elif disk is not None:
+                out.append((disk.name, 0))  # (SCANNING: the disk may hold it)
             else:
-                out.append((ram.name, 0))  # a write in flight: it lands in RAM
+                out.append(None)
         return out
 
     def _cut(

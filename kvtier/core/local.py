@@ -115,12 +115,12 @@ class LocalView:
 
 
 class SealedView(LocalView):
-    """The peer port's view when blocks travel sealed
-    (:mod:`kvtier.tiers.sealing`): a pushed value is opened before it is
-    stored (one that does not open fails the PUT, counted), a value asked
-    for is sealed before it is sent, and its pin let go once the sealed
-    copy is made. Where no namespace has a key and the peers have no codec,
-    values pass as they are."""
+    """The peer port's view: blocks travel sealed between daemons
+    (:mod:`kvtier.tiers.sealing`). A pushed value is admitted by the one
+    rule before it is stored (one that fails fails the PUT, counted), a
+    value asked for is sealed before it is sent. A value that travels as
+    it is stays pinned until the server has sent it; a sealed copy lets
+    go of its pin once it is made."""
 
     def __init__(
         self,
@@ -141,30 +141,39 @@ class SealedView(LocalView):
 
     def get(self, keys: Sequence[bytes]) -> list[Buffer | None] | Awaitable[list[Buffer | None]]:
         values = super().get(keys)
-        if not self.sealer.active:
-            return values
         if isinstance(values, list):
             return self._sealed(keys, values)
         return self._sealed_later(keys, values)
 
     def _sealed(self, keys: Sequence[bytes], values: list[Buffer | None]) -> list[Buffer | None]:
+        passes = self.sealer.passes
+        if all(v is None or passes(v) for v in values):
+            return values
+        out: list[Buffer | None] = []
+        copied: list[Buffer | None] = []
         try:
-            return [
-                None if v is None else self.sealer.seal(k, v)
-                for k, v in zip(keys, values, strict=True)
-            ]
-        finally:
-            self.unpin(keys, values)  # (the server's unpin of a sealed copy is a no-op)
+            for k, v in zip(keys, values, strict=True):
+                sealed = None if v is None else self.sealer.seal(k, v)
+                out.append(sealed)
+                copied.append(None if sealed is v else v)
+        finally:  # (the server's unpin of a sealed copy is a no-op)
+            self.unpin(keys, [*copied, *values[len(copied) :]])
+        return out
 
     async def _sealed_later(
         self, keys: Sequence[bytes], values: Awaitable[list[Buffer | None]]
     ) -> list[Buffer | None]:
         return self._sealed(keys, await values)
 
-    def _opened(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> list[Any]:
-        return [
-            None if v is None else self.sealer.open(k, v) for k, v in zip(keys, values, strict=True)
-        ]
+    def _admitted(self, keys: Sequence[bytes], values: Sequence[Buffer | None]) -> list[Any]:
+        admit = self.sealer.admit
+        out: list[Any] = []
+        for k, v in zip(keys, values, strict=True):
+            block = None if v is None else admit(k, v)
+            # (a block unwrapped from a body received in place is its own
+            # copy: the body's room goes back once the PUT is answered)
+            out.append(bytes(block) if isinstance(block, memoryview) and block is not v else block)
+        return out
 
     def put(
         self,
@@ -174,9 +183,7 @@ class SealedView(LocalView):
         copy: bool = False,
         hints: bytes | None = None,
     ) -> list[PutStatus]:
-        if self.sealer.active:
-            values = self._opened(keys, values)
-        return super().put(keys, values, copy=copy, hints=hints)
+        return super().put(keys, self._admitted(keys, values), copy=copy, hints=hints)
 
     def stage(self, length: int, key: bytes) -> memoryview | None:
         # A sealed body is not the block it holds: received into a buffer of its own.
@@ -185,6 +192,5 @@ class SealedView(LocalView):
     def make_durable(
         self, keys: Sequence[bytes], values: Sequence[Buffer | None]
     ) -> Awaitable[None]:
-        if self.sealer.active:  # (the values as the PUT stored them, opened again)
-            values = self._opened(keys, values)
-        return super().make_durable(keys, values)
+        # (the values as the PUT stored them, admitted again)
+        return super().make_durable(keys, self._admitted(keys, values))

@@ -188,12 +188,10 @@ class Service:
             f"remotes={self.remotes!r} {self.pending!r} {self.answers!r}>"
         )
 
-    def local(self, source: str, sealer: Sealer | None = None) -> LocalView:
-        """The service as a peer daemon sees it (its pushes stored as from
-        ``source``; with ``sealer``, its blocks travel sealed)."""
+    def local(self, source: str, sealer: Sealer) -> LocalView:
+        """The service as a peer daemon sees it: its pushes stored as from
+        ``source``, its blocks travelling through ``sealer``."""
         parts = (self.answers, self.loads, self.stores, self.local_reach, self.limits)
-        if sealer is None:
-            return LocalView(*parts, source=source)
         return SealedView(*parts, source=source, sealer=sealer)
 
     # ------------------------------------------------------------ lifecycle

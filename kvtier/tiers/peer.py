@@ -233,8 +233,8 @@ class PeerTier(Tier):
         #: a GET not answered after ``hedge_after`` (None: the peer's p95 over
         #: its recent loads) asks the next owner too, within the hedge budget
         self.hedger: Hedger = Hedger(hedge_after, hedge_max_ratio)
-        #: seals the blocks pushed to peers, opens those they send (None: plain)
-        self.sealer = sealer
+        #: seals the blocks pushed to peers, and admits every block they send
+        self.sealer = sealer if sealer is not None else Sealer()
         self.counters = counters
         #: how many live nodes own each key (pushed to, asked in rank order)
         self.replicas = replicas
@@ -337,10 +337,9 @@ class PeerTier(Tier):
                         left.append(i)
         if failure is not None and all(v is None for v in values):
             raise failure  # nothing came: the load failed, as the core counts it
-        sealer = self.sealer
-        if sealer is not None and sealer.active:
-            values = await asyncio.to_thread(self._open_all, sealer, keys, values)
-        return values
+        if any(v is not None and self.sealer.costly(v) for v in values):
+            return await asyncio.to_thread(self._admit_all, keys, values)
+        return self._admit_all(keys, values)
 
     async def _load_hedged(
         self,
@@ -390,15 +389,15 @@ class PeerTier(Tier):
         """A load from ``peer``, its time kept for the peer's p95."""
         return self.hedger.timed(peer.address, peer.load(keys))
 
-    def _open_all(
-        self, sealer: Sealer, keys: Sequence[bytes], values: list[Buffer | None]
-    ) -> list[Buffer | None]:
-        """The values as their owners sealed them, opened; one that does not
-        open is a miss (counted by the sealer)."""
+    def _admit_all(self, keys: Sequence[bytes], values: list[Buffer | None]) -> list[Buffer | None]:
+        """The values as their owners sent them, admitted by the one rule
+        (:meth:`~kvtier.tiers.sealing.Sealer.admit`); one that fails is a
+        miss (counted by the sealer)."""
         out: list[Buffer | None] = []
+        admit = self.sealer.admit
         for key, value in zip(keys, values, strict=True):
             try:
-                out.append(None if value is None else sealer.open(key, value))
+                out.append(None if value is None else admit(key, value))
             except SealError as exc:
                 log.warning("%s: block %s from a peer does not open: %s", self.name, key.hex(), exc)
                 out.append(None)
@@ -408,7 +407,7 @@ class PeerTier(Tier):
         """Push each block to its other owners (this daemon, if one, keeps its
         own), sealed where its namespace has a key."""
         sealer = self.sealer
-        if sealer is not None and sealer.active:
+        if not all(sealer.passes(v) for v in values):
             values = await asyncio.to_thread(
                 lambda: [sealer.seal(k, v) for k, v in zip(keys, values, strict=True)]
             )
@@ -439,9 +438,7 @@ class PeerTier(Tier):
         stats = PeerStats(
             self.name, 0, 0, 0, peers=len(peers), peers_up=up, hedges=self.hedger.outcomes()
         )
-        if self.sealer is not None:
-            self.sealer.counts.fill(stats)
-        return stats
+        return self.sealer.counts.fill(stats)
 
     async def open(self) -> None:
         await self.refresh()

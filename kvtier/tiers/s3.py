@@ -43,7 +43,7 @@ from kvtier.model import NAMESPACE_MARK, Buffer
 from kvtier.tiers.base import S3Stats, Tier, block_checksum
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.hedger import Hedger, present
-from kvtier.tiers.sealing import Sealer, SealError
+from kvtier.tiers.sealing import TORN, Sealer, SealError
 
 log = logging.getLogger("kvtier.s3")
 
@@ -115,8 +115,8 @@ class S3Tier(Tier):
         of HEAD and GET (kvtier's [lookup] settings): each request ends within
         its share of them, retries and connection set-up included."""
         self.cfg = cfg
-        #: seals (and packs) blocks before they are sent (None: sent as they are)
-        self.sealer = sealer
+        #: seals (and packs) blocks before they are sent, and admits every block loaded
+        self.sealer = sealer if sealer is not None else Sealer()
         #: overall bound of one request, by op
         self.deadlines = {
             "head": _within(cfg.op_timeout, probe_timeout),
@@ -218,6 +218,9 @@ class S3Tier(Tier):
         except _Corrupt:
             outcome = S3Outcome.CORRUPT
             raise
+        except SealError as exc:  # (the store answered: the object is what is wrong)
+            outcome = S3Outcome.CORRUPT if exc.failure in TORN else S3Outcome.OK
+            raise
         except TimeoutError as exc:
             outcome = S3Outcome.TIMEOUT
             raise TierError(f"{self.name}: {op} timed out after {deadline:g}s") from exc
@@ -267,48 +270,57 @@ class S3Tier(Tier):
         except _NotFound:
             return False
 
-    async def _get(self, key: bytes) -> bytes | None:
+    async def _get(self, key: bytes) -> Buffer | None:
         """The object of ``key`` (None: absent, corrupt or not opening);
         asked for again if it has not come after the tier's usual time."""
         hedger = self.hedger
 
-        def again() -> Awaitable[bytes | None]:
+        def again() -> Awaitable[Buffer | None]:
             return hedger.timed(self.name, self._get_once(key))
 
         data, _ = await hedger.race(again(), again, hedger.delay(self.name), present)
         return data
 
-    async def _get_once(self, key: bytes) -> bytes | None:
-        async def call() -> bytes:
+    async def _get_once(self, key: bytes) -> Buffer | None:
+        """One GET of ``key``'s object, admitted by the one rule
+        (:meth:`~kvtier.tiers.sealing.Sealer.admit`): its checksum, length
+        and seal; an object that fails is a counted miss, never bytes."""
+        sealer = self.sealer
+
+        async def call() -> Buffer:
             resp = await self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
             self._count_retries("get", resp)
             async with resp["Body"] as stream:
                 data: bytes = await stream.read()
+            self.counters.bytes_in.value += len(data)
             expected = resp.get("Metadata", {}).get(CHECKSUM_META)
-            if expected != object_checksum(key, data):
-                raise _Corrupt(f"checksum {expected!r} does not match the object's bytes")
-            return data
+            try:
+                checksum = int(expected, 16)
+            except (TypeError, ValueError):
+                raise _Corrupt(f"checksum metadata {expected!r} is missing or not hex") from None
+            length = resp.get("ContentLength")
+            if sealer.costly(data):  # (a thread: decrypting and unpacking take the block's time)
+                return await asyncio.to_thread(
+                    sealer.admit, key, data, checksum=checksum, length=length
+                )
+            return sealer.admit(key, data, checksum=checksum, length=length)
 
         try:
-            data = await self._call("get", call)
+            return await self._call("get", call)
         except _NotFound:
             return None
-        except _Corrupt as exc:
-            self.counters.corrupt.inc()
-            log.warning("%s: object for key %s is corrupt: %s", self.name, key.hex(), exc)
-            return None
-        self.counters.bytes_in.value += len(data)
-        if self.sealer is None or not self.sealer.active:
-            return data
-        try:  # (a thread: decrypting and unpacking take the block's time)
-            return bytes(await asyncio.to_thread(self.sealer.open, key, data))
-        except SealError as exc:  # (counted by the sealer, by reason)
-            log.warning("%s: object for key %s does not open: %s", self.name, key.hex(), exc)
+        except (_Corrupt, SealError) as exc:
+            if not isinstance(exc, SealError) or exc.failure in TORN:
+                self.counters.corrupt.inc()
+                log.warning("%s: object for key %s is corrupt: %s", self.name, key.hex(), exc)
+            else:  # (counted by the sealer, by reason)
+                log.warning("%s: object for key %s does not open: %s", self.name, key.hex(), exc)
             return None
 
     async def _put(self, key: bytes, value: Buffer) -> None:
-        if self.sealer is not None and self.sealer.active:
-            value = await asyncio.to_thread(self.sealer.seal, key, value)
+        sealer = self.sealer
+        if not sealer.passes(value):
+            value = await asyncio.to_thread(sealer.seal, key, value)
         body = bytes(value)
 
         async def call() -> None:
@@ -358,9 +370,7 @@ class S3Tier(Tier):
             breaker_state=int(self.breaker.state),
             hedges=self.hedger.outcomes(),
         )
-        if self.sealer is not None:
-            self.sealer.counts.fill(stats)
-        return stats
+        return self.sealer.counts.fill(stats)
 
 
 def _within(op_timeout: float, caller_deadline: float | None) -> float:

@@ -21,13 +21,27 @@ key's id, fails its tag. A namespace with a key accepts only sealed blocks
 failure is :class:`SealError` with its reason: the tier answers a miss and
 counts it, never bytes.
 
+:meth:`Sealer.admit` is the one rule where stored bytes become a block
+again: every tier that hands a block up (a disk read, an S3 GET, a load
+from a peer, a block a peer pushed, a hedge of any of them) passes the
+stored bytes through it, whatever the daemon's keys and codec, and it
+checks, in order, the medium's checksum (where the medium keeps one) and
+length, the seal state against the namespace's keys (sealed without a key
+is ``no_key``, plain where a key is required is ``plain``), and the
+block's size. A block is handed up only when every check holds: a daemon
+hands a client exactly the bytes that were stored under a key, or
+nothing. A plain value that happens to begin like a header is stored
+wrapped (a header without a key or codec), so no plain block is ever
+read as a sealed one.
+
 Keys rotate: a namespace has one current key (new blocks) and any number
 it still reads. :class:`Keys` is the daemon's one set of them, replaced
 whole when the key files are read again; each tier's :class:`Sealer`
 reads it at each block.
 
-Invariants: ``open(key, seal(key, value)) == value`` for every value,
-with the same keys or with the sealing key still readable; a sealed block
+Invariants: ``admit(key, seal(key, value)) == value`` for every value,
+with the same keys or with the sealing key still readable, and with any
+other codec (a block packed by another daemon opens here too); a sealed block
 opens under no other block key, namespace or key; a block is never
 returned with a failed check. Imports the shared records and well-kept
 codecs only (``cryptography``'s AES-GCM, zstd).
@@ -42,6 +56,7 @@ import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from backports import zstd
 from cryptography.exceptions import InvalidTag
@@ -49,7 +64,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.errors import KvtierError
 from kvtier.model import Buffer, namespace_of
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import TierStats, block_checksum
+
+S = TypeVar("S", bound=TierStats)
 
 MAGIC = b"KVS"
 FORMAT_VERSION = 1
@@ -62,6 +79,11 @@ _NO_ID = bytes(4)
 _NO_NONCE = bytes(12)
 #: bytes of key material: AES-256
 KEY_BYTES = 32
+
+
+def wrapped(data: Buffer) -> bool:
+    """Whether ``data`` begins with a header (sealed, packed or escaped)."""
+    return len(data) >= HEADER.size and bytes(memoryview(data)[:3]) == MAGIC
 
 
 class Codec(enum.IntEnum):
@@ -79,6 +101,12 @@ class Failure(enum.Enum):
     AUTH = "auth"  # its tag did not verify: altered, moved, or another key's
     PLAIN = "plain"  # not sealed, in a namespace whose blocks must be
     FORMAT = "format"  # a header or payload that does not parse or decompress
+    CORRUPT = "corrupt"  # its bytes do not match the checksum its medium kept
+    LENGTH = "length"  # not the length its medium said, or longer than any block may be
+
+
+#: failures of the medium (torn or altered bytes), not of the seal
+TORN = frozenset({Failure.CORRUPT, Failure.LENGTH})
 
 
 class SealError(KvtierError):
@@ -142,7 +170,7 @@ class SealCounts:
     #: (a tier seals on several threads at once)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def fill(self, stats: TierStats) -> TierStats:
+    def fill(self, stats: S) -> S:
         """``stats`` with these counts in its sealing fields."""
         stats.sealed_bytes = self.sealed_bytes
         stats.opened_bytes = self.opened_bytes
@@ -157,12 +185,13 @@ class Sealer:
 
     def __init__(
         self,
-        keys: Keys,
+        keys: Keys | None = None,
         codec: Codec = Codec.NONE,
         level: int = 3,
         max_block_bytes: int = 1 << 30,
     ) -> None:
-        self.keys = keys
+        #: (none: a sealer that opens what other daemons sealed or packed, or refuses it)
+        self.keys = keys if keys is not None else Keys()
         self.codec = codec
         self.level = level
         #: a packed block that would unpack to more is refused (never a bomb)
@@ -177,14 +206,14 @@ class Sealer:
         """Whether any block may be sealed or packed (else values pass as they are)."""
         return self.codec is not Codec.NONE or bool(self.keys.rings)
 
-    def sealed_size(self, key: bytes, size: int) -> int | None:
-        """The bytes ``seal`` makes of a value of ``size`` bytes (None: it
-        depends on the codec)."""
+    def sealed_size(self, key: bytes, value: Buffer) -> int | None:
+        """The bytes ``seal`` makes of ``value`` (None: it depends on the codec)."""
+        size = len(value)
         if self.codec is not Codec.NONE:
             return None
         if namespace_of(key) in self.keys.rings:
             return HEADER.size + size + TAG_BYTES
-        return size
+        return HEADER.size + size if wrapped(value) else size
 
     def seal(self, key: bytes, value: Buffer) -> Buffer:
         """``value`` as the tier stores it (see the module)."""
@@ -198,8 +227,8 @@ class Sealer:
                 self.counts.packed_out += len(packed)
             if len(packed) < len(value):
                 codec, payload = Codec.ZSTD, packed
-        elif ring is None:
-            return value
+        elif ring is None and not wrapped(value):
+            return value  # (one that begins like a header is stored wrapped)
         if ring is None:
             return HEADER.pack(MAGIC, FORMAT_VERSION, codec, 0, _NO_ID, _NO_NONCE) + payload
         head = HEADER.pack(MAGIC, FORMAT_VERSION, codec, _ENCRYPTED, ring.current, os.urandom(12))
@@ -212,10 +241,40 @@ class Sealer:
             self.counts.sealed_bytes += len(value)
         return sealed
 
-    def open(self, key: bytes, data: Buffer) -> Buffer:
-        """The value ``seal`` made ``data`` of; raises SealError (counted)."""
+    def passes(self, value: Buffer) -> bool:
+        """Whether ``seal`` stores ``value`` as it is, whatever its key."""
+        return not self.active and not wrapped(value)
+
+    def costly(self, stored: Buffer) -> bool:
+        """Whether admitting ``stored`` decrypts or unpacks (worth a thread)."""
+        return wrapped(stored)
+
+    def admit(
+        self,
+        key: bytes,
+        stored: Buffer,
+        *,
+        checksum: int | None = None,
+        length: int | None = None,
+    ) -> Buffer:
+        """The block ``stored`` holds for ``key``, from a tier's medium: the
+        one rule where bytes leave a tier (see the module). ``checksum`` is
+        the :func:`~kvtier.tiers.base.block_checksum` the medium kept with
+        the bytes, ``length`` the length it said they have (None: it keeps
+        none). Raises SealError (counted by reason)."""
         try:
-            value = self._open(key, data)
+            if length is not None and len(stored) != length:
+                raise SealError(
+                    Failure.LENGTH, f"{len(stored)} bytes where its medium said {length}"
+                )
+            if checksum is not None and block_checksum(key, stored) != checksum:
+                raise SealError(Failure.CORRUPT, "its bytes do not match their checksum")
+            value = self._open(key, stored)
+            if len(value) > self.max_block_bytes:
+                raise SealError(
+                    Failure.LENGTH,
+                    f"{len(value)} bytes, more than a block may hold ({self.max_block_bytes})",
+                )
         except SealError as exc:
             with self.counts.lock:
                 self.counts.failures[exc.failure] += 1
@@ -225,8 +284,8 @@ class Sealer:
     def _open(self, key: bytes, data: Buffer) -> Buffer:
         ring = self.keys.rings.get(namespace_of(key))
         view = memoryview(data)
-        wrapped = len(view) >= HEADER.size and bytes(view[:3]) == MAGIC
-        if not wrapped:  # (as stored before any key or codec: plain)
+        # (``wrapped``, inline: every read of a block passes here)
+        if len(view) < HEADER.size or view[:3] != MAGIC:  # stored without a key or codec: plain
             if ring is not None:
                 raise SealError(Failure.PLAIN, "a plain block where its namespace seals blocks")
             return data
@@ -244,12 +303,13 @@ class Sealer:
                 payload = cipher.decrypt(nonce, payload, bytes(view[: HEADER.size]) + key)
             except InvalidTag:
                 raise SealError(Failure.AUTH, "its tag does not verify") from None
-            with self.counts.lock:
-                self.counts.opened_bytes += len(payload)
         elif ring is not None:
             raise SealError(Failure.PLAIN, "an unencrypted block where its namespace seals blocks")
         if codec == Codec.ZSTD:
             payload = self._unpack(payload)
+        if flags & _ENCRYPTED:  # (plain bytes, as ``sealed_bytes`` counts them)
+            with self.counts.lock:
+                self.counts.opened_bytes += len(payload)
         return payload
 
     def _unpack(self, payload: Buffer) -> bytes:

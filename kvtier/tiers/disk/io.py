@@ -74,14 +74,17 @@ def write_block(
         fsync_dir(path.parent)
 
 
-def read_block(root: Path, key: bytes) -> memoryview:
-    """``key``'s block under ``root`` (its path found here, off the event loop)."""
+def read_block(root: Path, key: bytes) -> tuple[memoryview, int]:
+    """``key``'s stored bytes under ``root`` and the checksum its header
+    keeps (its path found here, off the event loop); the header, length and
+    key are checked here, the checksum by the one rule that admits a block
+    (:meth:`~kvtier.tiers.sealing.Sealer.admit`)."""
     with open(block_path(root, key), "rb") as fh:
         data = fh.read()
-    got_key, value = check_block(data)
+    got_key, _value_len, digest = parse_header(data, len(data))
     if got_key != key:
         raise CorruptBlock("file holds another key")
-    return value
+    return memoryview(data)[HEADER.size + len(key) :], digest
 
 
 def check_block(data: bytes) -> tuple[bytes, memoryview]:

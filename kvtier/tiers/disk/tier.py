@@ -70,7 +70,7 @@ from kvtier.tiers.disk.io import (
 from kvtier.tiers.disk.journal import Op, Record
 from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, IndexJournal, Loaded
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
-from kvtier.tiers.sealing import Sealer, SealError
+from kvtier.tiers.sealing import TORN, Sealer, SealError
 
 log = logging.getLogger("kvtier.disk")
 
@@ -96,8 +96,8 @@ class DiskTier(LocalTier):
         sealer: Sealer | None = None,
     ) -> None:
         self.root = Path(root)
-        #: seals the blocks of namespaces with a key (None: every block plain)
-        self.sealer = sealer
+        #: seals the blocks of namespaces with a key, and admits every block read
+        self.sealer = sealer if sealer is not None else Sealer()
         #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
         self.budget = Budget(capacity, policy)
         self.fsync = fsync
@@ -307,8 +307,7 @@ class DiskTier(LocalTier):
         gone = [Record(Op.REMOVE, k) for k in victims]
         paths = [self.path_of(k) for k in victims]
         try:
-            if self.sealer is not None:
-                value = self.sealer.seal(key, value)
+            value = self.sealer.seal(key, value)
             write_block(path, key, value, self.fsync == "always", paths)
         except BaseException:
             self.journal.append([*gone, Record(Op.REMOVE, key)])
@@ -316,9 +315,10 @@ class DiskTier(LocalTier):
         self.journal.append([*gone, Record(Op.ADD, key, size)])
 
     def _read_file(self, key: bytes) -> Buffer:
-        """``key``'s value from its file, opened where it was sealed."""
-        value = read_block(self.root, key)
-        return value if self.sealer is None else self.sealer.open(key, value)
+        """``key``'s block from its file, admitted by the one rule
+        (:meth:`~kvtier.tiers.sealing.Sealer.admit`)."""
+        stored, digest = read_block(self.root, key)
+        return self.sealer.admit(key, stored, checksum=digest)
 
     def _remove_missing(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys whose file is absent, journalled as gone."""
@@ -367,7 +367,8 @@ class DiskTier(LocalTier):
             return None
         except (CorruptBlock, SealError) as exc:
             path = self.path_of(key)
-            if isinstance(exc, SealError):  # (counted by the sealer, by reason)
+            if isinstance(exc, SealError) and exc.failure not in TORN:
+                # (counted by the sealer, by reason)
                 log.warning("discarding block %s (%s) that does not open: %s", key.hex(), path, exc)
             else:
                 log.warning("discarding corrupt block %s (%s): %s", key.hex(), path, exc)
@@ -443,9 +444,7 @@ class DiskTier(LocalTier):
         if key in self.budget:
             self.budget.touch(key)
         else:
-            size = file_size(
-                key, len(value) if self.sealer is None else self._sealed_len(key, value)
-            )
+            size = file_size(key, self._sealed_len(key, value))
             if size > self.capacity:
                 raise ValueTooLargeError(
                     f"block of {size} bytes is larger than the disk tier ({self.capacity} bytes)"
@@ -505,8 +504,7 @@ class DiskTier(LocalTier):
             await self.sync()
 
     def _sealed_len(self, key: bytes, value: Buffer) -> int:
-        assert self.sealer is not None
-        size = self.sealer.sealed_size(key, len(value))
+        size = self.sealer.sealed_size(key, value)
         assert size is not None, "the disk tier has no codec"
         return size
 
@@ -631,6 +629,4 @@ class DiskTier(LocalTier):
             filesystem_free_bytes=fs_free,
             filesystem_size_bytes=fs_size,
         )
-        if self.sealer is not None:
-            self.sealer.counts.fill(stats)
-        return stats
+        return self.sealer.counts.fill(stats)
