@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -259,6 +259,15 @@ bench-ab: bench-deps
 DURATION ?= 60
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak --duration $(DURATION)
+
+# Sixteen same-host clients (shared memory, writes in place) on a 32 MiB RAM
+# tier with a disk below: Zipf keys, RESERVE/PUT/GET/DELETE, connections
+# dropped mid-write. Fails on a wrong byte, a store or RESERVE refused for
+# capacity, or a daemon not idle (maps empty, ram.reserved_bytes 0) within
+# 5 s of the last close. ROOMS_SECONDS of workload (default 180).
+ROOMS_SECONDS ?= 180
+soak-rooms: $(STAMP)
+	$(BIN)/python -m benchmarks.soak_rooms --duration $(ROOMS_SECONDS)
 
 # Three daemons (disk, peers with two replicas, S3) under 16 verifying
 # clients while their nodes are stopped, killed and restarted and their peer

@@ -45,7 +45,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import kvtier
 from kvtier import loops
@@ -59,6 +59,9 @@ from kvtier.replica.settings import Settings
 from kvtier.server.ops import NamespaceAccess
 from kvtier.wire.replica import RING_HEADER, FeedRing
 from tests.helpers import short_tmpdir, wait_on_timers
+
+if TYPE_CHECKING:  # (moto is imported only where S3 is measured)
+    from tests.s3server import S3Server
 
 T = TypeVar("T")
 
@@ -309,9 +312,11 @@ def disk_only_get(sock_dir: Path) -> PathCount:
         daemon.close()
 
 
-def s3_only_lookup(sock_dir: Path, s3_tier: dict[str, Any]) -> PathCount:
-    """A LOOKUP of a key only S3 holds, until it reads HIT."""
-    remote = {"remote_tiers": [s3_tier]}
+def s3_only_lookup(sock_dir: Path, s3: S3Server) -> PathCount:
+    """A LOOKUP of a key only S3 holds, until it reads HIT: the first answers
+    RETRY, the second waits while the probe is held at the store, so it
+    takes the same steps however busy the machine is."""
+    remote = {"remote_tiers": [s3.tier_config(s3.new_bucket())]}
     first = ThreadedDaemon({**_overrides(sock_dir), **remote})
     try:
         asyncio.run(_put(sock_dir))  # written through to S3 in the background
@@ -328,9 +333,16 @@ def s3_only_lookup(sock_dir: Path, s3_tier: dict[str, Any]) -> PathCount:
                 await c.lookup([WARM], mode=LookupMode.PREFIX)
                 warm = await c.lookup([WARM], mode=LookupMode.PREFIX, wait=10.0)
                 assert warm.prefix_hits == 1, warm
+                s3.proxy.hold("HEAD", 1)
                 count = daemon.measure()
                 first = await c.lookup([KEY], mode=LookupMode.PREFIX)
-                settled = await c.lookup([KEY], mode=LookupMode.PREFIX, wait=10.0)
+                assert await asyncio.to_thread(s3.proxy.held.wait, 30)
+                settling = asyncio.ensure_future(c.lookup([KEY], mode=LookupMode.PREFIX, wait=30.0))
+                server = daemon.daemon.server
+                assert server is not None
+                await wait_on_timers(lambda: sum(c.inflight for c in server.connections) == 1)
+                s3.proxy.release()
+                settled = await settling
                 await asyncio.to_thread(daemon.stop_measuring)
                 return count, first, settled
 
@@ -412,7 +424,7 @@ def _paths() -> Iterator[tuple[str, PathCount]]:
     s3 = S3Server()
     sock_dir = short_tmpdir()
     try:
-        yield "S3-only LOOKUP until HIT", s3_only_lookup(sock_dir, s3.tier_config(s3.new_bucket()))
+        yield "S3-only LOOKUP until HIT", s3_only_lookup(sock_dir, s3)
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
         s3.close()

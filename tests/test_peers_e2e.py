@@ -24,6 +24,10 @@ from tests.ports import free_port
 from tests.s3server import S3Server
 
 TOKEN = "e2e-peer-token"
+#: how long a lookup may wait for its keys to settle: it answers as soon as
+#: they do, so this bounds only a failure (a busy machine may be slow);
+#: under the client's 30 s call timeout
+SETTLE = 20.0
 
 
 class Fleet:
@@ -141,16 +145,16 @@ def test_a_block_stored_on_a_loads_from_c(fleet: Fleet) -> None:
     with client(c) as cc:
         first = cc.lookup([key]).states[0]
         assert first in (State.RETRY, State.PENDING)
-        assert cc.lookup([key], wait=5.0).states == [State.HIT]
+        assert cc.lookup([key], wait=SETTLE).states == [State.HIT]
         assert bytes(cc.get(key) or b"") == value
     # A block whose owner is B reaches B by push from A, and C finds it there.
     pushed = fleet.key_owned_by(1, "own-b")
     with client(a) as ca:
         ca.put(pushed, b"pushed" * 1000)
     with client(b) as cb:
-        assert cb.lookup([pushed], wait=5.0).states == [State.HIT]  # the push landed
+        assert cb.lookup([pushed], wait=SETTLE).states == [State.HIT]  # the push landed
     with client(c) as cc:
-        assert cc.lookup([pushed], wait=5.0).states == [State.HIT]
+        assert cc.lookup([pushed], wait=SETTLE).states == [State.HIT]
         assert bytes(cc.get(pushed) or b"") == b"pushed" * 1000
 
 
@@ -167,7 +171,7 @@ def test_32_concurrent_lookups_send_one_lookup_and_one_transfer_to_the_owner(
     async def readers() -> list[list[State]]:
         clients = [await Client.connect(c.socket_path) for _ in range(32)]
         try:
-            replies = await asyncio.gather(*(cl.lookup([key], wait=5.0) for cl in clients))
+            replies = await asyncio.gather(*(cl.lookup([key], wait=SETTLE) for cl in clients))
             return [r.states for r in replies]
         finally:
             for cl in clients:
@@ -190,18 +194,18 @@ def test_sigkill_mid_transfer_answers_miss_in_time_and_the_peer_rejoins() -> Non
             ca.put(key, b"k" * 1_000_000)
         with client(c) as cc:
             cc.put(b"local-on-c", b"mine")
-            assert cc.lookup([key], wait=5.0).states == [State.HIT]
+            assert cc.lookup([key], wait=SETTLE).states == [State.HIT]
             a.send_signal(signal.SIGSTOP)  # A takes the GET and never answers
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                started = time.monotonic()
                 reading = pool.submit(read, c, key)
                 # C's load from A is under way once the key reads PENDING at C.
                 while metric_value(c.scrape(), "kvtier_pending_writes") != 1:
                     assert not reading.done()
                 a.send_signal(signal.SIGKILL)
-                assert reading.result(timeout=15) is None  # MISS, not stuck
-                elapsed = time.monotonic() - started
-            assert elapsed < 10.0  # well within the pending deadline
+                assert reading.result(timeout=30) is None  # MISS, not stuck
+            # ended by the failed load, not by the pending deadline
+            expired = metric_value(c.scrape(), "kvtier_pending_deadline_expired_total")
+            assert expired == 0
             assert bytes(cc.get(b"local-on-c") or b"") == b"mine"  # C serves its own
         a.wait()
         # A comes back on the same port with its data dir: it rejoins.
@@ -232,13 +236,13 @@ def test_a_hung_owner_costs_nothing_while_the_second_owner_holds_the_block() -> 
                 ca.put_many(keys, [k * 100 for k in keys])
             with client(c) as cc:
                 # C asks both owners at once; A answers, B's silence costs nothing.
-                assert cc.lookup(keys, wait=10.0).states == [State.HIT] * 4
+                assert cc.lookup(keys, wait=SETTLE).states == [State.HIT] * 4
                 assert [bytes(v or b"") for v in cc.get_many(keys)] == [k * 100 for k in keys]
         finally:
             b.send_signal(signal.SIGCONT)
         # Back: B has the blocks A pushed to it meanwhile (the owner's replica).
         with client(b) as cb:
-            assert cb.lookup(keys, wait=10.0).states == [State.HIT] * 4
+            assert cb.lookup(keys, wait=SETTLE).states == [State.HIT] * 4
     finally:
         fleet.stop()
 
@@ -302,9 +306,9 @@ def test_blocks_travel_sealed_between_peers_and_open_at_either_end() -> None:
             b, "kvtier_peer_listener_requests_total", 'op="put",outcome="ok"', 1, "no push"
         )
         with BlockingClient(b.socket_path, namespace="tenant-a") as cb:
-            assert cb.lookup([pushed], wait=5.0).states == [State.HIT]  # the push landed
+            assert cb.lookup([pushed], wait=SETTLE).states == [State.HIT]  # the push landed
             assert bytes(cb.get(pushed) or b"") == value  # opened by B's peer port
-            assert cb.lookup([kept], wait=5.0).states == [State.HIT]
+            assert cb.lookup([kept], wait=SETTLE).states == [State.HIT]
             assert bytes(cb.get(kept) or b"") == value[::-1]  # sealed by A, opened by B
         sealed = metric_value(a.scrape(), "kvtier_sealed_bytes_total", 'tier="peers"')
         opened = metric_value(b.scrape(), "kvtier_opened_bytes_total", 'tier="peers"')
@@ -355,11 +359,11 @@ def test_a_get_from_a_hung_owner_is_hedged_to_the_next_owner() -> None:
         with client(b) as cb:
             cb.put(key, value)  # kept by B, pushed to C in the background; A has none
         with client(c) as cc:
-            assert cc.lookup([key], wait=5.0).states == [State.HIT]
+            assert cc.lookup([key], wait=SETTLE).states == [State.HIT]
         c.send_signal(signal.SIGSTOP)  # B alone answers A's probe: A asks B first
         try:
             with client(a) as ca:
-                assert ca.lookup([key], wait=5.0).states == [State.HIT]
+                assert ca.lookup([key], wait=SETTLE).states == [State.HIT]
         finally:
             c.send_signal(signal.SIGCONT)
         b.send_signal(signal.SIGSTOP)  # ...and B hangs before the GET
@@ -419,7 +423,7 @@ def test_a_get_from_a_hung_owner_is_hedged_to_s3_which_holds_the_block_too(
                     Metadata={CHECKSUM_META: object_checksum(key, value)},
                 )
             with client(a) as ca:
-                assert ca.lookup([key], wait=5.0).states == [State.HIT]  # B says so
+                assert ca.lookup([key], wait=SETTLE).states == [State.HIT]  # B says so
             b.send_signal(signal.SIGSTOP)
             try:
                 with client(a) as ca:

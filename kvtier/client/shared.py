@@ -812,13 +812,13 @@ class SharedSession:
         spare = self._places.get(length)
         if spare:
             return spare.pop()
-        # Spare rooms of other lengths count against the connection's rooms:
-        # with as many held as it may, some go back to make way.
-        held = sum(len(rooms) for rooms in self._places.values())
-        for rooms in self._places.values():
-            while rooms and held + self._in_flight > MAX_IN_PLACE_ROOMS:
-                self._give_back(rooms.pop())
-                held -= 1
+        # Spare rooms of other lengths go back: they hold RAM that other
+        # writers' blocks need (an engine's blocks are of one length, so its
+        # spare rooms stay; a writer of many lengths keeps none idle).
+        others, self._places = self._places, {}
+        for rooms in others.values():
+            for offset in rooms:
+                self._give_back(offset)
         try:
             frame = await self._calls.request(
                 Op.STAGE, wire.encode_stage(length, in_place=True), timeout=timeout

@@ -309,10 +309,17 @@ class Stores:
             if size:
                 try:
                     evicted = self.c.ram.reserve(size, key)
-                except (NoCapacityError, ValueTooLargeError):
+                except ValueTooLargeError:
                     statuses.append(ReserveStatus.REFUSED)
                     self.c.counters.reservations.inc("refused")
                     continue
+                except NoCapacityError:
+                    # No room to hold (pinned blocks and other writers hold
+                    # it): granted all the same, without room, so readers
+                    # wait for this write rather than repeat it; its PUT
+                    # makes its room when it arrives.
+                    size, evicted = 0, []
+                    self.c.counters.reservations.inc("without_room")
                 self.evicted(evicted)  # announced, and written back where the policy says
             self.c.pending.reserve(key, owner, deadline, size, now)
             self.c.counters.reservations.inc("granted")

@@ -15,7 +15,7 @@ from kvtier.core.counts import CoreCounters
 from kvtier.core.timers import Scheduler
 from kvtier.core.writes import End, Owner, Reservation, ReservationTable
 from kvtier.model import ConnId
-from kvtier.tiers.ram import RamTier
+from kvtier.tiers.ram import HeldKind, RamTier
 
 log = logging.getLogger("kvtier.service")
 
@@ -32,7 +32,10 @@ class PendingWrites:
       are woken (``done`` resolved) - nothing is pending forever;
     * at the deadline the write is aborted, counted
       (``pending_deadline_expired``) and logged with the key and the writer;
-      a promotion's task is cancelled with it.
+      a promotion's task is cancelled with it;
+    * the room a reservation holds yields, oldest first, to a block that
+      needs it now (a :class:`~kvtier.tiers.ram.Keeper` of the RAM tier):
+      the reservation stays pending, and its PUT makes its room on arrival.
     """
 
     def __init__(self, ram: RamTier, scheduler: Scheduler, counters: CoreCounters) -> None:
@@ -40,6 +43,9 @@ class PendingWrites:
         self._ram = ram
         self._scheduler = scheduler
         self._counters = counters
+        #: bytes of reservations' room given to blocks that needed it
+        self.yielded = 0
+        ram.keepers.append(self)
 
     def __repr__(self) -> str:
         return f"<PendingWrites {self.table!r} timers={self._scheduler.timer_count}>"
@@ -58,6 +64,28 @@ class PendingWrites:
         the bytes were free a moment ago."""
         self._ram.hold_room(size)
         res.size = size
+
+    # -- the room reservations hold (a Keeper of the RAM tier)
+
+    yields = HeldKind.RESERVATIONS
+
+    def held(self) -> dict[HeldKind, int]:
+        return {}  # (the RAM tier counts its reservations' bytes itself)
+
+    def reclaim(self, need: int) -> int:
+        """Take the room of the oldest reservations, ``need`` bytes or more
+        where they hold it, for a block that is here now: they stay pending
+        (readers still wait for their PUT), which makes its room when it
+        arrives."""
+        freed = 0
+        for res in self.table.all():
+            if freed >= need:
+                break
+            if res.size:
+                freed += res.size
+                self.claim(res)
+        self.yielded += freed
+        return freed
 
     def claim(self, res: Reservation) -> None:
         """A store is completing ``res``: the RAM it held is given back now."""

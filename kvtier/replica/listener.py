@@ -286,5 +286,5 @@ class LookupOps:
     def write_room(self) -> asyncio.Future[None] | None:
         return None
 
-    def connection_closed(self, owner: ConnId) -> None:
+    def connection_closed(self, owner: ConnId, writer_gone: bool = False) -> None:
         pass  # a lookup holds nothing

@@ -122,8 +122,8 @@ class OpTable(Protocol):
     def write_room(self) -> asyncio.Future[None] | None:
         """None while stores may go on; else what resolves once they may."""
 
-    def connection_closed(self, owner: ConnId) -> None:
-        """``owner`` went: whatever it held ends."""
+    def connection_closed(self, owner: ConnId, writer_gone: bool = False) -> None:
+        """``owner`` went (``writer_gone``: its process has exited): whatever it held ends."""
 
 
 class Host(Protocol):

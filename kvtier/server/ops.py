@@ -196,10 +196,11 @@ class Ops:
     def __repr__(self) -> str:
         return f"<Ops {len(self.handlers)} handlers over {type(self.service).__name__}>"
 
-    def connection_closed(self, owner: ConnId) -> None:
+    def connection_closed(self, owner: ConnId, writer_gone: bool = False) -> None:
+        """``owner`` closed, or sent EOF (``writer_gone``: its process has exited)."""
         self.service.connection_closed(owner)
         if self.shared is not None:
-            self.shared.connection_closed(owner)
+            self.shared.connection_closed(owner, writer_gone)
 
     def hello(self, conn: Connection, frame: Frame) -> Reply:
         hello = wire.decode_hello(frame.meta)

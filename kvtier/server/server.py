@@ -24,7 +24,7 @@ from kvtier.server.connection import Connection, OpTable
 from kvtier.server.counters import ServerCounters
 from kvtier.server.gate import PeerGate, Refusal
 from kvtier.server.ops import Feed
-from kvtier.server.sockets import PeerPolicy
+from kvtier.server.sockets import PeerPolicy, process_gone
 
 log = logging.getLogger("kvtier.server")
 
@@ -228,16 +228,13 @@ class Server(Generic[OpsT]):
 
     def connection_ended(self, conn: Connection) -> None:
         """The client sent EOF: whatever it owned and can no longer complete ends now."""
-        self._owner_gone(conn)
-
-    def _owner_gone(self, conn: Connection) -> None:
         self.ops.connection_closed(conn.conn_id)
 
     def connection_closed(self, conn: Connection) -> None:
         self.authenticated(conn)
         self.connections.discard(conn)
         self._busy_at_shutdown.discard(conn)
-        self._owner_gone(conn)
+        self.ops.connection_closed(conn.conn_id, writer_gone=process_gone(conn.peer))
 
     def admits_during_shutdown(self, conn: Connection) -> bool:
         """A frame that was partly received when shutdown began is still served."""

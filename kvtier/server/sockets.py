@@ -108,6 +108,26 @@ def peer_of(sock: Any) -> Peer | None:
     return Peer(*_UCRED.unpack(raw))
 
 
+def process_gone(peer: Peer | None) -> bool:
+    """Whether the process at the other end of a closed connection has
+    exited (so its memory, and any write of it into shared memory, is gone):
+    no such process, or a zombie. False where it cannot be told (no
+    credentials, a pid of another namespace, no ``/proc``), and while the
+    process lives; a pid reused since errs on that side too."""
+    if peer is None or peer.pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{peer.pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    # "pid (comm) state ...": the command may hold spaces and parentheses
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
+
+
 @dataclass(slots=True, frozen=True)
 class PeerPolicy:
     """Who may connect: ``uids is None`` admits whoever can open the socket."""

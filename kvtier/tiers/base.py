@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import xxhash
 
@@ -65,6 +65,10 @@ class TierStats:
 class RamStats(TierStats):
     pinned: int = 0
     reserved_bytes: int = 0
+    #: ``reserved_bytes`` by what it holds room for (reservations, rooms,
+    #: ready, quarantined, bodies), and rooms given back under pressure
+    held_bytes: dict[str, int] = field(default_factory=dict)
+    reclaimed_bytes: int = 0
     #: the shared arena (None without one)
     arena_bytes: int | None = None
     arena_allocated_bytes: int | None = None

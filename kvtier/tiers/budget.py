@@ -102,6 +102,9 @@ class Budget:
     def pinned_count(self) -> int:
         return len(self._pins)
 
+    def pinned_keys(self) -> list[bytes]:
+        return list(self._pins)
+
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._sizes)
 

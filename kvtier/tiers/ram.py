@@ -13,7 +13,14 @@ with room for them, and a block that finds no room in it lives in the heap.
 Invariants (kept by its :class:`~kvtier.tiers.budget.Budget`): resident plus
 reserved bytes never exceed the capacity; a pinned block is never evicted;
 storing a key that is resident is a no-op (idempotent). Reserved bytes hold
-room for blocks announced by RESERVE. Imports the tiers' base, budget and
+room for blocks about to arrive: announced by RESERVE, bodies being
+received in place, rooms handed to writers, rooms made ahead of a
+writer's next block. The parts that hold room are its keepers (:class:`Keeper`):
+when evicting every unpinned block would not make the room a store, a
+RESERVE or a promotion needs, each keeper first gives back what it holds
+but nobody uses (rooms made ahead, never handed out), and only then is the
+store refused, with an error that names what holds the room (pinned
+blocks, reservations, rooms, bodies). Imports the tiers' base, budget and
 policy; never the core or metrics.
 
 The shared arena is one anonymous memory file (``memfd_create``) of a fixed
@@ -65,14 +72,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import mmap
 import os
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
+from typing import Protocol
 
 from kvtier import blockcopy
 from kvtier.errors import NoCapacityError, ValueTooLargeError
@@ -90,6 +99,39 @@ log = logging.getLogger("kvtier.ram")
 #: applied at once cost one read 3.9 ms, against 63 us for the others)
 _MAX_DEFERRED_TOUCHES = 256
 _MAX_DEFERRED_KEYS = 4096
+
+
+class HeldKind(enum.Enum):
+    """What reserved RAM holds room for (STATS ``ram.held_bytes``)."""
+
+    RESERVATIONS = "reservations"  # blocks announced by RESERVE
+    ROOMS = "rooms"  # rooms handed to writers writing in place
+    READY = "ready"  # rooms made ahead of writers' next blocks, not handed out
+    QUARANTINED = "quarantined"  # rooms of closed connections, freed soon
+    BODIES = "bodies"  # bodies being received or copied into their slots
+
+
+#: what yields room to a store, a promotion or a disk read, in this order:
+#: rooms made ahead that nobody uses, then reservations' room (they stay
+#: pending: their PUT makes its room when it arrives)
+YIELD_ORDER = (HeldKind.READY, HeldKind.RESERVATIONS)
+
+
+class Keeper(Protocol):
+    """A part that holds room in RAM (slots staged with :meth:`RamTier.stage`,
+    or bytes held with :meth:`RamTier.reserve`): it says what it holds, by
+    kind, and gives back what it holds but no block needs now."""
+
+    #: the kind of room it gives back (READY rooms made ahead, never handed
+    #: out; or RESERVATIONS' room, the reservations staying pending)
+    yields: HeldKind
+
+    def held(self) -> Mapping[HeldKind, int]:
+        """Bytes of RAM it holds now, by kind."""
+
+    def reclaim(self, need: int) -> int:
+        """Give back room it holds of its ``yields`` kind, ``need`` bytes or
+        more where it can; returns the bytes given back."""
 
 
 class RamTier(LocalTier):
@@ -116,6 +158,13 @@ class RamTier(LocalTier):
         self.min_slot = min_slot
         #: evicted arena blocks are copied out (someone demotes them) when set
         self.keep_evicted = False
+        #: bytes held for reservations (the rest of ``budget.held`` is the
+        #: keepers' rooms and bodies being received)
+        self._reserved = 0
+        #: the parts holding room that give it back before a store is refused
+        self.keepers: list[Keeper] = []
+        #: rooms the keepers gave back under pressure, in bytes
+        self.reclaimed_bytes = 0
 
     def __repr__(self) -> str:
         b = self.budget
@@ -362,14 +411,15 @@ class RamTier(LocalTier):
         except NoCapacityError:
             return []  # every other block of it is being read: it stays over
 
-    def _make_room(self, size: int, key: bytes | None) -> list[tuple[bytes, Buffer]]:
+    def _make_room(
+        self, size: int, key: bytes | None, yielding: Collection[HeldKind] = YIELD_ORDER
+    ) -> list[tuple[bytes, Buffer]]:
         if self._touches:  # (every eviction sees every read before it)
             self._apply_touches()
         try:
             victims = self.budget.evict_for(size, key)
         except NoRoom as exc:
-            why = "" if self.budget.shares is not None else " (every other block is pinned)"
-            raise NoCapacityError(f"RAM tier: {exc}{why}") from None
+            victims = self._reclaim_for(size, key, yielding, exc)
         values = self._values
         if self.slots is None:
             return [(victim, values.pop(victim)) for victim in victims]
@@ -410,6 +460,43 @@ class RamTier(LocalTier):
         self.budget.hold(size)
         return view, evicted
 
+    def _reclaim_for(
+        self, size: int, key: bytes | None, yielding: Collection[HeldKind], exc: NoRoom
+    ) -> list[bytes]:
+        """Victims for ``size`` bytes once the keepers gave back room of the
+        ``yielding`` kinds, in order (rooms nobody uses, then reservations'
+        room); else NoCapacityError saying what holds the room."""
+        for kind in YIELD_ORDER:
+            if kind not in yielding:
+                continue
+            freed = sum(k.reclaim(size) for k in self.keepers if k.yields is kind)
+            if not freed:
+                continue
+            self.reclaimed_bytes += freed
+            try:
+                return self.budget.evict_for(size, key)
+            except NoRoom as again:
+                exc = again
+        raise NoCapacityError(f"RAM tier: {exc}; {self.holders()}") from None
+
+    def held_bytes(self) -> dict[HeldKind, int]:
+        """The reserved bytes by what they hold room for (every kind listed)."""
+        out = dict.fromkeys(HeldKind, 0)
+        out[HeldKind.RESERVATIONS] = self._reserved
+        for keeper in self.keepers:
+            for kind, n in keeper.held().items():
+                out[kind] += n
+        out[HeldKind.BODIES] = max(0, self.budget.held - sum(out.values()))
+        return out
+
+    def holders(self) -> str:
+        """What holds RAM's room now, for an error that refuses a store."""
+        b = self.budget
+        pinned = sum(map(b.size_of, b.pinned_keys()))
+        parts = [f"{pinned} bytes in {b.pinned_count} blocks being read or written"]
+        parts += [f"{n} bytes of {kind.value}" for kind, n in self.held_bytes().items() if n]
+        return "held: " + ", ".join(parts) + f" (of {b.capacity})"
+
     def stages(self, length: int) -> bool:
         """Whether a body of ``length`` bytes may get arena room (:meth:`stage`)."""
         return self.slots is not None and self.min_slot <= length <= self.capacity
@@ -418,6 +505,7 @@ class RamTier(LocalTier):
         """Hold ``size`` bytes for a block about to arrive, without evicting
         (room just given back by the same writer)."""
         self.budget.hold(size)
+        self._reserved += size
 
     def drop_staged(self, value: Buffer) -> None:
         """A staged value that was not stored (the PUT failed, or the key was resident)."""
@@ -433,13 +521,16 @@ class RamTier(LocalTier):
             )
         if self._touches:
             self._apply_touches()
-        evicted = self._make_room(size, key)
+        # (a reservation takes no room from others: only rooms nobody uses yield)
+        evicted = self._make_room(size, key, (HeldKind.READY,))
         self.budget.hold(size)
+        self._reserved += size
         return evicted
 
     def release(self, size: int) -> None:
         """Give back bytes held by :meth:`reserve`."""
         self.budget.release(size)
+        self._reserved = max(0, self._reserved - size)
 
     def remove(self, key: bytes) -> bool:
         value = self._values.pop(key, None)
@@ -473,6 +564,8 @@ class RamTier(LocalTier):
             evictions=b.evictions,
             pinned=b.pinned_count,
             reserved_bytes=b.held,
+            held_bytes={kind.value: n for kind, n in self.held_bytes().items()},
+            reclaimed_bytes=self.reclaimed_bytes,
         )
         if self.slots is not None:
             alloc = self.slots.arena.allocator

@@ -246,8 +246,9 @@ class Sealer:
         return not self.active and not wrapped(value)
 
     def costly(self, stored: Buffer) -> bool:
-        """Whether admitting ``stored`` decrypts or unpacks (worth a thread)."""
-        return wrapped(stored)
+        """Whether admitting ``stored`` decrypts or unpacks (worth a thread):
+        :func:`wrapped`, inline (every block a tier loads asks)."""
+        return len(stored) >= HEADER.size and bytes(memoryview(stored)[:3]) == MAGIC
 
     def admit(
         self,
@@ -282,7 +283,8 @@ class Sealer:
         return value
 
     def _open(self, key: bytes, data: Buffer) -> Buffer:
-        ring = self.keys.rings.get(namespace_of(key))
+        rings = self.keys.rings
+        ring = rings.get(namespace_of(key)) if rings else None
         view = memoryview(data)
         # (``wrapped``, inline: every read of a block passes here)
         if len(view) < HEADER.size or view[:3] != MAGIC:  # stored without a key or codec: plain

@@ -10,8 +10,9 @@
   daemon copies blocks to and from.
 
 Invariants (each part states its own): every lease, room and region of a
-connection ends when the connection closes (an in-place room after the
-staging timeout: its writer may still be copying); ``expire`` reclaims
+connection ends when the connection closes (an in-place room at once when
+the writer's process is gone, else after a short quarantine: a thread of
+it may still be copying); ``expire`` reclaims
 what is past its deadline; ``close`` ends everything; ``stats`` shows what
 is live. Imports the parts and the shared records; no sockets.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from kvtier.core.checks import check_sizes
 from kvtier.core.shared.copier import Copier
-from kvtier.core.shared.inplace import InPlaceRooms
+from kvtier.core.shared.inplace import QUARANTINE_SECONDS, InPlaceRooms
 from kvtier.core.shared.leasing import Leasing
 from kvtier.core.shared.regions import Regions
 from kvtier.core.shared.staging import StagingRooms
@@ -57,7 +58,7 @@ class SharedStats:
     #: meanwhile: the kernel zeroes each page it allocates)
     preparing: bool
     #: RAM slots clients write blocks into in place now, and those of closed
-    #: connections waiting out the staging timeout before they are freed
+    #: connections waiting out their quarantine before they are freed
     in_place_rooms: int
     in_place_quarantined: int
     #: rooms made ahead for connections writing in place (the next one each
@@ -110,9 +111,16 @@ class SharedBlocks:
         self.leasing = Leasing(ram.slots, unpin, now, lease_timeout)
         self.staging = StagingRooms(ram, staging, stores, now, staging_timeout)
         self.in_place = InPlaceRooms(
-            ram, ram.slots, stores, now, lambda: self.staging.timeout, write_in_place
+            ram,
+            ram.slots,
+            stores,
+            now,
+            lambda: min(QUARANTINE_SECONDS, self.staging.timeout),
+            write_in_place,
         )
         self.regions = Regions(ram, ram.slots, stores, unpin, limits, copier or Copier(0))
+        # Rooms made ahead yield to a store that needs their room.
+        ram.keepers += [self.in_place, self.regions]
         # The verbs are the parts' own.
         self.grant, self.unlease = self.leasing.grant, self.leasing.unlease
         self.commit, self.commit_in_place = self.staging.commit, self.in_place.commit
@@ -168,9 +176,10 @@ class SharedBlocks:
         part = self.in_place if in_place else self.staging
         return part.unstage(owner, offset)
 
-    def connection_closed(self, owner: ConnId) -> None:
+    def connection_closed(self, owner: ConnId, writer_gone: bool = False) -> None:
+        """``owner`` closed (``writer_gone``: and its process has exited)."""
         self.leasing.connection_closed(owner)
-        self.in_place.connection_closed(owner)
+        self.in_place.connection_closed(owner, writer_gone)
         self.regions.connection_closed(owner)
         self.staging.connection_closed(owner)
 

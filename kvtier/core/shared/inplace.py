@@ -8,12 +8,16 @@ answer to the connection's last commit so that the answer waits for no
 eviction.
 
 Invariants: an in-place room is freed only by its commit (it becomes the
-block, or a refused one is freed), an UNSTAGE, or the staging timeout
-after its connection closed (never while its writer may still be copying
-into it: a closed connection's rooms are quarantined until then); a
+block, or a refused one is freed), an UNSTAGE, or once its connection
+closed: at once when the writer's process is gone, else after a short
+quarantine (a writer thread may still be finishing a copy into it); a
 connection holds at most ``MAX_IN_PLACE_ROOMS``, and at most one room
-made ahead, which was never handed out and is freed at once when the
-connection goes. Imports the core's checks and stores, the RAM tier and
+made ahead, which was never handed out, is freed at once when the
+connection goes, and is given back whenever RAM needs its room (it is a
+:class:`~kvtier.tiers.ram.Keeper`). A commit hands its writer the next
+room only while the rooms handed out and made ahead hold at most
+1/``ROOMS_SHARE`` of RAM: past it, the writer asks for a room when it
+has a block for it. Imports the core's checks and stores, the RAM tier and
 the shared records.
 """
 
@@ -28,7 +32,15 @@ from kvtier.core.checks import check_checksum
 from kvtier.core.stores import Stores
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError
 from kvtier.model import MAX_IN_PLACE_ROOMS, ConnId, Copied, PutStatus
-from kvtier.tiers.ram import RamTier, Slot, Slots
+from kvtier.tiers.ram import HeldKind, RamTier, Slot, Slots
+
+#: rooms handed out by commits and made ahead hold at most this share of
+#: RAM (1/8) together: past it, a commit hands out no next room
+ROOMS_SHARE = 8
+#: seconds a closed connection's rooms wait before they are freed, when its
+#: process lives on (a thread of it may be finishing a copy: a block's copy
+#: takes milliseconds); at once when the process is gone
+QUARANTINE_SECONDS = 2.0
 
 
 def may_write_in_place(uid: int | None, enabled: bool = True) -> bool:
@@ -81,6 +93,8 @@ class InPlaceRooms:
         #: rooms handed out, by offset in the arena, and how many each connection holds
         self._places: dict[int, Place] = {}
         self._places_of: dict[ConnId, int] = {}
+        #: the slot bytes of the rooms handed out
+        self._room_bytes = 0
         #: the room each connection's next COMMIT hands out, made once the
         #: answer to its last one had left (at most one a connection, never
         #: handed out yet, so freed at once when the connection goes)
@@ -114,6 +128,34 @@ class InPlaceRooms:
         """Whether a client of ``uid`` may write in place here (:func:`may_write_in_place`)."""
         return may_write_in_place(uid, self.enabled)
 
+    # -- the room it holds (a Keeper of the RAM tier)
+
+    def held(self) -> dict[HeldKind, int]:
+        size = self.slots.block_size
+        return {
+            HeldKind.ROOMS: self._room_bytes,
+            HeldKind.READY: sum(size(len(v)) for v in self._prepared.values()),
+            HeldKind.QUARANTINED: sum(r.slot.size for r in self._quarantine),
+        }
+
+    yields = HeldKind.READY
+
+    def reclaim(self, need: int) -> int:
+        """Give back the rooms made ahead (never handed out)."""
+        freed = 0
+        for owner in list(self._prepared):
+            view = self._prepared.pop(owner)
+            freed += self.slots.block_size(len(view))
+            self.stores.drop_staged(view)
+        return freed
+
+    def _may_renew(self, length: int) -> bool:
+        """Whether a commit may hand out (or make ahead) another room of
+        ``length`` bytes: rooms out and ahead stay within their share of RAM."""
+        size = self.slots.block_size
+        ready = sum(size(len(v)) for v in self._prepared.values())
+        return self._room_bytes + ready + size(length) <= self.ram.capacity // ROOMS_SHARE
+
     def place(self, owner: ConnId, length: int, namespace: bytes) -> int:
         """A RAM slot of ``length`` bytes for ``owner`` to write in place, made
         in ``namespace``'s share; returns its offset in the arena."""
@@ -140,14 +182,15 @@ class InPlaceRooms:
         assert slot is not None
         self._places[slot.offset] = Place(owner, slot, view, namespace)
         self._places_of[owner] = self._places_of.get(owner, 0) + 1
+        self._room_bytes += slot.size
         return slot.offset
 
     def _prepare(self, owner: ConnId, length: int, namespace: bytes) -> None:
         """Make the room ``owner``'s next COMMIT of ``length`` bytes hands
         out, after the answer to this one has left: that answer did not wait
         for the eviction that makes it. None to be had: none prepared."""
-        if owner in self._prepared:
-            return  # (one a connection)
+        if owner in self._prepared or not self._may_renew(length):
+            return  # (one a connection, within the share)
         view = self.stores.stage_room(length, namespace)
         if view is not None:
             self._prepared[owner] = view
@@ -204,6 +247,8 @@ class InPlaceRooms:
             self.commits += status is PutStatus.STORED
 
         def next_room() -> int | None:
+            if not self._may_renew(length):
+                return None  # (the writer asks for one when it has a block)
             try:
                 return self.place(owner, length, room.namespace)
             except NoCapacityError:
@@ -285,6 +330,7 @@ class InPlaceRooms:
 
     def _unplace(self, offset: int) -> Place:
         room = self._places.pop(offset)
+        self._room_bytes -= room.slot.size
         left = self._places_of[room.owner] - 1
         if left:
             self._places_of[room.owner] = left
@@ -292,13 +338,24 @@ class InPlaceRooms:
             del self._places_of[room.owner]
         return room
 
-    def connection_closed(self, owner: ConnId) -> None:
+    def connection_closed(self, owner: ConnId, writer_gone: bool = False) -> None:
+        """``owner`` closed: the room made ahead goes at once, and so do the
+        rooms it had when its process is gone (``writer_gone``: nothing can
+        write them any more); else they wait out the quarantine."""
         ready = self._prepared.pop(owner, None)
         if ready is not None:  # never handed out: no writer can be in it
             self.stores.drop_staged(ready)
+        if writer_gone and self._quarantine:  # (quarantined at its EOF, say)
+            gone = [r for r in self._quarantine if r.owner == owner]
+            self._quarantine = [r for r in self._quarantine if r.owner != owner]
+            for room in gone:
+                self.stores.drop_staged(room.view)
         if owner in self._places_of:
             deadline = self._now() + self._quarantine_for()
             for offset in [o for o, r in self._places.items() if r.owner == owner]:
+                if writer_gone:
+                    self._free(offset)
+                    continue
                 room = self._unplace(offset)
                 room.deadline = deadline
                 self._quarantine.append(room)

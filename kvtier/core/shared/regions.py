@@ -19,7 +19,8 @@ ends first), and a region's descriptor is closed (and its mapping
 unmapped) only once no copy uses it; a PUT_REGION's keys read PENDING
 while their copy runs, and a copy that fails stores nothing and ends
 their reservations; rooms made ahead for a connection's next PUT_REGION
-are never handed out before it and are freed at once when it goes.
+are never handed out before it and are freed at once when it goes, or
+when RAM needs their room (a :class:`~kvtier.tiers.ram.Keeper`).
 Imports the core's checks and stores, the copier, the RAM tier and the
 shared records.
 """
@@ -48,7 +49,7 @@ from kvtier.core.shared.inplace import nothing
 from kvtier.core.stores import Stores
 from kvtier.errors import BadArgumentError, ForbiddenError, NoCapacityError, TierError
 from kvtier.model import LOOP_STEP, Buffer, ConnId, Copied, Limits, PutStatus
-from kvtier.tiers.ram import RamTier, Slots
+from kvtier.tiers.ram import HeldKind, RamTier, Slots
 
 log = logging.getLogger("kvtier.shared")
 
@@ -344,6 +345,21 @@ class Regions:
         rooms = self.stores.stage_rooms(length, len(lengths), namespace)
         if rooms:
             self._rooms[owner] = rooms
+
+    # -- the room it holds (a Keeper of the RAM tier)
+
+    def held(self) -> dict[HeldKind, int]:
+        size = self.slots.block_size
+        return {HeldKind.READY: sum(len(r) * size(len(r[0])) for r in self._rooms.values() if r)}
+
+    yields = HeldKind.READY
+
+    def reclaim(self, need: int) -> int:
+        """Give back every connection's rooms made ahead (never handed out)."""
+        freed = self.held()[HeldKind.READY]
+        for owner in list(self._rooms):
+            self._free_rooms(owner)
+        return freed
 
     def _free_rooms(self, owner: ConnId) -> None:
         """``owner``'s rooms made ahead, never handed out: freed at once."""
