@@ -68,7 +68,7 @@ from kvtier.tiers.disk.io import (
     write_block,
 )
 from kvtier.tiers.disk.journal import Op, Record
-from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, IndexJournal, Loaded
+from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, GROUP_SECONDS, IndexJournal, Loaded
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
 from kvtier.tiers.sealing import TORN, Sealer, SealError
 
@@ -132,6 +132,8 @@ class DiskTier(LocalTier):
         self.loaded: Loaded | None = None
         #: a compaction of the index's files in flight
         self._compacting: asyncio.Future[None] | None = None
+        #: the timer that writes the journal's held records
+        self._grouping: asyncio.TimerHandle | None = None
         #: the held lock of the directory (:meth:`prepare` to :meth:`close`)
         self._lock: int | None = None
 
@@ -266,10 +268,25 @@ class DiskTier(LocalTier):
             await asyncio.wait([self._compacting])
         await asyncio.shield(self._start_compaction())
 
-    def _compact_if_due(self) -> None:
-        """Start a compaction in the background once the journal has grown."""
+    def _journalled(self) -> None:
+        """Records were appended to the journal: have them written within
+        ``GROUP_SECONDS`` (as one frame with the others appended meanwhile),
+        and start a compaction in the background once the journal has grown."""
+        if self._grouping is None and self.journal.held:
+            self._grouping = asyncio.get_running_loop().call_later(GROUP_SECONDS, self._group)
         if self.journal.due and self._compacting is None:
             self._start_compaction()
+
+    def _group(self) -> None:
+        """Write the journal's held records (on an I/O thread)."""
+        self._grouping = None
+        written = asyncio.get_running_loop().run_in_executor(self.executor, self.journal.flush)
+
+        def ended(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled() and (exc := fut.exception()) is not None:
+                log.warning("writing the disk index's journal failed: %s", exc)
+
+        written.add_done_callback(ended)
 
     def _start_compaction(self) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
@@ -287,6 +304,7 @@ class DiskTier(LocalTier):
     async def _shrink_to_capacity(self) -> None:
         victims = self.budget.evict_for(0)  # until indexed plus in-flight bytes fit
         await asyncio.get_running_loop().run_in_executor(self.executor, self._unlink, victims)
+        self._journalled()
 
     # -- files and their journal records (on the I/O threads)
 
@@ -377,6 +395,7 @@ class DiskTier(LocalTier):
                 self.budget.drop_pins(key)
                 self.budget.remove(key, Gone.LOST)
             await asyncio.get_running_loop().run_in_executor(self.executor, self._unlink, [key])
+            self._journalled()
             return None
         except OSError as exc:
             raise TierError(f"disk: reading {self.path_of(key)} failed: {exc}") from exc
@@ -416,6 +435,7 @@ class DiskTier(LocalTier):
             deleted = [k for k in present if k in self._deleted_while_writing]
             if deleted:
                 await loop.run_in_executor(self.executor, self._unlink, deleted)
+            self._journalled()
         finally:
             for key in keys:
                 self._deleted_while_writing.discard(key)
@@ -484,6 +504,7 @@ class DiskTier(LocalTier):
                 del self._writing[key]
                 if not done.done():
                     done.set_result(None)
+                self._journalled()
             if deleted:
                 return
             self.budget.unpin(key)
@@ -496,10 +517,10 @@ class DiskTier(LocalTier):
                     late = []
                 if late:
                     await loop.run_in_executor(self.executor, self._unlink, late)
+                    self._journalled()
             if self.fsync == "batch":
                 self._dirty.append(path)
                 self._write_gen += 1
-            self._compact_if_due()
         if durable and self.fsync == "batch":
             await self.sync()
 
@@ -555,6 +576,7 @@ class DiskTier(LocalTier):
             if self._writing.get(key) is done:
                 del self._writing[key]
             done.set_result(None)
+            self._journalled()
 
         unlink.add_done_callback(finished)
         return True
@@ -584,6 +606,9 @@ class DiskTier(LocalTier):
         return [await self.remove(k) for k in keys]
 
     async def close(self) -> None:
+        if self._grouping is not None:  # (the journal's close writes what it holds)
+            self._grouping.cancel()
+            self._grouping = None
         if self.fsync == "batch" and self._dirty:
             await self.sync()
         if self._compacting is not None:
