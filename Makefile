@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: ceph-tools soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ imports: $(STAMP)
 # The suite runs in one worker per core (pytest-xdist); PYTEST_WORKERS=0 runs
 # it in this process alone.
 PYTEST_WORKERS ?= auto
-unit: $(STAMP) deploy-tools
+unit: $(STAMP) deploy-tools ceph-tools
 	KVTIER_REQUIRE_TOOLS=1 PATH="$(CURDIR)/$(TOOLS)/usr/bin:$$PATH" $(BIN)/pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test: lint typecheck imports unit
@@ -51,6 +51,13 @@ $(PROMTOOL):
 	  { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; } && \
 	  dpkg -x prometheus_*.deb $(CURDIR)/$(TOOLS) && rm -f prometheus_*.deb
 	@test -x $@
+
+# Ceph's RADOS Gateway, the object store the S3 tests start (tests/ceph.py):
+# Debian's packages, installed where they are missing (as root, as CI runs;
+# elsewhere this says how, and the tests that need it fail saying so too).
+CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
+ceph-tools:
+	@for p in ceph-mon ceph-osd radosgw ceph-authtool monmaptool radosgw-admin; do 	  command -v $$p >/dev/null || missing=1; done; 	[ -z "$$missing" ] && exit 0; 	if [ "$$(id -u)" != 0 ]; then 	  echo "The S3 tests need Ceph: sudo apt-get install -y --no-install-recommends $(CEPH_PACKAGES)"; 	  exit 0; fi; 	echo "installing Ceph's RADOS Gateway for the S3 tests ($(CEPH_PACKAGES))"; 	export DEBIAN_FRONTEND=noninteractive; 	apt-get install -y -qq --no-install-recommends $(CEPH_PACKAGES) >/dev/null 2>&1 || 	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(CEPH_PACKAGES) >/dev/null; }
 
 deploy-tools: $(PROMTOOL)
 	@command -v kubectl >/dev/null || test -x $(TOOLS)/usr/bin/kubectl || { \

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -7,7 +8,24 @@ from pathlib import Path
 import pytest
 
 from kvtier.daemon import Daemon
+from tests.ceph import CephS3, ceph_s3, missing
 from tests.helpers import running_daemon, short_tmpdir
+
+
+@pytest.fixture(scope="session")
+def ceph() -> Iterator[CephS3]:
+    """The object store the tests start (tests/ceph.py): one single-node Ceph
+    cluster and its RADOS Gateway for the session (each worker's), a bucket
+    per test. Without Ceph's programs the tests that need it are skipped,
+    saying how to install them; ``make test`` (KVTIER_REQUIRE_TOOLS=1)
+    installs them first and fails rather than skip."""
+    absent = missing()
+    if absent:
+        how = "apt-get install -y --no-install-recommends " + " ".join(absent)
+        if os.environ.get("KVTIER_REQUIRE_TOOLS"):
+            pytest.fail(f"Ceph is not installed: {how}")
+        pytest.skip(f"needs Ceph's RADOS Gateway: {how} (make test does)")
+    yield from ceph_s3()
 
 
 @pytest.fixture

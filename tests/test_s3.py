@@ -1,12 +1,14 @@
-"""The S3 tier against a real S3-compatible HTTP server (moto's server mode),
-reached through aiobotocore; requests are counted at a proxy in front of it."""
+"""The S3 tier against a real object store: Ceph's RADOS Gateway on loopback
+(tests/ceph.py), reached through aiobotocore; requests are counted, held or
+refused at a proxy in front of it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +19,17 @@ from kvtier.config import S3TierConfig
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.daemon import Daemon
 from kvtier.tiers.s3 import CHECKSUM_META, S3Tier
+from tests.ceph import CephS3
 from tests.helpers import DaemonProcess, running_daemon, wait_on_timers, wait_until
-from tests.s3server import S3Server, s3_server
 
 H, M, P, R = State.HIT, State.MISS, State.PENDING, State.RETRY
 K = bytes(range(32))
 VALUE = b"kv-block-" * 20_000
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
+@pytest.fixture
+def s3(ceph: CephS3) -> CephS3:
+    return ceph
 
 
 def object_path(bucket: str, key: bytes, prefix: str = "fleet-a/") -> str:
@@ -36,7 +38,7 @@ def object_path(bucket: str, key: bytes, prefix: str = "fleet-a/") -> str:
 
 @pytest.fixture
 async def daemon(
-    s3: S3Server, sock_dir: Path, request: pytest.FixtureRequest
+    s3: CephS3, sock_dir: Path, request: pytest.FixtureRequest
 ) -> AsyncIterator[Daemon]:
     marker = request.node.get_closest_marker("s3tier")
     overrides: dict[str, Any] = dict(marker.kwargs) if marker else {}
@@ -56,7 +58,7 @@ def sample(d: Daemon, name: str, **labels: str) -> float:
     return d.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-async def test_two_daemons_share_one_bucket(s3: S3Server, sock_dir: Path, tmp_path: Path) -> None:
+async def test_two_daemons_share_one_bucket(s3: CephS3, sock_dir: Path, tmp_path: Path) -> None:
     bucket = s3.new_bucket()
     config = tmp_path / "kvtier.toml"
     tier = s3.tier_config(bucket)
@@ -87,7 +89,7 @@ async def test_two_daemons_share_one_bucket(s3: S3Server, sock_dir: Path, tmp_pa
         assert b.stop() == 0
 
 
-async def test_64_lookups_one_head_then_64_gets_one_get(s3: S3Server, daemon: Daemon) -> None:
+async def test_64_lookups_one_head_then_64_gets_one_get(s3: CephS3, daemon: Daemon) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
     plant(s3, bucket, K)
     path = object_path(bucket, K)
@@ -116,7 +118,7 @@ async def test_64_lookups_one_head_then_64_gets_one_get(s3: S3Server, daemon: Da
 
 
 async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
-    s3: S3Server, sock_dir: Path
+    s3: CephS3, sock_dir: Path
 ) -> None:
     bucket = s3.new_bucket()
     skew = 0.0  # the breaker's clock runs ahead of real time by this much
@@ -172,7 +174,7 @@ async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
         assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0
 
 
-async def test_tampered_object_is_a_counted_miss(s3: S3Server, daemon: Daemon) -> None:
+async def test_tampered_object_is_a_counted_miss(s3: CephS3, daemon: Daemon) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
     plant(s3, bucket, K, b"X" + VALUE[1:])  # bytes changed, checksum of the original kept
     async with await Client.connect(daemon.socket_path) as c:
@@ -184,7 +186,7 @@ async def test_tampered_object_is_a_counted_miss(s3: S3Server, daemon: Daemon) -
 
 @pytest.mark.s3tier(hedge_after=0.05, hedge_max_ratio=1.0)
 async def test_a_get_the_endpoint_holds_is_sent_again_and_the_first_answer_wins(
-    s3: S3Server, daemon: Daemon
+    s3: CephS3, daemon: Daemon
 ) -> None:
     """The endpoint holds the first GET: past hedge_after the object is asked
     for again, that answer (checksum-verified) is served, the held one dropped."""
@@ -203,9 +205,7 @@ async def test_a_get_the_endpoint_holds_is_sent_again_and_the_first_answer_wins(
 
 
 @pytest.mark.s3tier(hedge_after=0.05, hedge_max_ratio=0.0)
-async def test_without_a_hedge_budget_a_held_get_is_waited_for(
-    s3: S3Server, daemon: Daemon
-) -> None:
+async def test_without_a_hedge_budget_a_held_get_is_waited_for(s3: CephS3, daemon: Daemon) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
     plant(s3, bucket, K)
     s3.proxy.hold("GET", count=1)
@@ -224,7 +224,7 @@ async def test_without_a_hedge_budget_a_held_get_is_waited_for(
     assert s3.proxy.counts[("GET", object_path(bucket, K))] == 1
 
 
-async def test_write_through_and_delete_reach_the_bucket(s3: S3Server, daemon: Daemon) -> None:
+async def test_write_through_and_delete_reach_the_bucket(s3: CephS3, daemon: Daemon) -> None:
     bucket = daemon.bucket  # type: ignore[attr-defined]
     stored = s3.proxy.when_completed("PUT", object_path(bucket, K))
     async with await Client.connect(daemon.socket_path) as c:
@@ -239,7 +239,7 @@ async def test_write_through_and_delete_reach_the_bucket(s3: S3Server, daemon: D
     assert sample(daemon, "kvtier_s3_bytes_total", tier="s3", direction="out") == len(VALUE)
 
 
-def plant(s3: S3Server, bucket: str, key: bytes, body: bytes = VALUE) -> None:
+def plant(s3: CephS3, bucket: str, key: bytes, body: bytes = VALUE) -> None:
     """An object in the bucket as the tier writes it (prefix ``fleet-a/``),
     its checksum metadata ``VALUE``'s: another ``body`` is a tampered one."""
     s3.boto().put_object(
@@ -315,3 +315,59 @@ async def test_a_hung_endpoint_opens_the_breaker_and_cold_lookups_answer_at_once
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_blocks_a_hung_store_hid_read_hit_once_its_breaker_closes(
+    s3: CephS3, sock_dir: Path
+) -> None:
+    """RGW hangs (SIGSTOP) while a reader GETs blocks the store said it has:
+    the GETs time out, the breaker opens and refuses the rest. Those were
+    errors, not the store's answer: once RGW answers again and the breaker
+    closes, every block reads HIT at the next lookup, however long
+    ``verdict_ttl`` (``error_ttl`` 0 here: the default keeps an error 0.5 s)."""
+    bucket = s3.new_bucket()
+    keys = [b"hidden-%d" % i for i in range(8)]
+    for key in keys:
+        plant(s3, bucket, key)
+    skew = 0.0  # the breaker's clock runs ahead of real time by this much
+
+    def clock() -> float:
+        return time.monotonic() + skew
+
+    cfg = S3TierConfig.model_validate(
+        s3.tier_config(
+            bucket,
+            connect_timeout=0.5,
+            read_timeout=0.5,
+            op_timeout=1.0,
+            max_attempts=1,
+            breaker_failures=2,
+            breaker_reset=60.0,
+            hedge_max_ratio=0.0,
+        )
+    )
+    tier = RemoteSpec(S3Tier(cfg, clock=clock), WritePolicy.NONE)
+    async with (
+        running_daemon(
+            sock_dir,
+            remote_tiers=[tier],
+            disk={"enabled": False},
+            lookup={"remote_hit": "hit", "verdict_ttl": 600.0, "error_ttl": 0.0},
+        ) as daemon,
+        await Client.connect(daemon.socket_path, shared=False) as c,
+    ):
+        assert (await c.lookup(keys, wait=10.0)).states == [H] * 8  # the store said so
+        s3.cluster.rgw_signal(signal.SIGSTOP)
+        try:
+            assert await c.get_many(keys) == [None] * 8  # timed out, then refused
+            assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 2  # open
+        finally:
+            s3.cluster.rgw_signal(signal.SIGCONT)
+        skew += 60.0  # the breaker's reset interval passes
+        for _ in range(20):  # lookups ask again: the trial request goes out
+            await c.lookup(keys, wait=10.0)
+            if sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0:
+                break  # it succeeded: the breaker closed
+        assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0
+        assert (await c.lookup(keys, wait=10.0)).states == [H] * 8
+        assert [bytes(v or b"") for v in await c.get_many(keys)] == [VALUE] * 8

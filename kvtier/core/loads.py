@@ -11,7 +11,9 @@ Invariants: one load of a key at a time, however many readers (a disk read
 is shared through its future, a promotion is a pending write readers wait
 on); a promotion's reservation ends in ``finally`` whatever the load did,
 and a tier that claimed a block it could not deliver is told ABSENT for it
-(no lookup-says-HIT / load-fails livelock); a GET's waits end at shutdown
+(no lookup-says-HIT / load-fails livelock), or ERROR when the load failed
+rather than the store answering (an error is never remembered as absence:
+the block is asked for again after ``error_ttl``); a GET's waits end at shutdown
 and never cancel what they wait on; a GET that fails unpins what it pinned.
 Imports the core's parts, the tiers and the shared records.
 """
@@ -196,8 +198,13 @@ class Loads:
             )
             return value
 
-        def failed() -> None:
-            slot.probes.force(key, Verdict.ABSENT, self.c.now())
+        def failed(outcome: Promoted) -> None:
+            # Only the store's answer is a verdict: an object it said it has
+            # not (or one that did not admit) is absent for verdict_ttl; a
+            # load that failed (an error, a timeout, a breaker that refused
+            # to send it) is an error, kept for error_ttl.
+            verdict = Verdict.ERROR if outcome is Promoted.FAILED else Verdict.ABSENT
+            slot.probes.force(key, verdict, self.c.now())
 
         return self._start_promotion(slot.name, key, now, load, failed)
 
@@ -250,7 +257,7 @@ class Loads:
         key: bytes,
         now: float,
         load: Callable[[], Awaitable[Buffer | None]],
-        failed: Callable[[], None] | None,
+        failed: Callable[[Promoted], None] | None,
     ) -> Reservation:
         """A promotion is a pending write whose writer is a load from a lower
         tier: readers of the key wait on it like on any write, so concurrent
@@ -265,7 +272,7 @@ class Loads:
         source: str,
         res: Reservation,
         load: Callable[[], Awaitable[Buffer | None]],
-        failed: Callable[[], None] | None,
+        failed: Callable[[Promoted], None] | None,
     ) -> None:
         """Load, then store into RAM if the reservation still holds the key (a
         client's PUT may have completed it first). The reservation ends in
@@ -295,7 +302,7 @@ class Loads:
             if value is not None:
                 self.c.costs.observe(source, time.perf_counter() - began, len(value))
             if failed is not None and outcome in (Promoted.FAILED, Promoted.ABSENT):
-                failed()
+                failed(outcome)
             self._promoted[source][outcome].value += 1
             if outcome is not Promoted.COMPLETED:  # a completed one ended with its store
                 self.c.pending.end(res, End.ABORTED)
