@@ -69,6 +69,11 @@ class S3TierConfig(Section):
     #: how blocks reach the tier: write-through (every PUT, in the background), write-back (RAM
     #: evictions), none
     write_policy: WritePolicy = "write-through"
+    #: upload a block only if the bucket has no object of its key yet
+    #: (If-None-Match: *): of daemons writing one block at once, one stores
+    #: it and the others' PUTs are no-ops; off for a store that refuses the
+    #: header (the tier also turns it off by itself when one does)
+    conditional_put: bool = True
     #: background writes beyond this many bytes in flight are dropped and
     #: counted; each counts its block plus 8 KiB (the write's own memory)
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)

@@ -20,7 +20,7 @@ from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.daemon import Daemon
 from kvtier.tiers.s3 import CHECKSUM_META, S3Tier
 from tests.ceph import CephS3
-from tests.helpers import DaemonProcess, running_daemon, wait_on_timers, wait_until
+from tests.helpers import DaemonProcess, running_daemon, short_tmpdir, wait_on_timers, wait_until
 
 H, M, P, R = State.HIT, State.MISS, State.PENDING, State.RETRY
 K = bytes(range(32))
@@ -371,3 +371,52 @@ async def test_blocks_a_hung_store_hid_read_hit_once_its_breaker_closes(
         assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0
         assert (await c.lookup(keys, wait=10.0)).states == [H] * 8
         assert [bytes(v or b"") for v in await c.get_many(keys)] == [VALUE] * 8
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["one-after-the-other", "at-once"])
+async def test_two_daemons_writing_the_same_blocks_upload_them_once(
+    s3: CephS3, at_once: bool
+) -> None:
+    """Two daemons write the same 8 blocks through to one bucket: the PUTs
+    are conditional (If-None-Match: *), so the store keeps the first of
+    each and answers the other 412, a counted no-op. One after the other,
+    every second PUT is one; at once, each block is stored and readable
+    whichever wins, and no PUT fails."""
+    bucket = s3.new_bucket()
+    keys = [b"twice-%d" % i for i in range(8)]
+    values = [bytes([i]) * 300_000 for i in range(8)]
+    async with (
+        running_daemon(
+            short_tmpdir(), remote_tier_configs=[s3.tier_config(bucket)], disk={"enabled": False}
+        ) as a,
+        running_daemon(
+            short_tmpdir(), remote_tier_configs=[s3.tier_config(bucket)], disk={"enabled": False}
+        ) as b,
+    ):
+
+        async def write(d: Daemon) -> None:
+            async with await Client.connect(d.socket_path) as c:
+                await c.put_many(keys, values)
+            await d.settle()  # (written through)
+
+        if at_once:
+            await asyncio.gather(write(a), write(b))
+        else:
+            await write(a)
+            await write(b)
+
+        def puts(outcome: str) -> float:
+            return sum(
+                sample(d, "kvtier_s3_requests_total", tier="s3", op="put", outcome=outcome)
+                for d in (a, b)
+            )
+
+        assert puts("ok") + puts("exists") == 16 and puts("error") == 0
+        if not at_once:
+            assert (puts("ok"), puts("exists")) == (8, 8)
+            assert sample(b, "kvtier_s3_requests_total", tier="s3", op="put", outcome="exists") == 8
+        boto = s3.boto()
+        for key, value in zip(keys, values, strict=True):
+            assert (
+                boto.get_object(Bucket=bucket, Key=f"fleet-a/{key.hex()}")["Body"].read() == value
+            )

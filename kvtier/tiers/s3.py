@@ -51,6 +51,10 @@ T = TypeVar("T")
 
 CHECKSUM_META = "kvtier-xxh3"
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+#: a conditional PUT's answer: the object exists already
+_EXISTS = {"412", "PreconditionFailed"}
+#: a store's refusal of the conditional header itself (it does not support it)
+_UNSUPPORTED = {"501", "NotImplemented"}
 
 
 def object_checksum(key: bytes, value: Buffer) -> str:
@@ -79,6 +83,7 @@ class S3Outcome(enum.Enum):
 
     OK = "ok"
     NOT_FOUND = "not_found"
+    EXISTS = "exists"  # a conditional PUT of an object the bucket has: a no-op
     CORRUPT = "corrupt"  # S3 answered; the object is bad, not the endpoint
     ERROR = "error"
     TIMEOUT = "timeout"  # past its deadline: a failure of the endpoint
@@ -87,7 +92,7 @@ class S3Outcome(enum.Enum):
 
 
 #: outcomes that prove the endpoint answers
-_HEALTHY = (S3Outcome.OK, S3Outcome.NOT_FOUND, S3Outcome.CORRUPT)
+_HEALTHY = (S3Outcome.OK, S3Outcome.NOT_FOUND, S3Outcome.EXISTS, S3Outcome.CORRUPT)
 #: a request is given this share of its caller's deadline, so that it ends,
 #: and counts as a failure, before the caller gives up on it
 DEADLINE_SHARE = 0.8
@@ -98,6 +103,14 @@ class _NotFound(Exception):
 
 
 class _Corrupt(Exception):
+    pass
+
+
+class _Exists(Exception):
+    pass
+
+
+class _Unsupported(Exception):
     pass
 
 
@@ -139,6 +152,9 @@ class S3Tier(Tier):
         self._limit = asyncio.Semaphore(cfg.max_concurrency)
         self._client: Any = None
         self._exit: contextlib.AsyncExitStack | None = None
+        #: PUTs ask the store to refuse an object it has (cfg.conditional_put,
+        #: until a store refuses the header)
+        self._conditional = cfg.conditional_put
 
     def __repr__(self) -> str:
         return f"<S3Tier {self.name} s3://{self.bucket}/{self.prefix} {self.breaker!r}>"
@@ -215,6 +231,9 @@ class S3Tier(Tier):
         except _NotFound:
             outcome = S3Outcome.NOT_FOUND
             raise
+        except _Exists:
+            outcome = S3Outcome.EXISTS
+            raise
         except _Corrupt:
             outcome = S3Outcome.CORRUPT
             raise
@@ -230,6 +249,12 @@ class S3Tier(Tier):
             if code in _NOT_FOUND:
                 outcome = S3Outcome.NOT_FOUND
                 raise _NotFound() from None
+            if code in _EXISTS:
+                outcome = S3Outcome.EXISTS
+                raise _Exists() from None
+            if code in _UNSUPPORTED:
+                outcome = S3Outcome.OK  # (it answered: the header is what it refuses)
+                raise _Unsupported(code) from None
             raise TierError(f"{self.name}: {op} failed: {code or exc}") from exc
         except (BotoCoreError, OSError) as exc:
             raise TierError(f"{self.name}: {op} failed: {exc}") from exc
@@ -322,17 +347,31 @@ class S3Tier(Tier):
         if not sealer.passes(value):
             value = await asyncio.to_thread(sealer.seal, key, value)
         body = bytes(value)
+        conditional = self._conditional
 
         async def call() -> None:
+            extra = {"IfNoneMatch": "*"} if conditional else {}
             resp = await self._client.put_object(
                 Bucket=self.bucket,
                 Key=self.object_key(key),
                 Body=body,
                 Metadata={CHECKSUM_META: object_checksum(key, body)},
+                **extra,
             )
             self._count_retries("put", resp)
 
-        await self._call("put", call)
+        try:
+            await self._call("put", call)
+        except _Exists:
+            return  # another writer stored it first: the same block (counted)
+        except _Unsupported as exc:
+            log.warning(
+                "%s: the store refuses conditional PUTs (%s); writing unconditionally",
+                self.name,
+                exc,
+            )
+            self._conditional = conditional = False
+            await self._call("put", call)
         self.counters.bytes_out.value += len(body)
 
     async def _delete(self, key: bytes) -> None:
