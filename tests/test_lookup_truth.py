@@ -2,8 +2,8 @@
 daemon would not.
 
 A stateful property test (hypothesis's ``RuleBasedStateMachine``, seeded)
-drives a real daemon, with its lookup process and an S3 tier on a real
-S3-compatible server, through random sequences of PUT, GET, DELETE,
+drives a real daemon, with its lookup process (and in one of its three
+fleets an S3 tier on a real S3-compatible server), through random sequences of PUT, GET, DELETE,
 RESERVE, ABORT, writers that stall inside a PUT body or close halfway,
 evictions under a small RAM tier, block files corrupted or removed behind
 the daemon's back, objects planted in the bucket by other daemons (sealed
@@ -16,8 +16,8 @@ are equal. A GET returns the block's own bytes or nothing; a block whose
 load failed is never answered HIT again; a budget only cuts a lookup's
 tail; and what RAM holds and has promised stays within its capacity.
 
-``make test`` runs a few hundred steps on two daemons (with a disk tier and
-without); ``make soak-lookups`` runs the same machine for
+``make test`` runs a few hundred steps on three daemons (with a disk tier,
+without, and with a disk and an S3 tier); ``make soak-lookups`` runs the same machine for
 ``LOOKUP_SOAK_SECONDS`` (default 600) with seeds from ``LOOKUP_SOAK_SEED``.
 """
 
@@ -66,12 +66,14 @@ SIZES = [3000, 90_000, 600_000]
 SETTLE_TRIES = 50
 
 
-def config_text(ram_max: str, uids: list[int], s3: dict[str, object]) -> str:
+def config_text(ram_max: str, uids: list[int], s3: dict[str, object] | None) -> str:
+    remote = ""
+    if s3 is not None:
+        remote = "[[remote_tiers]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in s3.items())
     return (
         "[server]\nbody_timeout = 1.0\n[lookup]\npending_deadline = 2.0\nverdict_ttl = 0.2\n"
         f'[namespaces.team]\nram_max = "{ram_max}"\nuids = {uids}\n'
-        f"[namespaces.default]\nuids = {uids}\n"
-        "[[remote_tiers]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in s3.items())
+        f"[namespaces.default]\nuids = {uids}\n{remote}"
     )
 
 
@@ -79,13 +81,17 @@ class Fleet:
     """One daemon and its clients: per namespace, one that asks the lookup
     process first and one that asks the daemon only."""
 
-    def __init__(self, disk: bool) -> None:
+    def __init__(self, disk: bool, s3: bool = False) -> None:
+        """``s3``: with an S3 tier below (its lookup process then refers
+        every lookup of a key it does not hold: the daemon probes)."""
         self.dir = short_tmpdir()
         self.config = self.dir / "kvtier.toml"
         self.uids = [os.getuid()]
-        self.s3 = S3Server()
-        self.bucket = self.s3.new_bucket()
-        self.tier = self.s3.tier_config(self.bucket, write_policy="none")
+        self.s3 = S3Server() if s3 else None
+        self.bucket = self.s3.new_bucket() if self.s3 is not None else ""
+        self.tier = (
+            self.s3.tier_config(self.bucket, write_policy="none") if self.s3 is not None else None
+        )
         self.config.write_text(config_text("1MiB", self.uids, self.tier))
         args = ["--config", str(self.config), "--ram-capacity", "1536KiB"]
         if not disk:
@@ -119,6 +125,7 @@ class Fleet:
     def plant(self, ns: str, k: bytes, stored: bytes) -> None:
         """``stored`` as ``k``'s object in the bucket, as another daemon
         writes it (its checksum metadata included)."""
+        assert self.s3 is not None and self.tier is not None
         key = namespace_prefix(ns.encode()) + k
         name = f"{self.tier['prefix']}{ns + '/' if ns else ''}{k.hex()}"
         self.s3.boto().put_object(
@@ -134,7 +141,8 @@ class Fleet:
         try:
             assert self.proc.stop() == 0
         finally:
-            self.s3.close()
+            if self.s3 is not None:
+                self.s3.close()
 
 
 class Truth(RuleBasedStateMachine):
@@ -249,6 +257,7 @@ class Truth(RuleBasedStateMachine):
         else:
             assert set(bytes(value)) == {i}  # RAM still held it: served from there
 
+    @precondition(lambda self: self.fleet.s3 is not None)
     @rule(
         ns=st.sampled_from(NAMESPACES),
         i=st.integers(0, KEYS - 1),
@@ -332,9 +341,13 @@ class Truth(RuleBasedStateMachine):
                 self.fleet.direct[ns].delete_many(keys)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["disk", "ram-only"])
+@pytest.fixture(
+    scope="module",
+    params=[(True, False), (False, False), (True, True)],
+    ids=["disk", "ram-only", "s3"],
+)
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    f = Fleet(disk=request.param)
+    f = Fleet(*request.param)
     yield f
     f.close()
 
@@ -361,6 +374,8 @@ def test_the_lookup_process_answers_as_the_daemon_does(fleet: Fleet) -> None:
     answered, checks = fleet.answered(), Truth.checks
     run(fleet, seed=20261204, examples=12, steps=40)
     assert Truth.checks - checks >= 200  # a few hundred steps, each compared
+    if fleet.s3 is not None:
+        return  # (it refers what a remote tier may hold: the daemon answers those)
     for _ in range(10_000):  # its reports reach the daemon a few ms later
         if fleet.answered() > answered:
             break
@@ -370,15 +385,15 @@ def test_the_lookup_process_answers_as_the_daemon_does(fleet: Fleet) -> None:
 def soak(seconds: float, first_seed: int) -> int:
     """The machine, seed after seed, for ``seconds``; returns the runs made."""
     runs = 0
-    with_disk, without = Fleet(disk=True), Fleet(disk=False)
+    fleets = [Fleet(disk=True), Fleet(disk=False), Fleet(disk=True, s3=True)]
     try:
         until = time.monotonic() + seconds
         while time.monotonic() < until:
-            run(with_disk if runs % 2 == 0 else without, first_seed + runs, 10, 100)
+            run(fleets[runs % len(fleets)], first_seed + runs, 10, 100)
             runs += 1
     finally:
-        with_disk.close()
-        without.close()
+        for f in fleets:
+            f.close()
     return runs
 
 
