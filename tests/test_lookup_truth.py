@@ -70,8 +70,10 @@ def config_text(ram_max: str, uids: list[int], s3: dict[str, object] | None) -> 
     remote = ""
     if s3 is not None:
         remote = "[[remote_tiers]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in s3.items())
+    # (a kept verdict outlives a run: a key's probe is not started again
+    # between two of the comparison's lookups, which would read it RETRY)
     return (
-        "[server]\nbody_timeout = 1.0\n[lookup]\npending_deadline = 2.0\nverdict_ttl = 0.2\n"
+        "[server]\nbody_timeout = 1.0\n[lookup]\npending_deadline = 2.0\nverdict_ttl = 600.0\n"
         f'[namespaces.team]\nram_max = "{ram_max}"\nuids = {uids}\n'
         f"[namespaces.default]\nuids = {uids}\n{remote}"
     )
