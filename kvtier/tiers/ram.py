@@ -17,10 +17,11 @@ room for blocks about to arrive: announced by RESERVE, bodies being
 received in place, rooms handed to writers, rooms made ahead of a
 writer's next block. The parts that hold room are its keepers (:class:`Keeper`):
 when evicting every unpinned block would not make the room a store, a
-RESERVE or a promotion needs, each keeper first gives back what it holds
-but nobody uses (rooms made ahead, never handed out), and only then is the
-store refused, with an error that names what holds the room (pinned
-blocks, reservations, rooms, bodies). Imports the tiers' base, budget and
+RESERVE or a promotion needs, the keepers first give back what they hold
+but nobody uses (rooms made ahead, never handed out), then, for a block
+that is here (not for another RESERVE), reservations' room (they stay
+pending), and only then is the store refused, with an error that names
+what holds the room (pinned blocks, reservations, rooms, bodies). Imports the tiers' base, budget and
 policy; never the core or metrics.
 
 The shared arena is one anonymous memory file (``memfd_create``) of a fixed
