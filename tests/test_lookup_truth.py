@@ -276,9 +276,13 @@ class Truth(RuleBasedStateMachine):
         key = namespace_prefix(ns.encode()) + k
         if sealed:
             other = Sealer(Keys({ns.encode(): Keyring.of(OTHER_KEY)}))
+            direct = self.fleet.direct[ns]
+            # (a block this daemon holds is its own; one it holds on disk but
+            # cannot bring into a namespace's RAM is not this rule's)
+            local = direct.lookup([k], peek=True).states == [State.HIT]
             self.fleet.plant(ns, k, bytes(other.seal(key, value)))
             self.in_bucket[ns].discard(k)
-            if self.fleet.direct[ns].get(k) is None:
+            if direct.get(k) is None and not local:
                 self.failed[ns].add(k)
         else:
             self.fleet.plant(ns, k, bytes(Sealer(codec=Codec.ZSTD).seal(key, value)))
