@@ -21,8 +21,8 @@ RESERVE or a promotion needs, the keepers first give back what they hold
 but nobody uses (rooms made ahead, never handed out), then, for a block
 that is here (not for another RESERVE), reservations' room (they stay
 pending), and only then is the store refused, with an error that names
-what holds the room (pinned blocks, reservations, rooms, bodies). Imports the tiers' base, budget and
-policy; never the core or metrics.
+what holds the room (pinned blocks, reservations, rooms, bodies).
+Imports the tiers' base, budget and policy; never the core or metrics.
 
 The shared arena is one anonymous memory file (``memfd_create``) of a fixed
 size, mapped read-write by the daemon; its descriptor can be handed to a
