@@ -44,11 +44,9 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import boto3
-
-from tests.s3server import CountingProxy
+from tests.s3server import ProxiedS3
 
 #: the Debian packages the cluster runs from, and a program each ships
 PACKAGES = {
@@ -57,7 +55,6 @@ PACKAGES = {
     "radosgw": "radosgw",
     "ceph-common": "ceph-authtool",
 }
-REGION = "us-east-1"
 #: seconds a start may take before it is given up (about 2-3 s here)
 START_TIMEOUT = 60.0
 #: seconds a daemon is given to exit on SIGTERM before SIGKILL
@@ -284,52 +281,21 @@ class CephCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class CephS3:
-    """The tests' S3 on a :class:`CephCluster`: buckets, a tier's
-    configuration and a client, through a counting proxy (the interface of
-    :class:`tests.s3server.S3Server`)."""
+class CephS3(ProxiedS3):
+    """The tests' S3 on a :class:`CephCluster`, through a counting proxy."""
 
     def __init__(self, store: Store = "memstore") -> None:
         self.cluster = CephCluster(store).start()
-        self.proxy = CountingProxy(self.cluster.endpoint).start()
-        self._token = secrets.token_hex(4)
-        self._buckets = 0
+        try:
+            super().__init__(
+                self.cluster.endpoint, self.cluster.access_key, self.cluster.secret_key
+            )
+        except BaseException:
+            self.cluster.stop()
+            raise
 
     def __repr__(self) -> str:
         return f"<CephS3 {self.cluster!r} buckets={self._buckets}>"
-
-    @property
-    def credentials(self) -> dict[str, str]:
-        return {
-            "aws_access_key_id": self.cluster.access_key,
-            "aws_secret_access_key": self.cluster.secret_key,
-        }
-
-    def boto(self) -> Any:
-        return boto3.client(
-            "s3", endpoint_url=self.cluster.endpoint, region_name=REGION, **self.credentials
-        )
-
-    def new_bucket(self) -> str:
-        self._buckets += 1
-        name = f"kvtier-test-{self._token}-{self._buckets}"
-        self.boto().create_bucket(Bucket=name)
-        return name
-
-    def tier_config(self, bucket: str, **overrides: Any) -> dict[str, Any]:
-        cfg: dict[str, Any] = {
-            "kind": "s3",
-            "name": "s3",
-            "bucket": bucket,
-            "prefix": "fleet-a/",
-            "region": REGION,
-            "endpoint_url": self.proxy.url,
-            "addressing_style": "path",
-            "access_key_id": self.cluster.access_key,
-            "secret_access_key": self.cluster.secret_key,
-        }
-        cfg.update(overrides)
-        return cfg
 
     def close(self) -> None:
         try:

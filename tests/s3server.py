@@ -172,28 +172,38 @@ class CountingProxy:
         self._thread.join(10)
 
 
-class S3Server:
-    def __init__(self) -> None:
-        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.moto.start()
-        host, port = self.moto.get_host_and_port()
-        self.moto_url = f"http://{host}:{port}"
-        self.proxy = CountingProxy(self.moto_url).start()
+class ProxiedS3:
+    """An S3 endpoint as the tests use it, through a :class:`CountingProxy`:
+    a client of its own, new buckets, and a tier's configuration (which
+    goes through the proxy). :class:`S3Server` (moto) and
+    :class:`tests.ceph.CephS3` (Ceph's RGW) are the two."""
+
+    def __init__(self, endpoint: str, access_key: str, secret_key: str) -> None:
+        #: the store itself (the proxy forwards to it)
+        self.endpoint = endpoint
+        self.access_key, self.secret_key = access_key, secret_key
+        self.proxy = CountingProxy(endpoint).start()
         self._buckets = 0
+        # (moto's buckets are the process's: another module's server sees them)
         self._token = secrets.token_hex(4)
 
     def boto(self) -> Any:
-        return boto3.client("s3", endpoint_url=self.moto_url, region_name=REGION, **CREDENTIALS)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )
 
     def new_bucket(self) -> str:
         self._buckets += 1
-        # (moto's buckets are the process's: another module's server sees them)
         name = f"kvtier-test-{self._token}-{self._buckets}"
         self.boto().create_bucket(Bucket=name)
         return name
 
     def tier_config(self, bucket: str, **overrides: Any) -> dict[str, Any]:
-        cfg = {
+        cfg: dict[str, Any] = {
             "kind": "s3",
             "name": "s3",
             "bucket": bucket,
@@ -201,11 +211,25 @@ class S3Server:
             "region": REGION,
             "endpoint_url": self.proxy.url,
             "addressing_style": "path",
-            "access_key_id": CREDENTIALS["aws_access_key_id"],
-            "secret_access_key": CREDENTIALS["aws_secret_access_key"],
+            "access_key_id": self.access_key,
+            "secret_access_key": self.secret_key,
         }
         cfg.update(overrides)
         return cfg
+
+
+class S3Server(ProxiedS3):
+    """moto's S3 server: for faults a real store cannot be made to show,
+    and for processes without Ceph."""
+
+    def __init__(self) -> None:
+        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.moto.start()
+        host, port = self.moto.get_host_and_port()
+        self.moto_url = f"http://{host}:{port}"
+        super().__init__(
+            self.moto_url, CREDENTIALS["aws_access_key_id"], CREDENTIALS["aws_secret_access_key"]
+        )
 
     def close(self) -> None:
         self.proxy.close()

@@ -58,6 +58,42 @@ def sample(d: Daemon, name: str, **labels: str) -> float:
     return d.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+class Ahead:
+    """A clock that runs ahead of real time by ``skew``: a test moves a
+    breaker's time on instead of sleeping through its reset."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skew
+
+
+def failing_fast(
+    s3: CephS3,
+    bucket: str,
+    clock: Ahead,
+    policy: WritePolicy,
+    max_pending: int = 0,
+    **overrides: Any,
+) -> RemoteSpec:
+    """An S3 tier whose requests fail within a second (one try) and whose
+    breaker opens after two failures for 60 s of ``clock``."""
+    cfg = S3TierConfig.model_validate(
+        s3.tier_config(
+            bucket,
+            connect_timeout=0.5,
+            read_timeout=0.5,
+            op_timeout=1.0,
+            max_attempts=1,
+            breaker_failures=2,
+            breaker_reset=60.0,
+            **overrides,
+        )
+    )
+    return RemoteSpec(S3Tier(cfg, clock=clock), policy, max_pending)
+
+
 async def test_two_daemons_share_one_bucket(s3: CephS3, sock_dir: Path, tmp_path: Path) -> None:
     bucket = s3.new_bucket()
     config = tmp_path / "kvtier.toml"
@@ -121,23 +157,8 @@ async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
     s3: CephS3, sock_dir: Path
 ) -> None:
     bucket = s3.new_bucket()
-    skew = 0.0  # the breaker's clock runs ahead of real time by this much
-
-    def clock() -> float:
-        return time.monotonic() + skew
-
-    cfg = S3TierConfig.model_validate(
-        s3.tier_config(
-            bucket,
-            connect_timeout=0.5,
-            read_timeout=0.5,
-            op_timeout=1.0,
-            max_attempts=1,
-            breaker_failures=2,
-            breaker_reset=60.0,
-        )
-    )
-    tier = RemoteSpec(S3Tier(cfg, clock=clock), WritePolicy.WRITE_THROUGH, 1 << 28)
+    clock = Ahead()
+    tier = failing_fast(s3, bucket, clock, WritePolicy.WRITE_THROUGH, 1 << 28)
     uploaded = s3.proxy.when_completed("PUT", object_path(bucket, b"local"))
     async with (
         running_daemon(
@@ -168,7 +189,7 @@ async def test_s3_outage_never_stalls_lookups_and_the_breaker_recovers(
         plant(s3, bucket, K)
         reply = await c.lookup([K], wait=10.0)
         assert reply.states == [M]  # still open: the probe was refused, not sent
-        skew += 60.0  # the breaker's reset interval passes
+        clock.skew += 60.0  # the breaker's reset interval passes
         reply = await c.lookup([K], wait=10.0)
         assert reply.states == [H]  # the trial request succeeded: S3 hits are back
         assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0
@@ -329,24 +350,8 @@ async def test_blocks_a_hung_store_hid_read_hit_once_its_breaker_closes(
     keys = [b"hidden-%d" % i for i in range(8)]
     for key in keys:
         plant(s3, bucket, key)
-    skew = 0.0  # the breaker's clock runs ahead of real time by this much
-
-    def clock() -> float:
-        return time.monotonic() + skew
-
-    cfg = S3TierConfig.model_validate(
-        s3.tier_config(
-            bucket,
-            connect_timeout=0.5,
-            read_timeout=0.5,
-            op_timeout=1.0,
-            max_attempts=1,
-            breaker_failures=2,
-            breaker_reset=60.0,
-            hedge_max_ratio=0.0,
-        )
-    )
-    tier = RemoteSpec(S3Tier(cfg, clock=clock), WritePolicy.NONE)
+    clock = Ahead()
+    tier = failing_fast(s3, bucket, clock, WritePolicy.NONE, hedge_max_ratio=0.0)
     async with (
         running_daemon(
             sock_dir,
@@ -363,7 +368,7 @@ async def test_blocks_a_hung_store_hid_read_hit_once_its_breaker_closes(
             assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 2  # open
         finally:
             s3.cluster.rgw_signal(signal.SIGCONT)
-        skew += 60.0  # the breaker's reset interval passes
+        clock.skew += 60.0  # the breaker's reset interval passes
         for _ in range(20):  # lookups ask again: the trial request goes out
             await c.lookup(keys, wait=10.0)
             if sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 0:
