@@ -200,6 +200,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
                 build_remote_tier(tc, config.lookup, keys, int(sc.max_block_bytes)),
                 WritePolicy(tc.write_policy),
                 tc.max_pending_write_bytes,
+                tc.max_backlog_bytes if isinstance(tc, S3TierConfig) else 0,
             )
             for tc in config.remote_tiers
         ]

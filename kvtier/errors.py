@@ -34,6 +34,7 @@ class ErrorCode(enum.IntEnum):
     FORBIDDEN = 13
     REFERRED = 14  # the lookup socket: ask the daemon (docs/lookup-process.md)
     TIMEOUT = 15  # a frame's bytes stopped arriving (server.body_timeout)
+    NOT_DURABLE = 16  # a durable PUT's blocks are stored, not durable: its tier failed
 
 
 class KvtierError(Exception):
@@ -169,6 +170,14 @@ class TierError(KvtierError):
     """A tier's backend failed."""
 
 
+class NotDurableError(TierError):
+    """A durable PUT's blocks are stored but not yet on a tier that
+    outlives the daemon: that tier failed the write (it is retried in the
+    background); store them again, durably, to be told when they are."""
+
+    code = ErrorCode.NOT_DURABLE
+
+
 class ReferredError(KvtierError):
     """The lookup socket cannot answer this lookup exactly: ask the daemon."""
 
@@ -198,6 +207,7 @@ _BY_CODE: dict[ErrorCode, type[KvtierError]] = {
     ErrorCode.FORBIDDEN: ForbiddenError,
     ErrorCode.REFERRED: ReferredError,
     ErrorCode.TIMEOUT: FrameTimeoutError,
+    ErrorCode.NOT_DURABLE: NotDurableError,
 }
 
 

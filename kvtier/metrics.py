@@ -464,9 +464,16 @@ class _Collector(Collector):
         )
         yield _counter(
             "kvtier_tier_writes_dropped",
-            "Background writes to a lower tier that were given up: cause backlog (too many "
-            "bytes already in flight) or failed (the tier refused after its retries)",
+            "Background writes to a lower tier that were given up: cause backlog (no room: "
+            "in flight past the bound, or owed past max_backlog_bytes), failed (the tier "
+            "refused and keeps no backlog) or gone (owed, and no local tier held it when sent)",
             c.writes_dropped,
+        )
+        yield _counter(
+            "kvtier_tier_writes_owed",
+            "Writes to a remote tier it failed or was behind for, owed and sent again "
+            "once it takes writes",
+            c.writes_owed,
         )
 
     def _maps(self, m: MapSizes) -> Iterator[Metric]:
@@ -482,6 +489,20 @@ class _Collector(Collector):
             verdicts.add_metric([tier], n)
         yield inflight
         yield verdicts
+        owed_blocks = GaugeMetricFamily(
+            "kvtier_tier_owed_blocks",
+            "Blocks a remote tier is owed (written through while it did not take them)",
+            labels=["tier"],
+        )
+        owed_bytes = GaugeMetricFamily(
+            "kvtier_tier_owed_bytes", "Bytes of the blocks a remote tier is owed", labels=["tier"]
+        )
+        for tier, n in m.owed_blocks.items():
+            owed_blocks.add_metric([tier], n)
+        for tier, n in m.owed_bytes.items():
+            owed_bytes.add_metric([tier], n)
+        yield owed_blocks
+        yield owed_bytes
         yield GaugeMetricFamily(
             "kvtier_pending_writes",
             "Blocks reading PENDING: reservations and promotions in flight",

@@ -180,6 +180,10 @@ class CephCluster:
             "paxos_propose_interval = 0.01\npaxos_min_wait = 0.01\n"
             "objecter_tick_interval = 0.5\nmon_data_avail_crit = 1\nmon_data_avail_warn = 2\n"
             "osd_fast_shutdown_notify_mon = false\n"
+            # A killed RGW's watches on its control objects would stay for
+            # 30 s, and the next one's first metadata write (a bucket) waits
+            # for their acks until they expire.
+            "osd_client_watch_timeout = 3\n"
             f"[mon.a]\nmon_data = {r}/mon/a\n"
             f"[osd.0]\nosd_data = {r}/osd/0\n{store}"
             f"[client.rgw.a]\nrgw_data = {r}/rgw\n"

@@ -50,8 +50,9 @@ class Written(enum.Enum):
 class Dropped(enum.Enum):
     """Why a background write to a lower tier was given up."""
 
-    BACKLOG = "backlog"
-    FAILED = "failed"
+    BACKLOG = "backlog"  # no room: in flight past the bound, or past the owed bound
+    FAILED = "failed"  # the tier failed it, and it keeps no owed blocks
+    GONE = "gone"  # owed, and no tier of this daemon held it any more when sent
 
 
 class CoreCounters:
@@ -70,6 +71,8 @@ class CoreCounters:
         self.promotions = Counts("tier", "outcome")
         self.demotions = Counts("tier", "outcome")
         self.writes_dropped = Counts("tier", "cause")
+        #: writes a remote tier missed (or was behind for), owed and sent again
+        self.writes_owed = Counts("tier")
         #: blocks stored with a writer's hint, by hint; and lookups that only peeked
         self.put_hints = Counts("hint")
         self.put_tail = self.put_hints.bind("tail")
@@ -137,3 +140,7 @@ class MapSizes:
     pending_writes: int
     request_states: int
     timers: int
+    #: blocks (and their bytes) each remote tier is owed (drains to 0 once
+    #: its store takes writes)
+    owed_blocks: dict[str, int]
+    owed_bytes: dict[str, int]

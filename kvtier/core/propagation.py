@@ -20,8 +20,19 @@ for memory with blocks of any size. Past the bound:
   tier full until then, so writers slow to the disk's pace and no block
   is lost. Only past ``HARD_LIMIT`` times the bound (writes that no
   client store paces: promotions kept locally) is one dropped;
-* a remote tier's (S3, peers) write is dropped, counted and logged: a slow
-  network tier never slows the engines' stores.
+* a remote tier's (S3, peers) write never slows the engines' stores: with
+  a backlog (an object store's ``max_backlog_bytes``) it is owed, as is a
+  write the tier failed (:mod:`kvtier.core.outbox`), and sent again, oldest
+  first, once the tier answers; the owed keys are kept on the disk where
+  there is one (:class:`~kvtier.tiers.disk.owedfile.OwedFile`, read again at
+  start), their bytes held in memory only where no disk copy outlives the
+  daemon. Past the backlog's bound, and without one, a write is dropped,
+  counted and logged.
+
+While a tier owes blocks, its new writes queue behind them: the order of
+the owed blocks is the order they were written. A durable PUT with no disk
+rests on the first remote tier that outlives the daemon (:meth:`Propagation.durably`):
+it waits for that tier's write, or fails saying why.
 
 A value is held (its RAM bytes unchanged) while its write runs. Imports the
 tiers' interface and the core's counters.
@@ -34,12 +45,16 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.backoff import Backoff
 from kvtier.core.counts import CoreCounters, Dropped, Written
+from kvtier.core.outbox import Outbox, Owed
+from kvtier.errors import NotDurableError
 from kvtier.model import Buffer
 from kvtier.tiers.base import Tier
+from kvtier.tiers.disk.owedfile import OwedFile
 
 log = logging.getLogger("kvtier.service")
 
@@ -68,6 +83,14 @@ HARD_LIMIT = 4
 #: seconds between two warnings of dropped writes of one tier
 DROP_LOG_INTERVAL = 10.0
 
+#: owed blocks sent at once to a tier that owes them
+SEND_AT_ONCE = 16
+#: seconds between two tries of a tier whose owed writes all failed: from
+#: the first, doubling up to the most (a tier whose breaker is open refuses
+#: at once, without a request, until its own trial succeeds)
+RETRY_FIRST = 0.05
+RETRY_MOST = 1.0
+
 
 @dataclass(slots=True, frozen=True)
 class RemoteSpec:
@@ -76,6 +99,9 @@ class RemoteSpec:
     tier: Tier
     policy: WritePolicy = WritePolicy.NONE
     max_pending: int = 0
+    #: bytes of blocks the tier may be owed while it does not take them
+    #: (0: a failed write is dropped)
+    max_backlog: int = 0
 
     def writer(self, written: Callable[[bytes], None]) -> Writer:
         """The tier as a :class:`Writer`; ``written(key)`` runs after each store."""
@@ -85,7 +111,16 @@ class RemoteSpec:
             await tier.batch_store([key], [value])
             written(key)
 
-        return Writer(tier.name, self.policy, self.max_pending, write, _never, local=False)
+        return Writer(
+            tier.name,
+            self.policy,
+            self.max_pending,
+            write,
+            _never,
+            local=False,
+            outlives=tier.outlives_daemon,
+            outbox=Outbox(self.max_backlog) if self.max_backlog else None,
+        )
 
 
 def _never(_key: bytes) -> bool:
@@ -103,8 +138,22 @@ class Writer:
     write: Callable[[bytes, Buffer], Awaitable[None]]
     holds: Callable[[bytes], bool]  # already there: nothing to write
     local: bool
+    #: a block written here outlives the daemon (a durable PUT may rest on it)
+    outlives: bool = False
+    #: the blocks the tier is owed (None: its failed writes are dropped)
+    outbox: Outbox | None = None
+    #: the owed keys on the disk (None: in memory only)
+    owed_file: OwedFile | None = None
     #: bytes of background writes in flight now; bounded by max_pending
     pending: int = 0
+    #: keys of the writes in flight, and what waits on each (a durable PUT)
+    flying: dict[bytes, list[asyncio.Future[bool]] | None] = field(default_factory=dict)
+    #: a task sends the owed blocks now
+    draining: bool = False
+    #: the owed keys' file is written at the end of this loop step
+    flush_due: bool = False
+    #: owed blocks that reached the tier
+    drained: int = 0
 
 
 class Propagation:
@@ -116,8 +165,15 @@ class Propagation:
         closing: Callable[[], bool],
         hold: Callable[[bytes, Buffer], None] = lambda key, value: None,
         let_go: Callable[[bytes, Buffer], None] = lambda key, value: None,
+        copy_of: Callable[[bytes], Awaitable[Buffer | None]] | None = None,
+        kept_locally: Callable[[bytes], bool] = _never,
     ) -> None:
         self.writers = list(writers)
+        #: an owed block's bytes from the local tiers (RAM, then the disk)
+        self._copy_of = copy_of
+        #: whether a local tier that outlives the daemon holds the key (an
+        #: owed block's bytes are then read again when it is sent)
+        self._kept_locally = kept_locally
         #: a background write keeps its value unchanged (RAM may evict it meanwhile)
         self._hold = hold
         self._let_go = let_go
@@ -135,8 +191,54 @@ class Propagation:
 
     def __repr__(self) -> str:
         busy = {w.name: w.pending for w in self.writers if w.pending}
+        owed = {w.name: len(w.outbox) for w in self.writers if w.outbox}
         full = " full" if self._room is not None else ""
-        return f"<Propagation writers={[w.name for w in self.writers]} in_flight={busy}{full}>"
+        return (
+            f"<Propagation writers={[w.name for w in self.writers]} in_flight={busy} "
+            f"owed={owed}{full}>"
+        )
+
+    # ------------------------------------------------------------ start, stop
+
+    def open(self) -> None:
+        """Read back what the tiers were owed when the last run stopped (the
+        keys kept on the disk; their bytes are the disk's) and start sending
+        them."""
+        for w in self.writers:
+            box, file = w.outbox, w.owed_file
+            if box is None or file is None:
+                continue
+            owed = file.load()
+            given_up = [gone.key for key, size in owed.items() for gone in box.owe(key, size, None)]
+            if given_up:
+                file.settled(given_up)
+                self._counters.writes_dropped.inc(w.name, Dropped.BACKLOG.value, n=len(given_up))
+            if owed:
+                log.info("%s: %d blocks owed since the last run", w.name, len(box))
+                self._start_sending(w)
+
+    def close(self) -> None:
+        """Write what the owed files hold; the blocks owed in memory only are
+        lost with the daemon (counted and logged)."""
+        for w in self.writers:
+            box, file = w.outbox, w.owed_file
+            if box is None:
+                continue
+            if file is not None:
+                file.close()
+                continue
+            gone = box.clear()
+            for owed in gone:
+                if owed.value is not None:
+                    self._let_go(owed.key, owed.value)
+            if gone:
+                self._counters.writes_dropped.inc(w.name, Dropped.BACKLOG.value, n=len(gone))
+                log.warning(
+                    "%s: %d blocks owed were never sent (the store did not take them "
+                    "before the daemon stopped)",
+                    w.name,
+                    len(gone),
+                )
 
     def room(self) -> asyncio.Future[None] | None:
         """None while every local tier can queue more writes; else the future
@@ -148,15 +250,21 @@ class Propagation:
         """Each lower tier's background writes: bytes in flight, the bound,
         and the writes given up, by cause."""
         dropped = self._counters.writes_dropped
-        return {
-            w.name: {
+        out: dict[str, dict[str, int]] = {}
+        for w in self.writers:
+            out[w.name] = entry = {
                 "in_flight_bytes": w.pending,
                 "max_in_flight_bytes": w.max_pending,
                 "dropped_backlog": int(dropped.value(w.name, Dropped.BACKLOG.value)),
                 "dropped_failed": int(dropped.value(w.name, Dropped.FAILED.value)),
+                "dropped_gone": int(dropped.value(w.name, Dropped.GONE.value)),
             }
-            for w in self.writers
-        }
+            if w.outbox is not None:
+                entry["owed_blocks"] = len(w.outbox)
+                entry["owed_bytes"] = w.outbox.bytes
+                entry["max_owed_bytes"] = w.outbox.max_bytes
+                entry["owed_sent"] = w.drained
+        return out
 
     def stored(self, key: bytes, value: Buffer, promoted_from: str | None) -> None:
         """``key`` was newly stored in RAM (by a client, or promoted from a tier)."""
@@ -181,11 +289,20 @@ class Propagation:
                 if w.policy is WritePolicy.WRITE_BACK and not w.holds(key):
                     self._write_behind(w, key, value, WriteReason.DEMOTION)
 
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were deleted: no tier is owed them any more."""
+        for w in self.writers:
+            if w.outbox:
+                self._settle(w, w.outbox.forget(keys))
+
     def _write_behind(self, w: Writer, key: bytes, value: Buffer, why: WriteReason) -> None:
         # What a write in flight really costs the daemon: its bytes and the
         # memory of the write itself, so small blocks cannot pile up unbounded.
         size = len(value) + WRITE_OVERHEAD
         over = w.pending + size > w.max_pending
+        if w.outbox is not None and (over or w.outbox) and not self._closing():
+            self._owe(w, key, value, why)  # behind its owed blocks, or past its bound
+            return
         if over and w.local and w.pending + size <= w.max_pending * HARD_LIMIT:
             if self._room is None:  # queued all the same: its writers are slowed
                 self._room = asyncio.get_running_loop().create_future()
@@ -200,6 +317,7 @@ class Propagation:
             w.pending -= size
             self._let_go(key, value)
             raise
+        w.flying[key] = None
 
     async def _run(self, w: Writer, key: bytes, value: Buffer, why: WriteReason, size: int) -> None:
         outcome = Written.FAILED
@@ -210,17 +328,154 @@ class Propagation:
             outcome = Written.CANCELLED
             raise
         except Exception as exc:
-            self._counters.writes_dropped.inc(w.name, Dropped.FAILED.value)
-            log.warning("%s: %s of key %s failed: %s", w.name, why.value, key.hex(), exc)
+            if w.outbox is not None and not self._closing():
+                self._owe(w, key, value, why)  # (before the value is let go)
+            else:
+                self._counters.writes_dropped.inc(w.name, Dropped.FAILED.value)
+                log.warning("%s: %s of key %s failed: %s", w.name, why.value, key.hex(), exc)
         finally:
             w.pending -= size
             self._let_go(key, value)
+            waiting = w.flying.pop(key, None)
+            for fut in waiting or ():
+                if not fut.done():
+                    fut.set_result(outcome is Written.COMPLETED)
             if why is WriteReason.DEMOTION:
                 self._counters.demotions.inc(w.name, outcome.value)
             room = self._room
             if room is not None and all(x.pending <= x.max_pending for x in self._local):
                 self._room = None
                 room.set_result(None)
+
+    # ------------------------------------------------------------ owed blocks
+
+    def _owe(self, w: Writer, key: bytes, value: Buffer, why: WriteReason) -> None:
+        """``key``'s block is owed to ``w`` (the module): its bytes kept where
+        no local tier that outlives the daemon has them."""
+        box = w.outbox
+        assert box is not None
+        if key in box:
+            return
+        kept = None if self._kept_locally(key) else value
+        given_up = box.owe(key, len(value), kept)
+        if key in box:
+            if kept is not None:
+                self._hold(key, kept)
+            if w.owed_file is not None:
+                w.owed_file.owed(key, len(value))
+                self._flush_soon(w)
+            self._counters.writes_owed.inc(w.name)
+        for gone in given_up:
+            if gone.key != key or key in box:
+                self._settle(w, [gone])
+            self._dropped(w, gone.key, why)
+        self._start_sending(w)
+
+    def _start_sending(self, w: Writer) -> None:
+        if not w.draining and not self._closing():
+            w.draining = True
+            try:
+                self._task(self._send_owed(w))
+            except BaseException:
+                w.draining = False
+                raise
+
+    async def _send_owed(self, w: Writer) -> None:
+        """Send ``w``'s owed blocks, oldest first, until it owes none; while
+        every one fails, try again after a delay (:class:`~kvtier.backoff.Backoff`)."""
+        box = w.outbox
+        assert box is not None
+        backoff = Backoff(RETRY_FIRST, RETRY_MOST)
+        try:
+            while box.waiting and not self._closing():
+                sent = await asyncio.gather(*(self._send(w, o) for o in box.take(SEND_AT_ONCE)))
+                self._flush(w)
+                if any(sent):
+                    backoff.succeeded()
+                else:
+                    pause = backoff.failed(time.monotonic())
+                    await asyncio.sleep(pause)  # allow-sleep: between tries of a tier that refuses
+        finally:
+            w.draining = False
+            self._flush(w)
+
+    async def _send(self, w: Writer, owed: Owed) -> bool:
+        """Send one owed block: True unless the tier failed it (it stays owed)."""
+        box = w.outbox
+        assert box is not None
+        value = owed.value
+        if value is None and self._copy_of is not None:
+            value = await self._copy_of(owed.key)
+        if value is None:  # no tier of this daemon holds it any more
+            if box.sent(owed) is not None:
+                self._settle(w, [owed])
+                self._counters.writes_dropped.inc(w.name, Dropped.GONE.value)
+            return True
+        try:
+            await w.write(owed.key, value)
+        except asyncio.CancelledError:
+            box.failed(owed)
+            raise
+        except Exception:
+            box.failed(owed)
+            return False
+        if box.sent(owed) is not None:
+            self._settle(w, [owed])
+            w.drained += 1
+        return True
+
+    def _settle(self, w: Writer, gone: Sequence[Owed]) -> None:
+        """Entries that left ``w``'s outbox: their bytes let go, their keys off its file."""
+        for owed in gone:
+            if owed.value is not None:
+                self._let_go(owed.key, owed.value)
+        if w.owed_file is not None and gone:
+            w.owed_file.settled([o.key for o in gone])
+
+    def _flush_soon(self, w: Writer) -> None:
+        """Write ``w``'s owed keys at the end of this loop step (one frame for
+        the blocks owed in it): a crash loses none owed in an earlier step."""
+        if not w.flush_due:
+            w.flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush, w)
+
+    def _flush(self, w: Writer) -> None:
+        w.flush_due = False
+        file = w.owed_file
+        if file is not None and file.held:
+            try:
+                file.flush()
+            except OSError as exc:
+                log.warning("%s: cannot write the owed blocks' file: %s", w.name, exc)
+
+    # ------------------------------------------------------------ durable PUTs
+
+    def durable_writer(self) -> Writer | None:
+        """The remote tier a durable PUT rests on without a disk: the first
+        that outlives the daemon (None: none does)."""
+        return next((w for w in self.writers if w.outlives and not w.local), None)
+
+    async def durably(self, w: Writer, key: bytes, value: Buffer) -> None:
+        """Return once ``key``'s block is on ``w`` (its write-through in flight,
+        or a write of its own); raise :class:`NotDurableError` saying why not."""
+        if key in w.flying:
+            fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            waiting = w.flying[key]
+            if waiting is None:
+                waiting = w.flying[key] = []
+            waiting.append(fut)
+            if await fut:
+                return
+            raise NotDurableError(
+                f"not durable: the write of {key.hex()} to {w.name} failed "
+                "(it is written through once the tier takes writes again)"
+            )
+        try:
+            await w.write(key, value)
+        except Exception as exc:
+            raise NotDurableError(f"not durable: {exc}") from exc
+        if w.outbox and key in w.outbox:
+            self._settle(w, w.outbox.forget([key]))
 
     def _dropped(self, w: Writer, key: bytes, why: WriteReason) -> None:
         """A write given up for want of room: counted, and logged (at most

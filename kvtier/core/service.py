@@ -62,6 +62,7 @@ from kvtier.core.timers import Scheduler
 from kvtier.core.writing import PendingWrites
 from kvtier.model import (
     BlockEvent,
+    Buffer,
     EventKind,
     EventTier,
     FeedRecords,
@@ -138,9 +139,21 @@ class Service:
         self.holdings = Holdings(local, table, self.events, self.probing.invalidate_many)
         writers = [spec.writer(self.probing.invalidate) for spec in remotes]
         if disk is not None:
+            for w in writers:  # (what a remote tier is owed is kept beside the blocks)
+                if w.outbox is not None:
+                    w.owed_file = disk.owed_file(w.name)
             policy = WritePolicy(disk_cfg.write_policy)
             pending = disk_cfg.max_pending_write_bytes
-            writers.insert(0, Writer(disk.name, policy, pending, disk.write, disk.contains, True))
+            writers.insert(
+                0, Writer(disk.name, policy, pending, disk.write, disk.contains, True, True)
+            )
+
+        async def copy_of(key: bytes) -> Buffer | None:
+            value = ram.peek(key)
+            if value is None and disk is not None:
+                value = await disk.read(key)
+            return value
+
         self.propagation = Propagation(
             [w for w in writers if w.policy is not WritePolicy.NONE or w.local],
             counters,
@@ -148,6 +161,8 @@ class Service:
             lambda: life.closing,
             hold=lambda _key, value: ram.hold(value),
             let_go=lambda _key, value: ram.let_go(value),
+            copy_of=copy_of,
+            kept_locally=disk.contains if disk is not None else lambda _key: False,
         )
         # A demoted block must outlive its arena slot, which is reused at once.
         ram.keep_evicted = any(w.policy is WritePolicy.WRITE_BACK for w in self.propagation.writers)
@@ -200,6 +215,7 @@ class Service:
         """Attach to the daemon's task group and start periodic sweeps."""
         self.life.start(spawn)
         self.scheduler.every(self.cfg.sweep_interval, self.sweep)
+        self.propagation.open()  # (what the tiers were owed when the last run stopped)
 
     def begin_shutdown(self) -> None:
         """Wake every waiting lookup and GET so that it answers now."""
@@ -211,6 +227,7 @@ class Service:
         self.pending.end_all()
         self.probing.abandon_all()
         self.loads.close()
+        self.propagation.close()
 
     def sweep(self) -> None:
         now = self.scheduler.now()
@@ -300,12 +317,15 @@ class Service:
         return out
 
     def map_sizes(self) -> MapSizes:
+        owing = [(w.name, w.outbox) for w in self.propagation.writers if w.outbox is not None]
         return MapSizes(
             probes_inflight={s.name: s.probes.inflight_count for s in self.remotes},
             verdicts_cached={s.name: s.probes.verdict_count for s in self.remotes},
             pending_writes=len(self.pending.table),
             request_states=len(self.answers.deferrals),
             timers=self.scheduler.deadline_count,
+            owed_blocks={name: len(box) for name, box in owing},
+            owed_bytes={name: box.bytes for name, box in owing},
         )
 
     def tiers(self) -> list[Tier]:

@@ -12,7 +12,8 @@ key ends in the same step (COMPLETED, or ABORTED when RAM refused it);
 RAM's evictions reach the write-back tiers; a reservation that holds room
 keeps it until its body has an arena slot or is stored, so a block is
 counted once from RESERVE to its last byte; a durable PUT is acknowledged
-only once every block is on the disk, never when one left RAM unwritten;
+only once every block is on a tier that outlives the daemon, never when
+one left RAM unwritten;
 a peer's push is kept locally and never written back out to a remote tier.
 Imports the core's pure parts, the tiers and the shared records.
 """
@@ -26,9 +27,15 @@ from collections.abc import Awaitable, Sequence
 from kvtier.core.checks import check_keys, check_seconds, check_sizes, check_values
 from kvtier.core.context import Context
 from kvtier.core.lookup import Where
-from kvtier.core.propagation import Propagation
+from kvtier.core.propagation import Propagation, Writer
 from kvtier.core.writes import End
-from kvtier.errors import KvtierError, NoCapacityError, TierError, ValueTooLargeError
+from kvtier.errors import (
+    BadArgumentError,
+    KvtierError,
+    NoCapacityError,
+    TierError,
+    ValueTooLargeError,
+)
 from kvtier.model import Buffer, ConnId, PutHint, PutStatus, Reserve, ReserveStatus
 
 log = logging.getLogger("kvtier.service")
@@ -199,8 +206,13 @@ class Stores:
     def make_durable(
         self, keys: Sequence[bytes], values: Sequence[Buffer | None]
     ) -> Awaitable[None]:
-        """A durable PUT: the awaitable that returns once the blocks are on disk
-        (per its fsync policy); call it in the same step as the store.
+        """A durable PUT: the awaitable that returns once the blocks are on a
+        tier that outlives the daemon; call it in the same step as the store.
+        That tier is the disk (per its fsync policy); without one, the first
+        remote tier that outlives the daemon (an object store: its write in
+        flight is waited for, or one is made); without either, the request
+        is refused (:class:`BadArgumentError`, the blocks stay stored as by
+        a plain PUT).
 
         What RAM holds under each key is held from now until written, so no
         eviction between the store and the write can lose it; a value in the
@@ -208,31 +220,41 @@ class Stores:
         value of the caller's own memory stands in for it. A block found in
         neither fails the request: durability is never acknowledged unmet."""
         disk, ram = self.c.disk, self.c.ram
+        remote = self.propagation.durable_writer() if disk is None else None
+        if disk is None and remote is None:
+            raise BadArgumentError(
+                "DURABLE needs a tier that outlives the daemon, and this one has "
+                "no disk tier and no object store: the blocks are stored, not durable"
+            )
         held: list[tuple[bytes, Buffer]] = []
         missing: list[bytes] = []
-        if disk is not None:
-            for key, value in zip(keys, values, strict=True):
-                kept = ram.peek(key)
-                if kept is None and value is not None and not ram.in_arena_memory(value):
-                    kept = value
-                if kept is None:
-                    missing.append(key)
-                    continue
-                ram.hold(kept)
-                held.append((key, kept))
-        return self._write_durably(held, missing)
+        for key, value in zip(keys, values, strict=True):
+            kept = ram.peek(key)
+            if kept is None and value is not None and not ram.in_arena_memory(value):
+                kept = value
+            if kept is None:
+                missing.append(key)
+                continue
+            ram.hold(kept)
+            held.append((key, kept))
+        return self._write_durably(held, missing, remote)
 
-    async def _write_durably(self, held: list[tuple[bytes, Buffer]], missing: list[bytes]) -> None:
+    async def _write_durably(
+        self, held: list[tuple[bytes, Buffer]], missing: list[bytes], remote: Writer | None
+    ) -> None:
         disk, ram = self.c.disk, self.c.ram
         try:
             if disk is not None:  # (each write announces itself to the holdings)
                 await asyncio.gather(*(disk.write(k, v, durable=True) for k, v in held))
+            elif remote is not None:
+                durably = self.propagation.durably
+                await asyncio.gather(*(durably(remote, k, v) for k, v in held))
         finally:
             for _, v in held:
                 ram.let_go(v)
         if missing:
             raise TierError(
-                f"{len(missing)} block(s) left RAM before reaching the disk (first: "
+                f"{len(missing)} block(s) left RAM before reaching a durable tier (first: "
                 f"{missing[0].hex()}); they are not durable, store them again"
             )
 
@@ -246,6 +268,7 @@ class Stores:
         that also asks them."""
         check_keys(self.c.limits, keys)
         deleted = self.delete_local(keys)
+        self.propagation.forget(keys)  # (a block deleted is owed to no tier)
         disk = self.c.disk
         # Answered once the disk's files are gone and journalled: a block
         # deleted never comes back with a restart.

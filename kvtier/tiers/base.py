@@ -115,6 +115,10 @@ class Tier(abc.ABC):
     name: str
     #: hedges this tier's slow reads (to another holder of the block), if it may
     hedger: Hedger | None = None
+    #: a block stored here outlives this daemon (a restart, a crash): a
+    #: durable PUT may rest on it (the disk, an object store; not RAM, not
+    #: another daemon's RAM)
+    outlives_daemon: bool = False
 
     @abc.abstractmethod
     async def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:

@@ -115,6 +115,8 @@ class _Unsupported(Exception):
 
 
 class S3Tier(Tier):
+    outlives_daemon = True
+
     def __init__(
         self,
         cfg: S3TierConfig,

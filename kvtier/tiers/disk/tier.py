@@ -69,6 +69,7 @@ from kvtier.tiers.disk.io import (
 )
 from kvtier.tiers.disk.journal import Op, Record
 from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, GROUP_SECONDS, IndexJournal, Loaded
+from kvtier.tiers.disk.owedfile import OwedFile
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
 from kvtier.tiers.sealing import TORN, Sealer, SealError
 
@@ -81,6 +82,8 @@ class DiskTier(LocalTier):
     """Blocks in one directory. Invariant: indexed bytes plus bytes being
     written never exceed ``capacity``; files are removed before the write
     that needed their room."""
+
+    outlives_daemon = True
 
     name = "disk"
 
@@ -145,6 +148,11 @@ class DiskTier(LocalTier):
         )
 
     # -- paths
+
+    def owed_file(self, tier: str) -> OwedFile:
+        """Where the blocks owed to the remote tier ``tier`` are listed
+        (:mod:`kvtier.tiers.disk.owedfile`), beside this tier's blocks."""
+        return OwedFile(self.root / "owed" / tier)
 
     def path_of(self, key: bytes) -> Path:
         return block_path(self.root, key)
