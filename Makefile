@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: ceph-tools soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: ceph-tools bench-s3 soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -204,6 +204,10 @@ bench-encryption: $(STAMP) $(E2E_STAMP)
 bench-hedging: $(STAMP)
 	$(BIN)/python -m benchmarks.hedging --markdown docs/bench-hedging.md
 
+# The S3 tier against Ceph's RGW (memstore and bluestore) and moto, one run.
+bench-s3: $(STAMP) ceph-tools
+	$(BIN)/python -m benchmarks.s3 --markdown docs/bench-s3.md
+
 # What budgeted lookups buy an engine: modelled time to first token on the
 # trace, yes/no answers against budgeted ones (kvtier replay --tier-cost).
 BUDGET_REPLAY = $(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 5%,20% \
@@ -241,7 +245,7 @@ bench-deps: $(BENCH_STAMP)
 	  else echo "make bench needs redis-server: sudo apt-get install redis-server" >&2; exit 1; fi; }
 
 # BENCH_ARGS=--quick for a shorter run.
-bench: bench-deps bench-budget bench-hedging bench-encryption
+bench: bench-deps bench-budget bench-hedging bench-encryption bench-s3
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)
 	$(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 2%,5%,10%,20%,40% \
@@ -264,7 +268,7 @@ bench-ab: bench-deps
 # every byte, then checks the daemon drained and shuts down promptly.
 # DURATION in seconds (default 60); not part of make test.
 DURATION ?= 60
-soak: $(STAMP)
+soak: $(STAMP) ceph-tools
 	$(BIN)/python -m benchmarks.soak --duration $(DURATION)
 
 # Sixteen same-host clients (shared memory, writes in place) on a 32 MiB RAM
@@ -281,7 +285,7 @@ soak-rooms: $(STAMP)
 # links slowed and cut; prints the report. SOAK_SECONDS (default 600); not
 # part of make test.
 SOAK_SECONDS ?= 600
-soak-fleet: $(STAMP)
+soak-fleet: $(STAMP) ceph-tools
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m benchmarks.soak_fleet
 
 # The lookup process against the daemon itself under random operations and

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -39,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import machine
 from tests.e2e.conftest import Answer, Engine
 from tests.e2e.model import make_model
 from tests.enginedaemon import EngineDaemon, serve_command, start
@@ -63,18 +62,6 @@ def store(model: Path, socket: Path, prompt: list[int]) -> None:
     Engine(model, socket, [prompt, *[WARM] * 8], max_tokens=8, **SIZES).finish()
 
 
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown CPU",
-    )
-    return f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}"
-
-
 def serve(tmp: Path, disk: bool, s3: dict[str, Any] | None = None) -> EngineDaemon:
     args = ["--ram-capacity", "512MiB"]
     args += ["--data-dir", str(tmp / "data")] if disk else ["--no-disk"]
@@ -87,11 +74,16 @@ def serve(tmp: Path, disk: bool, s3: dict[str, Any] | None = None) -> EngineDaem
     return start(tmp, *args)
 
 
-def s3_server() -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """The tests' S3 server, run by the main venv (which has moto), and its tier config."""
+#: the object stores under the S3 rows: the module of the tests that starts
+#: each (run by the main venv, which has them)
+STORES = {"kvtier S3 (Ceph RGW)": "tests.ceph", "kvtier S3 (moto)": "tests.s3server"}
+
+
+def s3_server(module: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """An object store the tests start (``module``), and its tier config."""
     python = Path(serve_command()).parent / "python"
     proc = subprocess.Popen(
-        [str(python), "-m", "tests.s3server"],
+        [str(python), "-m", module],
         cwd=Path(__file__).resolve().parents[1],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -121,14 +113,14 @@ def main() -> int:
     )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvt-bench-e2e-", dir="/tmp"))
-    s3_proc, s3 = s3_server()
+    stores = {mode: s3_server(module) for mode, module in STORES.items()}
     try:
         model = make_model(tmp / "model", layers=8, hidden=512)
         seconds: dict[str, list[float]] = {
             "recomputed": [],
             "kvtier RAM": [],
             "kvtier disk": [],
-            "kvtier S3": [],
+            **{mode: [] for mode in STORES},
         }
         cached: dict[str, list[int]] = {k: [] for k in seconds}
         first: list[int] | None = None
@@ -149,17 +141,18 @@ def main() -> int:
                     results[mode] = one(model, d.socket_path, prompt)
                 finally:
                     d.stop()
-            where = tmp / f"s3-{r}"
-            where.mkdir()
-            d = serve(where, False, s3)
-            store(model, d.socket_path, prompt)
-            written_down(d)
-            d.stop()
-            d = serve(where, False, s3)  # nothing but S3 holds the blocks
-            try:
-                results["kvtier S3"] = one(model, d.socket_path, prompt)
-            finally:
+            for mode, (_, s3) in stores.items():
+                where = tmp / f"s3-{STORES[mode].split('.')[-1]}-{r}"
+                where.mkdir()
+                d = serve(where, False, s3)
+                store(model, d.socket_path, prompt)
+                written_down(d)
                 d.stop()
+                d = serve(where, False, s3)  # nothing but S3 holds the blocks
+                try:
+                    results[mode] = one(model, d.socket_path, prompt)
+                finally:
+                    d.stop()
             for mode, answer in results.items():
                 assert answer.tokens == base.tokens, f"{mode}: {answer.tokens} != {base.tokens}"
                 seconds[mode].append(answer.seconds)
@@ -189,7 +182,7 @@ def main() -> int:
             rows.append({"mode": mode, "seconds": values, "median": s, "cached": cached[mode]})
             out(f"| {mode} | {s * 1000:,.0f} ms | {recompute / s:.2f}x | {tokens:.0f} | {rate} |")
         print("\n".join(lines))
-        s3_rate = kv_bytes / statistics.median(seconds["kvtier S3"])
+        ceph_rate, moto_rate = (kv_bytes / statistics.median(seconds[m]) for m in STORES)
         if args.markdown:
             Path(args.markdown).write_text(
                 "## What an engine feels: time to first token\n\n"
@@ -198,22 +191,25 @@ def main() -> int:
                 f"serving a returning {TOKENS}-token prompt of an 8-layer Llama (hidden 512, "
                 "float32, 1 MiB of KV a 32-token block), recomputed or loaded through kvtier's "
                 "vLLM tier from the daemon's RAM, from its disk (after a restart) or from S3 "
-                "(a new daemon in front of a bucket on loopback). Medians of "
+                "(a new daemon in front of a bucket on loopback, in Ceph's RADOS Gateway and "
+                "in moto's emulator). Medians of "
                 f"{args.runs}, one run; every engine generated the same token.\n\n"
                 + "\n".join(lines)
-                + "\n\nThe S3 row is a bucket on this machine's loopback, served by the tests' "
-                f"S3-compatible server (moto, in Python), at {s3_rate / 1e6:.0f} MB/s: loading "
-                "from it "
-                "can cost more than recomputing the prompt, which is what a lookup that "
-                "knows what a load costs must see.\n"
+                + "\n\nThe S3 rows are a bucket on this machine's loopback: Ceph 16's RGW "
+                "over one in-memory OSD (memstore), as the tests start it, loaded at "
+                f"{ceph_rate / 1e6:.0f} MB/s, and moto's emulator, in Python, at "
+                f"{moto_rate / 1e6:.0f} MB/s. Loading from a store can cost more than "
+                "recomputing the prompt, which is what a lookup that knows what a load "
+                "costs must see.\n"
             )
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        assert s3_proc.stdin is not None
-        s3_proc.stdin.close()
-        s3_proc.wait(30)
+        for proc, _ in stores.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(60)
     return 0
 
 

@@ -6,8 +6,8 @@ median of the rounds taken, so the machine's noise falls on both sides:
 * the disk tier: 1 MiB blocks written (``fsync = "none"``: the page cache,
   so the figure is the tier's own cost, not the device's) and read back,
   in a namespace without a key and in one with a key;
-* the S3 tier against a local S3-compatible server (moto's server mode,
-  the one the tests start), 1 MiB objects put and got, plain and sealed;
+* the S3 tier against Ceph's RADOS Gateway on loopback (memstore, as the
+  tests start it), 1 MiB objects put and got, plain and sealed;
 * AES-256-GCM alone on 1 MiB;
 * zstd (levels 1 and 3), block by block as a tier packs them: on bf16
   and fp16 tensors of normally distributed values (a stand-in for a
@@ -41,7 +41,7 @@ from kvtier.model import namespace_prefix
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.sealing import Keyring, Keys, Sealer
-from tests.s3server import S3Server
+from tests.ceph import CephS3
 
 MiB = 1 << 20
 NS = b"tenant"
@@ -116,7 +116,7 @@ async def disk_rows(tmp: Path, n: int, rounds: int) -> list[tuple[str, float, fl
 
 
 async def s3_rows(n: int, rounds: int) -> list[tuple[str, float, float]]:
-    server = S3Server()
+    server = CephS3()
     try:
         cfg = S3TierConfig(**server.tier_config(server.new_bucket()))
         keys = Keys({NS: Keyring.of(os.urandom(32))})
@@ -213,7 +213,7 @@ async def main() -> int:
         "blocks of bf16 KV-like bytes, a namespace without a key (plain) and one",
         f"with a key (sealed: AES-256-GCM), alternated, medians of {args.rounds} rounds;",
         'the disk with `fsync = "none"` (the page cache: the tier\'s own cost),',
-        "S3 against the local test server (moto), whose own cost dominates.",
+        "S3 against Ceph's RADOS Gateway on loopback, whose own cost dominates.",
         "",
         "| operation | plain GB/s | sealed GB/s | sealed / plain |",
         "|---|---:|---:|---:|",

@@ -1,7 +1,7 @@
 """make bench-hedging: what hedged reads do to a GET's tail when a holder stalls.
 
 Three real daemons on loopback share blocks as peers. B, and in the S3
-scenarios the S3-compatible test server (moto, in this process), are
+scenarios Ceph's RADOS Gateway (tests/ceph.py, started here), are
 reached through TCP proxies that hold back one large read in ten (a
 block's bytes, not a probe's answer) for 50 ms: a holder that answers
 probes at once and sometimes stalls on the data, as a busy node, a
@@ -36,9 +36,10 @@ from benchmarks.report import publish
 from kvtier import BlockingClient, State
 from kvtier.tiers.rendezvous import ranked
 from kvtier.tiers.s3 import CHECKSUM_META, object_checksum
+from tests.ceph import CephS3
 from tests.helpers import DaemonProcess
 from tests.ports import free_port
-from tests.s3server import S3Server
+from tests.s3server import ProxiedS3
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-hedging"
@@ -146,13 +147,13 @@ def s3_section(tier: dict[str, Any], hedge: str) -> str:
 
 
 def run(
-    tmp: Path, s3: S3Server, scenario: Scenario, blocks: int, hedged: bool, seed: int, tag: str
+    tmp: Path, s3: ProxiedS3, scenario: Scenario, blocks: int, hedged: bool, seed: int, tag: str
 ) -> tuple[list[float], Counter[str]]:
     """GET times at A (seconds), one per block, and A's hedges by outcome."""
     ports = [free_port() for _ in range(3)]
     proxy = StallingProxy(ports[1], seed)
     bucket = s3.new_bucket()
-    s3_proxy = StallingProxy(int(s3.moto_url.rpartition(":")[2]), seed + 1)
+    s3_proxy = StallingProxy(int(s3.endpoint.rpartition(":")[2]), seed + 1)
     tier = s3.tier_config(bucket, endpoint_url=f"http://127.0.0.1:{s3_proxy.port}")
     names = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{proxy.port}", f"127.0.0.1:{ports[2]}"]
     members = ", ".join(f'"{n}"' for n in names)
@@ -230,7 +231,7 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     rows = []
-    s3 = S3Server()
+    s3 = CephS3()
     try:
         with tempfile.TemporaryDirectory(prefix="kvt-bench-hedging-") as d:
             for n, scenario in enumerate(SCENARIOS):
@@ -260,7 +261,7 @@ def main() -> int:
         "## Hedged reads: a GET's tail when a holder stalls",
         "",
         f"Measured with `make bench-hedging`: three daemons (A, B, C), {args.blocks} blocks of",
-        "256 KiB that A does not hold. B, and the S3-compatible server (moto) in",
+        "256 KiB that A does not hold. B, and Ceph's RADOS Gateway in",
         "the S3 rows, are reached through a proxy that holds back one response",
         f"in ten for {STALL * 1e3:.0f} ms (a block's bytes, not a probe's answer);",
         "A looks each block up and GETs it. Where the blocks are:",

@@ -2,8 +2,9 @@
 clients and a failing S3, that verifies every byte and then checks the daemon
 drained, kept its memory flat and shuts down promptly.
 
-The daemon runs as ``kvtier serve`` (RAM, a disk tier, an S3 tier on a real
-S3-compatible server behind a proxy that can go away or hold requests).
+The daemon runs as ``kvtier serve`` (RAM, a disk tier, an S3 tier on the
+Ceph RADOS Gateway the soak starts, behind a proxy that can go away or hold
+requests).
 Every block's bytes derive from its key, so every GET is verified. Prints a
 report and exits non-zero on any wrong byte or anything left behind.
 """
@@ -28,8 +29,9 @@ from kvtier import Client, loops, wire
 from kvtier.errors import KvtierError
 from kvtier.model import Lookup, LookupMode, Reserve
 from kvtier.wire import Op
+from tests.ceph import CephS3
 from tests.helpers import DaemonProcess, rss_bytes
-from tests.s3server import S3Server
+from tests.s3server import ProxiedS3
 
 
 def value_of(key: bytes, smallest: int = 1024, spread: int = 512 * 1024) -> bytes:
@@ -77,7 +79,7 @@ class Report:
 
 
 class Soak:
-    def __init__(self, proc: DaemonProcess, s3: S3Server, seconds: float, seed: int) -> None:
+    def __init__(self, proc: DaemonProcess, s3: ProxiedS3, seconds: float, seed: int) -> None:
         self.proc = proc
         self.s3 = s3
         self.until = time.monotonic() + seconds
@@ -235,7 +237,7 @@ def main() -> int:
     # The proxy logs each S3 request the daemon abandons at its deadline.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="kvt-soak-", dir="/tmp") as tmp:
-        s3 = S3Server()
+        s3 = CephS3()
         try:
             bucket = s3.new_bucket()
             tier = s3.tier_config(bucket, breaker_failures=5, breaker_reset=2.0)

@@ -1,7 +1,8 @@
 """make soak-fleet: three daemons sharing blocks while their nodes fail.
 
 Three ``kvtier serve`` processes, each with a disk tier, peers with
-``replicas = 2`` and one S3 tier on a real S3-compatible server. Every
+``replicas = 2`` and one S3 tier on Ceph's RADOS Gateway, started here
+(tests/ceph.py; ``--store moto`` puts moto's emulator there instead). Every
 daemon's peer port sits behind a small TCP proxy (its advertised address)
 that can add latency or cut every connection. Sixteen clients, spread over
 the nodes, write blocks (some durable) and read them back, verifying every
@@ -9,7 +10,9 @@ byte: a block's bytes follow from its key. A driver injects one fault at a
 time: SIGSTOP then SIGCONT, SIGKILL then a restart over the same data
 directory, latency on a node's peer links, every peer connection of a
 node cut, or block files on a node's disk corrupted behind its back (a
-byte of the value flipped). The clients of a node pause while their own daemon is stopped
+byte of the value flipped); and, with Ceph, the object store itself: RGW
+hung (SIGSTOP, then SIGCONT) or killed and started again after an outage
+of 10 to 30 s. The clients of a node pause while their own daemon is stopped
 or dead (its engine would be down with it); every other request must
 succeed.
 
@@ -19,8 +22,11 @@ p99 lookup latency during faults, how long after each fault lookups of the
 affected keys settle (no RETRY or PENDING left), lookups that answered HIT
 again, at the same node, for a block whose load had failed there (must be
 0: a failed load is a MISS at once, at the daemon and at its lookup
-process), and each daemon's RSS and maps once idle (maps 0). Exits non-zero
-on any failure.
+process), each daemon's RSS and maps once idle (maps 0, nothing owed to
+the store), and for each RGW outage how long after RGW answered again every
+daemon had sent what it owed, and the blocks written during the outage
+missing from the bucket at the end (must be 0). Exits non-zero on any
+failure.
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ from kvtier.errors import KvtierError
 from kvtier.model import LookupMode
 from kvtier.tiers.disk.format import HEADER
 from kvtier.tiers.rendezvous import owner
+from tests.ceph import CephS3
 from tests.helpers import DaemonProcess, rss_bytes
 from tests.ports import free_port
-from tests.s3server import S3Server
+from tests.s3server import ProxiedS3, S3Server
 
 TOKEN = "soak-fleet-peer-token"
 NODES = 3
@@ -134,6 +141,10 @@ class Report:
     #: ... of a block whose load had already failed at that node: must be 0
     hits_after_failed_load: int = 0
     faults: list[dict[str, object]] = field(default_factory=list)
+    #: blocks written while RGW was down (killed), and those of them the
+    #: bucket did not hold at the end: must be 0
+    written_in_outages: int = 0
+    outage_writes_missing: int = 0
     lookup_p99_ms_faults: float = 0.0
     lookup_p99_ms_calm: float = 0.0
     nodes_after: list[dict[str, object]] = field(default_factory=list)
@@ -146,6 +157,17 @@ class Report:
             out.append(f"client errors other than a miss: {self.client_errors}")
         if self.durable_lost:
             out.append(f"{self.durable_lost} durable block(s) lost")
+        if self.outage_writes_missing:
+            out.append(
+                f"{self.outage_writes_missing} block(s) written while the store was down "
+                "never reached it"
+            )
+        for fault in self.faults:
+            drained = fault.get("owed_sent_after_s")
+            if fault["kind"] != "rgw-kill" or not isinstance(drained, float):
+                continue
+            if drained < 0 or drained > 10.0:
+                out.append(f"owed writes not all sent within 10 s of RGW's return: {fault}")
         if self.hits_after_failed_load:
             out.append(
                 f"{self.hits_after_failed_load} lookup(s) answered HIT for a block whose "
@@ -162,12 +184,15 @@ class Report:
                 maps.get(k) for k in ("probes_inflight", "reservations", "request_states", "timers")
             ):
                 out.append(f"node {node['node']} maps did not drain: {maps}")
+            if node.get("owed_blocks"):
+                out.append(f"node {node['node']} still owes the store {node['owed_blocks']} blocks")
         return out
 
 
 class Fleet:
-    def __init__(self, root: Path, s3: S3Server, bucket: str) -> None:
+    def __init__(self, root: Path, s3: ProxiedS3, bucket: str) -> None:
         self.root = root
+        self.s3, self.bucket = s3, bucket
         self.ports = [free_port() for _ in range(NODES)]  # the daemons' own peer ports
         self.links = [LinkProxy(free_port(), p) for p in self.ports]
         self.addresses = [f"127.0.0.1:{link.port}" for link in self.links]
@@ -224,6 +249,9 @@ class Soak:
         self.failed_loads: set[tuple[int, bytes]] = set()
         #: keys whose block file the driver corrupted
         self.corrupted: set[bytes] = set()
+        #: the store is down now: the keys written meanwhile, to find in the bucket
+        self.outage: list[bytes] | None = None
+        self.outage_keys: list[bytes] = []
 
     def running(self) -> bool:
         return time.monotonic() < self.until
@@ -268,6 +296,8 @@ class Soak:
         await c.put_many(keys, [value_of(k) for k in keys], durable=durable)
         self.report.puts += len(keys)
         self.keys.extend(keys)
+        if self.outage is not None:
+            self.outage.extend(keys)
         if durable:
             self.report.durable_puts += len(keys)
             for key in keys:
@@ -308,7 +338,13 @@ class Soak:
             if not self.running():
                 break
             node = self.rng.randrange(NODES)
-            kind = self.rng.choice(["sigstop", "sigkill", "latency", "cut", "corrupt"])
+            kinds = ["sigstop", "sigkill", "latency", "cut", "corrupt"]
+            if isinstance(fleet.s3, CephS3):
+                kinds += ["rgw-stop", "rgw-kill"]
+            kind = self.rng.choice(kinds)
+            if kind.startswith("rgw"):
+                await self._store_fault(kind)
+                continue
             affected = [k for k in self.keys[-5000:] if fleet.owner_of(k) == node][:64]
             self.fault_on = True
             started = time.monotonic()
@@ -347,6 +383,71 @@ class Soak:
                     "affected_hits": hits,
                 }
             )
+
+    async def _store_fault(self, kind: str) -> None:
+        """RGW hung (SIGSTOP for 2-6 s) or killed and started again after 10-30
+        s; then how long until every daemon has sent what it owed."""
+        assert isinstance(self.fleet.s3, CephS3)
+        cluster = self.fleet.s3.cluster
+        self.fault_on = True
+        started = time.monotonic()
+        if kind == "rgw-stop":
+            cluster.rgw_signal(signal.SIGSTOP)
+            await asyncio.sleep(self.rng.uniform(2, 6))  # allow-sleep: the fault's length
+            cluster.rgw_signal(signal.SIGCONT)
+        else:
+            self.outage = []
+            await asyncio.to_thread(cluster.rgw_signal, signal.SIGKILL)
+            await asyncio.sleep(self.rng.uniform(10, 30))  # allow-sleep: the outage's length
+            await asyncio.to_thread(cluster.start_rgw)
+            self.outage_keys += self.outage
+            self.report.written_in_outages += len(self.outage)
+            self.outage = None
+        back = time.monotonic()
+        self.fault_on = False
+        self.report.faults.append(
+            {
+                "kind": kind,
+                "node": -1,
+                "seconds": round(back - started, 2),
+                "owed_sent_after_s": await self._owed_sent(back),
+            }
+        )
+
+    async def _owed_sent(self, since: float) -> float:
+        """Seconds from ``since`` until no live daemon owes the store a block."""
+        while True:
+            owed = 0
+            for node, proc in enumerate(self.fleet.procs):
+                if node in self.down:
+                    continue
+                with contextlib.suppress(KvtierError):
+                    async with await Client.connect(proc.socket_path) as c:
+                        owed += int((await c.stats())["writes"]["s3"]["owed_blocks"])
+            if not owed:
+                return round(time.monotonic() - since, 2)
+            if time.monotonic() - since > 60:
+                return -1.0
+            await asyncio.sleep(0.1)  # allow-sleep: polling the daemons' STATS
+
+    async def verify_outage_writes(self) -> None:
+        """Every block written while the store was down is in the bucket."""
+        if not self.outage_keys:
+            return
+        fleet = self.fleet
+
+        def listed() -> set[str]:
+            boto = fleet.s3.boto()
+            names: set[str] = set()
+            for page in boto.get_paginator("list_objects_v2").paginate(Bucket=fleet.bucket):
+                names.update(o["Key"] for o in page.get("Contents", []))
+            return names
+
+        names = await asyncio.to_thread(listed)
+        prefix = fleet.tier["prefix"]
+        self.report.outage_writes_missing = sum(
+            1 for key in self.outage_keys if f"{prefix}{key.hex()}" not in names
+        )
 
     def corrupt(self, node: int, count: int) -> None:
         """Flip a byte of the value of ``count`` block files on ``node``'s
@@ -409,6 +510,7 @@ class Soak:
             self.report.seconds = round(time.monotonic() - started, 1)
             await self.verify_durable()
             await self._idle_stats()
+            await self.verify_outage_writes()
         finally:
             for link in self.fleet.links:
                 await link.close()
@@ -440,6 +542,11 @@ class Soak:
                     "maps": maps,
                     "disk_blocks": disk["blocks"],
                     "disk_evictions": disk["evictions"],
+                    "owed_blocks": stats["writes"]["s3"]["owed_blocks"],
+                    "owed_sent": stats["writes"]["s3"]["owed_sent"],
+                    "writes_dropped": {
+                        k: v for k, v in stats["writes"]["s3"].items() if k.startswith("dropped")
+                    },
                 }
             )
 
@@ -450,12 +557,19 @@ def main() -> int:
         "--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", "600"))
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--store",
+        choices=["ceph", "moto"],
+        default="ceph",
+        help="the object store under the S3 tier: Ceph's RGW (its faults join the "
+        "driver's), or moto's emulator",
+    )
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="kvt-fleet-", dir="/tmp") as tmp:
-        s3 = S3Server()
+        s3: ProxiedS3 = CephS3() if args.store == "ceph" else S3Server()
         fleet = Fleet(Path(tmp), s3, s3.new_bucket())
         try:
             fleet.procs = [fleet.start(i) for i in range(NODES)]
@@ -467,7 +581,7 @@ def main() -> int:
                     proc.stop()
             s3.close()
     faults = report.faults
-    settles = [f["settled_after_s"] for f in faults if isinstance(f["settled_after_s"], float)]
+    settles = [s for f in faults if isinstance(s := f.get("settled_after_s"), float)]
     print(
         f"soak-fleet {report.seconds:.0f}s, {NODES} daemons, {CLIENTS} clients: "
         f"{report.puts} blocks put ({report.durable_puts} durable), {report.lookups} lookups, "
@@ -484,17 +598,24 @@ def main() -> int:
         f"{len(faults)} faults: "
         + ", ".join(
             f"{k} x{sum(1 for f in faults if f['kind'] == k)}"
-            for k in ("sigstop", "sigkill", "latency", "cut", "corrupt")
+            for k in ("sigstop", "sigkill", "latency", "cut", "corrupt", "rgw-stop", "rgw-kill")
         )
         + f"; lookup p99 {report.lookup_p99_ms_faults} ms during faults, "
         f"{report.lookup_p99_ms_calm} ms otherwise; affected keys settled after "
         f"{max(settles) if settles else 0:.2f} s at most "
         f"(median {statistics.median(settles) if settles else 0:.2f} s)"
     )
+    owed = [f["owed_sent_after_s"] for f in faults if f["kind"] == "rgw-kill"]
+    print(
+        f"store ({args.store}): {report.written_in_outages} blocks written while RGW was down, "
+        f"{report.outage_writes_missing} of them missing from the bucket; owed writes all sent "
+        f"{owed} s after each RGW restart"
+    )
     for node in report.nodes_after:
         print(
             f"node {node['node']}: RSS {node['rss_mb']} MB, maps {node['maps']}, "
-            f"disk {node['disk_blocks']} blocks, {node['disk_evictions']} evicted"
+            f"disk {node['disk_blocks']} blocks, {node['disk_evictions']} evicted, "
+            f"owed {node['owed_blocks']} (sent {node['owed_sent']}), {node['writes_dropped']}"
         )
     if report.durable_lost:
         print(f"durable blocks lost, by the node that acknowledged them: {soak.lost_on}")

@@ -562,6 +562,7 @@ def engine_section() -> str:
         "bench-budget.md",
         "bench-hedging.md",
         "bench-encryption.md",
+        "bench-s3.md",
     )
     paths = [ROOT / "docs" / name for name in names]
     return "".join(path.read_text() + "\n" for path in paths if path.exists())

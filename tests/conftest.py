@@ -29,6 +29,13 @@ def ceph() -> Iterator[CephS3]:
 
 
 @pytest.fixture
+def s3(ceph: CephS3) -> CephS3:
+    """The S3 endpoint the tests use: Ceph's RGW, through a counting proxy
+    (a bucket of its own per test: ``s3.new_bucket()``)."""
+    return ceph
+
+
+@pytest.fixture
 def sock_dir() -> Iterator[Path]:
     path = short_tmpdir()
     yield path

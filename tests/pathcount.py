@@ -60,8 +60,8 @@ from kvtier.server.ops import NamespaceAccess
 from kvtier.wire.replica import RING_HEADER, FeedRing
 from tests.helpers import short_tmpdir, wait_on_timers
 
-if TYPE_CHECKING:  # (moto is imported only where S3 is measured)
-    from tests.s3server import S3Server
+if TYPE_CHECKING:  # (the S3 stack is imported only where S3 is measured)
+    from tests.s3server import ProxiedS3
 
 T = TypeVar("T")
 
@@ -312,7 +312,7 @@ def disk_only_get(sock_dir: Path) -> PathCount:
         daemon.close()
 
 
-def s3_only_lookup(sock_dir: Path, s3: S3Server) -> PathCount:
+def s3_only_lookup(sock_dir: Path, s3: ProxiedS3) -> PathCount:
     """A LOOKUP of a key only S3 holds, until it reads HIT: the first answers
     RETRY, the second waits while the probe is held at the store, so it
     takes the same steps however busy the machine is."""
@@ -407,7 +407,7 @@ def process_lookup(sock_dir: Path) -> tuple[PathCount, PathCount]:
 
 
 def _paths() -> Iterator[tuple[str, PathCount]]:
-    from tests.s3server import S3Server
+    from tests.ceph import CephS3
 
     sock_dir = short_tmpdir()
     try:
@@ -421,7 +421,7 @@ def _paths() -> Iterator[tuple[str, PathCount]]:
         yield "LOOKUP at the lookup process, its report at the daemon", here
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
-    s3 = S3Server()
+    s3 = CephS3()
     sock_dir = short_tmpdir()
     try:
         yield "S3-only LOOKUP until HIT", s3_only_lookup(sock_dir, s3)

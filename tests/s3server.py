@@ -187,6 +187,9 @@ class ProxiedS3:
         # (moto's buckets are the process's: another module's server sees them)
         self._token = secrets.token_hex(4)
 
+    def close(self) -> None:
+        self.proxy.close()
+
     def boto(self) -> Any:
         return boto3.client(
             "s3",

@@ -3,7 +3,6 @@ cut (pure, table-driven), the wire field, and a daemon answering a budget."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from kvtier.model import Lookup, LookupMode
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import CodecError, decode_lookup, encode_lookup
 from tests.helpers import running_daemon, short_tmpdir
-from tests.s3server import S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 MiB = 1 << 20
 
@@ -172,17 +171,15 @@ async def test_a_daemons_probes_teach_their_tiers_time_to_first_byte(sock_dir: P
     assert learnt < prior / 2
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
-
-
-def requests(s3: S3Server, method: str) -> int:
-    return sum(n for (m, _), n in s3.proxy.counts.items() if m == method)
+def requests(s3: ProxiedS3, method: str, bucket: str) -> int:
+    """Requests of ``method`` on ``bucket``'s objects (the store is the session's)."""
+    return sum(
+        n for (m, p), n in s3.proxy.counts.items() if m == method and p.startswith(f"/{bucket}/")
+    )
 
 
 @pytest.mark.parametrize("remote_hit", ["promote", "hit"])
-async def test_a_budget_starts_no_s3_work_for_what_it_cuts(s3: S3Server, remote_hit: str) -> None:
+async def test_a_budget_starts_no_s3_work_for_what_it_cuts(s3: ProxiedS3, remote_hit: str) -> None:
     """Blocks only in S3, a reader that knows S3 costs 20 ms a block: a
     budget too small for S3 (though RAM would fit it) answers MISS and
     sends no HEAD and no GET, whatever ``remote_hit``; keys a promotion
@@ -204,13 +201,13 @@ async def test_a_budget_starts_no_s3_work_for_what_it_cuts(s3: S3Server, remote_
         await Client.connect(daemon.socket_path) as c,
     ):
         daemon.service.answers.c.costs.sources.update(known().sources)
-        heads, gets = requests(s3, "HEAD"), requests(s3, "GET")
+        heads, gets = requests(s3, "HEAD", bucket), requests(s3, "GET", bucket)
         for budget in (1e-4, 16 * 0.5e-3):  # nothing fits; RAM would, S3 does not
             for _ in range(3):
                 reply = await c.lookup(keys, mode=LookupMode.PREFIX, budget=budget, wait=1.0)
                 assert reply.states == [State.MISS] * 16 and reply.prefix_hits == 0
         await daemon.settle()
-        assert (requests(s3, "HEAD"), requests(s3, "GET")) == (heads, gets)
+        assert (requests(s3, "HEAD", bucket), requests(s3, "GET", bucket)) == (heads, gets)
         assert (await c.stats())["lookup_budget_cut"] == {"s3": 6 * 16}
 
         # A lookup without a budget finds them; with promote, loads start (held

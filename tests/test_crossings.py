@@ -9,7 +9,6 @@ cannot, on the default path and on each setting that changes it."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,12 @@ from kvtier.tiers.rendezvous import owner
 from kvtier.tiers.sealing import HEADER, MAGIC
 from tests.helpers import running_daemon, short_tmpdir
 from tests.ports import free_port
-from tests.s3server import S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 NS = "tenant-a"
 BLOCK = 256 * 1024
 #: a plain block that begins the way a sealed one does
 LOOKALIKE = MAGIC + bytes([1, 0, 0]) + bytes(HEADER.size) + os.urandom(BLOCK - HEADER.size - 6)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
 
 
 def key_file(where: Path) -> Path:
@@ -56,7 +50,7 @@ def seal_failures(d: Daemon, tier: str) -> dict[str, int]:
 
 
 async def fill_bucket(
-    s3: S3Server, bucket: str, key: Path | None, codec: str, blocks: dict[bytes, bytes]
+    s3: ProxiedS3, bucket: str, key: Path | None, codec: str, blocks: dict[bytes, bytes]
 ) -> None:
     """``blocks`` written through to ``bucket`` by a daemon with ``key`` for
     tenant-a (None: none) and S3 ``codec``."""
@@ -73,7 +67,7 @@ async def fill_bucket(
 
 
 async def read_back(
-    s3: S3Server, bucket: str, key: Path | None, blocks: dict[bytes, bytes], **sections: Any
+    s3: ProxiedS3, bucket: str, key: Path | None, blocks: dict[bytes, bytes], **sections: Any
 ) -> tuple[list[bytes | None], dict[str, int]]:
     """What a second daemon (key ``key``) hands its client for each block,
     by a lookup that waits for the probes, then GETs; and its S3 tier's
@@ -105,7 +99,7 @@ PATHS = [
 
 @pytest.mark.parametrize("sections", PATHS)
 async def test_a_daemon_without_the_key_hands_out_no_block_sealed_in_the_bucket(
-    s3: S3Server, sections: dict[str, Any]
+    s3: ProxiedS3, sections: dict[str, Any]
 ) -> None:
     bucket = s3.new_bucket()
     blocks = {b"sealed-%d" % i: os.urandom(BLOCK) for i in range(4)}
@@ -116,7 +110,7 @@ async def test_a_daemon_without_the_key_hands_out_no_block_sealed_in_the_bucket(
 
 
 async def test_a_daemon_with_the_key_hands_out_no_plain_block_in_its_namespace(
-    s3: S3Server,
+    s3: ProxiedS3,
 ) -> None:
     bucket = s3.new_bucket()
     blocks = {b"plain-%d" % i: os.urandom(BLOCK) for i in range(3)}
@@ -128,7 +122,7 @@ async def test_a_daemon_with_the_key_hands_out_no_plain_block_in_its_namespace(
 
 @pytest.mark.parametrize("sections", PATHS)
 async def test_a_block_packed_by_another_daemon_reads_as_it_was_stored(
-    s3: S3Server, sections: dict[str, Any]
+    s3: ProxiedS3, sections: dict[str, Any]
 ) -> None:
     bucket = s3.new_bucket()
     blocks = {b"packed-%d" % i: (b"\x00\x3c" * (BLOCK // 2)) for i in range(3)}
@@ -140,7 +134,7 @@ async def test_a_block_packed_by_another_daemon_reads_as_it_was_stored(
 
 
 async def test_a_plain_block_that_looks_sealed_crosses_every_tier_as_it_is(
-    s3: S3Server,
+    s3: ProxiedS3,
 ) -> None:
     """No key, no codec: a block whose first bytes are a header's comes back
     whole from RAM, the disk and S3."""
@@ -232,7 +226,7 @@ async def test_a_plain_block_that_looks_sealed_travels_between_peers_as_it_is() 
 
 
 def test_a_default_namespace_key_that_begins_with_the_mark_has_the_escaped_object_name(
-    s3: S3Server,
+    s3: ProxiedS3,
 ) -> None:
     """docs/s3.md: the key as every tier keeps it, escaped (0xff, 0x00, the key)."""
     from kvtier.config import S3TierConfig

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import zmq
 import zmq.asyncio
 
@@ -18,7 +16,7 @@ from kvtier.model import LookupMode
 from kvtier.tiers.rendezvous import owner
 from tests.helpers import running_daemon, wait_on_timers
 from tests.ports import free_port
-from tests.s3server import S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 RAM_ONLY = {"enabled": False}
 
@@ -132,12 +130,7 @@ async def test_blocks_stored_and_removed_go_out_in_vllms_format(sock_dir: Path) 
         ctx.destroy(linger=0)
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
-
-
-async def test_a_block_promoted_from_s3_is_published(s3: S3Server, sock_dir: Path) -> None:
+async def test_a_block_promoted_from_s3_is_published(s3: ProxiedS3, sock_dir: Path) -> None:
     ctx = zmq.asyncio.Context()
     h = bytes(range(3, 35))
     tier = s3.tier_config(s3.new_bucket())

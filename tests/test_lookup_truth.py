@@ -50,8 +50,9 @@ from kvtier.tiers.disk.format import block_path
 from kvtier.tiers.s3 import CHECKSUM_META, object_checksum
 from kvtier.tiers.sealing import Codec, Keyring, Keys, Sealer
 from kvtier.wire import Op
+from tests.ceph import CephS3
 from tests.helpers import DaemonProcess, RawConnection, metric_value, short_tmpdir
-from tests.s3server import S3Server
+from tests.s3server import ProxiedS3
 
 NAMESPACES = ["", "team"]
 #: the key other daemons seal their blocks under (this one never has it)
@@ -83,13 +84,14 @@ class Fleet:
     """One daemon and its clients: per namespace, one that asks the lookup
     process first and one that asks the daemon only."""
 
-    def __init__(self, disk: bool, s3: bool = False) -> None:
-        """``s3``: with an S3 tier below (its lookup process then refers
-        every lookup of a key it does not hold: the daemon probes)."""
+    def __init__(self, disk: bool, s3: ProxiedS3 | None = None) -> None:
+        """``s3``: with an S3 tier below, a bucket of its own there (its
+        lookup process then refers every lookup of a key it does not hold:
+        the daemon probes)."""
         self.dir = short_tmpdir()
         self.config = self.dir / "kvtier.toml"
         self.uids = [os.getuid()]
-        self.s3 = S3Server() if s3 else None
+        self.s3 = s3
         self.bucket = self.s3.new_bucket() if self.s3 is not None else ""
         self.tier = (
             self.s3.tier_config(self.bucket, write_policy="none") if self.s3 is not None else None
@@ -140,11 +142,7 @@ class Fleet:
     def close(self) -> None:
         for c in (*self.at_process.values(), *self.direct.values()):
             c.close()
-        try:
-            assert self.proc.stop() == 0
-        finally:
-            if self.s3 is not None:
-                self.s3.close()
+        assert self.proc.stop() == 0
 
 
 class Truth(RuleBasedStateMachine):
@@ -353,7 +351,8 @@ class Truth(RuleBasedStateMachine):
     ids=["disk", "ram-only", "s3"],
 )
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    f = Fleet(*request.param)
+    disk, s3 = request.param
+    f = Fleet(disk, request.getfixturevalue("ceph") if s3 else None)
     yield f
     f.close()
 
@@ -391,7 +390,8 @@ def test_the_lookup_process_answers_as_the_daemon_does(fleet: Fleet) -> None:
 def soak(seconds: float, first_seed: int) -> int:
     """The machine, seed after seed, for ``seconds``; returns the runs made."""
     runs = 0
-    fleets = [Fleet(disk=True), Fleet(disk=False), Fleet(disk=True, s3=True)]
+    store = CephS3()
+    fleets = [Fleet(disk=True), Fleet(disk=False), Fleet(disk=True, s3=store)]
     try:
         until = time.monotonic() + seconds
         while time.monotonic() < until:
@@ -400,6 +400,7 @@ def soak(seconds: float, first_seed: int) -> int:
     finally:
         for f in fleets:
             f.close()
+        store.close()
     return runs
 
 

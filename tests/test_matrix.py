@@ -21,7 +21,6 @@ S3-compatible server, runs the same checks:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from kvtier.model import LookupMode, namespace_prefix
 from kvtier.tiers.s3 import CHECKSUM_META, object_checksum
 from kvtier.tiers.sealing import Keyring, Keys, Sealer
 from tests.helpers import running_daemon, short_tmpdir
-from tests.s3server import S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 NS = "tenant-a"
 #: a lookup's bound on waiting for its keys to settle (it answers as soon as they do)
@@ -60,11 +59,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
-
-
 def sections_for(name: str) -> dict[str, Any]:
     sections = {k: dict(v) for k, v in SETTINGS[name].items()}
     if name == "sealed":
@@ -72,7 +66,7 @@ def sections_for(name: str) -> dict[str, Any]:
     return sections
 
 
-def object_name(s3: S3Server, key: bytes) -> str:
+def object_name(s3: ProxiedS3, key: bytes) -> str:
     return f"fleet-a/{NS}/{key.hex()}"
 
 
@@ -82,7 +76,7 @@ def as_stored(d: Daemon, key: bytes, value: bytes) -> bytes:
     return bytes(Sealer(d.parts.keys).seal(namespace_prefix(NS.encode()) + key, value))
 
 
-def plant(s3: S3Server, bucket: str, key: bytes, body: bytes, checksum_of: bytes) -> None:
+def plant(s3: ProxiedS3, bucket: str, key: bytes, body: bytes, checksum_of: bytes) -> None:
     full = namespace_prefix(NS.encode()) + key
     s3.boto().put_object(
         Bucket=bucket,
@@ -108,11 +102,11 @@ async def put(c: Client, key: bytes, value: bytes, setting: str) -> PutStatus:
         os.close(fd)
 
 
-def gets(s3: S3Server, key: bytes) -> int:
+def gets(s3: ProxiedS3, key: bytes) -> int:
     return sum(n for (m, p), n in s3.proxy.counts.items() if m == "GET" and key.hex() in p)
 
 
-async def failed_load_reads_miss(d: Daemon, s3: S3Server, bucket: str, setting: str) -> None:
+async def failed_load_reads_miss(d: Daemon, s3: ProxiedS3, bucket: str, setting: str) -> None:
     key = b"torn"
     body = os.urandom(BLOCK)
     plant(s3, bucket, key, body, checksum_of=body[::-1])  # bytes that do not match
@@ -128,7 +122,7 @@ async def failed_load_reads_miss(d: Daemon, s3: S3Server, bucket: str, setting: 
 
 
 async def sealed_elsewhere_is_never_handed_out(
-    d: Daemon, s3: S3Server, bucket: str, setting: str
+    d: Daemon, s3: ProxiedS3, bucket: str, setting: str
 ) -> None:
     key = b"sealed-elsewhere"
     value = os.urandom(BLOCK)
@@ -141,7 +135,7 @@ async def sealed_elsewhere_is_never_handed_out(
         assert (await c.lookup([key], wait=SETTLE)).states == [State.MISS]
 
 
-async def a_small_budget_sends_no_get(d: Daemon, s3: S3Server, bucket: str, setting: str) -> None:
+async def a_small_budget_sends_no_get(d: Daemon, s3: ProxiedS3, bucket: str, setting: str) -> None:
     keys = [b"budget-%d" % i for i in range(4)]
     for key in keys:
         body = as_stored(d, key, os.urandom(BLOCK))
@@ -158,7 +152,7 @@ async def a_small_budget_sends_no_get(d: Daemon, s3: S3Server, bucket: str, sett
 
 
 async def a_reservation_reads_pending_until_its_put(
-    d: Daemon, s3: S3Server, bucket: str, setting: str
+    d: Daemon, s3: ProxiedS3, bucket: str, setting: str
 ) -> None:
     value = os.urandom(BLOCK)
     async with (
@@ -177,7 +171,7 @@ async def a_reservation_reads_pending_until_its_put(
         assert (await reader.lookup([b"res-gone"], wait=SETTLE)).states == [State.MISS]
 
 
-async def namespaces_stay_apart(d: Daemon, s3: S3Server, bucket: str, setting: str) -> None:
+async def namespaces_stay_apart(d: Daemon, s3: ProxiedS3, bucket: str, setting: str) -> None:
     value = os.urandom(BLOCK)
     async with (
         await Client.connect(d.socket_path, namespace=NS) as mine,
@@ -189,7 +183,7 @@ async def namespaces_stay_apart(d: Daemon, s3: S3Server, bucket: str, setting: s
         assert bytes(await mine.get(b"shared-name") or b"") == value
 
 
-async def a_held_get_is_hedged(d: Daemon, s3: S3Server, bucket: str, setting: str) -> None:
+async def a_held_get_is_hedged(d: Daemon, s3: ProxiedS3, bucket: str, setting: str) -> None:
     key = b"hedged"
     value = os.urandom(BLOCK)
     body = as_stored(d, key, value)
@@ -219,7 +213,7 @@ CHECKS = [
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-async def test_every_guarantee_holds(s3: S3Server, setting: str) -> None:
+async def test_every_guarantee_holds(s3: ProxiedS3, setting: str) -> None:
     bucket = s3.new_bucket()
     # (a GET not answered after 50 ms is sent again, whatever the budget)
     tier = s3.tier_config(bucket, hedge_after=0.05, hedge_max_ratio=1.0)

@@ -10,13 +10,10 @@ makes a verb harder to follow fails here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests import pathcount
-from tests.s3server import S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 #: (calls, switches between files) at most.
 #: A disk-only GET of a key a previous daemon left (113 calls, 67 switches
@@ -40,11 +37,6 @@ PROCESS_REPORT = (21, 12)
 S3_LOOKUP = (216, 141)
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
-
-
 def test_a_disk_only_get_reads_top_to_bottom(sock_dir: Path) -> None:
     count = pathcount.disk_only_get(sock_dir)
     calls, switches = DISK_GET
@@ -52,7 +44,7 @@ def test_a_disk_only_get_reads_top_to_bottom(sock_dir: Path) -> None:
     assert count.switches <= switches, f"{count}: {count.calls}"
 
 
-def test_an_s3_only_lookup_until_hit_reads_top_to_bottom(s3: S3Server, sock_dir: Path) -> None:
+def test_an_s3_only_lookup_until_hit_reads_top_to_bottom(s3: ProxiedS3, sock_dir: Path) -> None:
     count = pathcount.s3_only_lookup(sock_dir, s3)
     calls, switches = S3_LOOKUP
     assert len(count.calls) <= calls, f"{count}: {count.by_function()}"

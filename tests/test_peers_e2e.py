@@ -21,7 +21,7 @@ from kvtier.tiers.s3 import CHECKSUM_META, object_checksum
 from kvtier.tiers.sealing import Keyring, Keys, Sealer
 from tests.helpers import DaemonProcess, metric_value, short_tmpdir
 from tests.ports import free_port
-from tests.s3server import S3Server
+from tests.s3server import ProxiedS3
 
 TOKEN = "e2e-peer-token"
 #: how long a lookup may wait for its keys to settle: it answers as soon as
@@ -385,7 +385,7 @@ def test_a_get_from_a_hung_owner_is_hedged_to_the_next_owner() -> None:
 
 @pytest.mark.parametrize("tampered", [False, True])
 def test_a_get_from_a_hung_owner_is_hedged_to_s3_which_holds_the_block_too(
-    tampered: bool,
+    tampered: bool, s3: ProxiedS3
 ) -> None:
     """One owner (replicas = 1) holds the block, and S3 below the peers has
     it too (the owner wrote it through). The owner hangs (SIGSTOP) after
@@ -393,58 +393,53 @@ def test_a_get_from_a_hung_owner_is_hedged_to_s3_which_holds_the_block_too(
     and wins. An object whose bytes were changed in the bucket does not
     win: the GET waits for the owner (here until its request times out)
     and never returns those bytes."""
-    server = S3Server()
+    bucket = s3.new_bucket()
+    tier = s3.tier_config(bucket)
+    fleet = Fleet(
+        2,
+        replicas=1,
+        peer_extra="hedge_after = 0.05\nhedge_max_ratio = 1.0\n",
+        extra="[[remote_tiers]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in tier.items()),
+        verdict_ttl=60.0,
+        remote_hit="hit",
+    )
+    a, b = fleet.daemons
     try:
-        bucket = server.new_bucket()
-        tier = server.tier_config(bucket)
-        fleet = Fleet(
-            2,
-            replicas=1,
-            peer_extra="hedge_after = 0.05\nhedge_max_ratio = 1.0\n",
-            extra="[[remote_tiers]]\n"
-            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in tier.items()),
-            verdict_ttl=60.0,
-            remote_hit="hit",
-        )
-        a, b = fleet.daemons
+        (key,) = fleet.keys_ranked([1], "hedged-to-s3", 1)  # owner: B
+        value = os.urandom(100_000)
+        path = f"/{bucket}/{tier['prefix']}{key.hex()}"
+        stored = s3.proxy.when_completed("PUT", path)
+        with client(b) as cb:
+            cb.put(key, value)  # kept by B, written through to S3; A has none
+        assert stored.wait(30)
+        if tampered:  # other bytes under the block's checksum
+            s3.boto().put_object(
+                Bucket=bucket,
+                Key=tier["prefix"] + key.hex(),
+                Body=b"X" + value[1:],
+                Metadata={CHECKSUM_META: object_checksum(key, value)},
+            )
+        with client(a) as ca:
+            assert ca.lookup([key], wait=SETTLE).states == [State.HIT]  # B says so
+        b.send_signal(signal.SIGSTOP)
         try:
-            (key,) = fleet.keys_ranked([1], "hedged-to-s3", 1)  # owner: B
-            value = os.urandom(100_000)
-            path = f"/{bucket}/{tier['prefix']}{key.hex()}"
-            stored = server.proxy.when_completed("PUT", path)
-            with client(b) as cb:
-                cb.put(key, value)  # kept by B, written through to S3; A has none
-            assert stored.wait(30)
-            if tampered:  # other bytes under the block's checksum
-                server.boto().put_object(
-                    Bucket=bucket,
-                    Key=tier["prefix"] + key.hex(),
-                    Body=b"X" + value[1:],
-                    Metadata={CHECKSUM_META: object_checksum(key, value)},
-                )
             with client(a) as ca:
-                assert ca.lookup([key], wait=SETTLE).states == [State.HIT]  # B says so
-            b.send_signal(signal.SIGSTOP)
-            try:
-                with client(a) as ca:
-                    got = ca.get(key)
-                    stats = ca.stats()["tiers"]
-                won = 'outcome="won",tier="peers"'
-                if tampered:
-                    # B timed out; S3's bytes failed their check, as the hedge
-                    # and then as the next place the GET looked
-                    assert got is None
-                    assert stats["peers"]["hedges"] == {"won": 0, "lost": 1, "skipped": 0}
-                    assert server.proxy.counts[("GET", path)] == stats["s3"]["corrupt"] == 2
-                    return
-                assert server.proxy.counts[("GET", path)] == 1
-                assert bytes(got or b"") == value  # from S3, the hedge
-                assert stats["peers"]["hedges"] == {"won": 1, "lost": 0, "skipped": 0}
-                text = a.scrape()
-                assert metric_value(text, "kvtier_hedged_reads_total", won) == 1
-            finally:
-                b.send_signal(signal.SIGCONT)
+                got = ca.get(key)
+                stats = ca.stats()["tiers"]
+            won = 'outcome="won",tier="peers"'
+            if tampered:
+                # B timed out; S3's bytes failed their check, as the hedge
+                # and then as the next place the GET looked
+                assert got is None
+                assert stats["peers"]["hedges"] == {"won": 0, "lost": 1, "skipped": 0}
+                assert s3.proxy.counts[("GET", path)] == stats["s3"]["corrupt"] == 2
+                return
+            assert s3.proxy.counts[("GET", path)] == 1
+            assert bytes(got or b"") == value  # from S3, the hedge
+            assert stats["peers"]["hedges"] == {"won": 1, "lost": 0, "skipped": 0}
+            text = a.scrape()
+            assert metric_value(text, "kvtier_hedged_reads_total", won) == 1
         finally:
-            fleet.stop()
+            b.send_signal(signal.SIGCONT)
     finally:
-        server.close()
+        fleet.stop()

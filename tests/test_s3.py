@@ -27,11 +27,6 @@ K = bytes(range(32))
 VALUE = b"kv-block-" * 20_000
 
 
-@pytest.fixture
-def s3(ceph: CephS3) -> CephS3:
-    return ceph
-
-
 def object_path(bucket: str, key: bytes, prefix: str = "fleet-a/") -> str:
     return f"/{bucket}/{prefix}{key.hex()}"
 

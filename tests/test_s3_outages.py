@@ -50,11 +50,6 @@ def rgw_back(s3: CephS3) -> Iterator[None]:
         s3.cluster.start_rgw()
 
 
-@pytest.fixture
-def s3(ceph: CephS3) -> CephS3:
-    return ceph
-
-
 @pytest.mark.parametrize("disk", [False, True], ids=["memory", "disk"])
 async def test_writes_made_while_the_store_is_down_reach_it_once_it_returns(
     s3: CephS3, rgw_back: None, disk: bool, tmp_path: Path

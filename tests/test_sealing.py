@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,7 @@ from kvtier.tiers.sealing import (
     key_id,
 )
 from tests.helpers import DaemonProcess
-from tests.s3server import S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 KEY_A, KEY_B, KEY_OLD = os.urandom(32), os.urandom(32), os.urandom(32)
 A, B = b"tenant-a", b"tenant-b"
@@ -261,12 +260,7 @@ async def test_the_disk_reads_blocks_of_a_rotated_key_and_writes_under_the_new_o
 # -- S3, through a real S3-compatible server
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
-
-
-async def test_s3_objects_are_sealed_and_only_open_as_themselves(s3: S3Server) -> None:
+async def test_s3_objects_are_sealed_and_only_open_as_themselves(s3: ProxiedS3) -> None:
     bucket = s3.new_bucket()
     keys = Keys({A: Keyring.of(KEY_A), B: Keyring.of(KEY_B)})
     cfg = S3TierConfig(**s3.tier_config(bucket, codec="zstd"))

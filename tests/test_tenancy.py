@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from kvtier.tiers.rendezvous import owner
 from kvtier.wire import FLAG_REPLY, Op
 from tests.helpers import DaemonProcess, RawConnection, running_daemon, wait_until
 from tests.ports import free_port
-from tests.s3server import S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 H, M = State.HIT, State.MISS
 RAM_ONLY = {"enabled": False}
@@ -296,12 +295,7 @@ def test_stats_per_namespace_from_the_command_line(sock_dir: Path, tmp_path: Pat
         assert d.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
-
-
-async def test_namespaces_stay_apart_in_a_shared_bucket(s3: S3Server, sock_dir: Path) -> None:
+async def test_namespaces_stay_apart_in_a_shared_bucket(s3: ProxiedS3, sock_dir: Path) -> None:
     tier = s3.tier_config(s3.new_bucket())
     written = s3.proxy.when_completed("PUT", f"/{tier['bucket']}/fleet-a/t1/{K.hex()}")
     a_dir, b_dir = sock_dir / "a", sock_dir / "b"

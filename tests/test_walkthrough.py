@@ -1,5 +1,5 @@
 """docs/walkthrough.md, run as written: two daemons sharing an S3 bucket
-(a real S3-compatible server, moto's, on loopback) and a peer pair."""
+(Ceph's RADOS Gateway on loopback, as the tests start it) and a peer pair."""
 
 from __future__ import annotations
 
@@ -7,34 +7,26 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from tests.helpers import ROOT
 from tests.ports import free_port
-from tests.s3server import CREDENTIALS, S3Server, s3_server
+from tests.s3server import ProxiedS3
 
 DOC = ROOT / "docs" / "walkthrough.md"
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    yield from s3_server()
-
-
-def test_the_walkthrough_runs_as_written(s3: S3Server, tmp_path: Path) -> None:
+def test_the_walkthrough_runs_as_written(s3: ProxiedS3, tmp_path: Path) -> None:
     blocks = re.findall(r"^```sh\n(.*?)^```", DOC.read_text(), flags=re.M | re.S)
     assert len(blocks) >= 4
     script = "set -euo pipefail\n" + "\n".join(blocks)
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "S3_ENDPOINT": s3.moto_url,
+        "S3_ENDPOINT": s3.endpoint,
         "S3_BUCKET": s3.new_bucket(),
-        "AWS_ACCESS_KEY_ID": CREDENTIALS["aws_access_key_id"],
-        "AWS_SECRET_ACCESS_KEY": CREDENTIALS["aws_secret_access_key"],
+        "AWS_ACCESS_KEY_ID": s3.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3.secret_key,
         "PEER_PORT_C": str(free_port()),
         "PEER_PORT_D": str(free_port()),
     }
