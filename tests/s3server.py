@@ -36,6 +36,8 @@ class CountingProxy:
         self._release: asyncio.Event | None = None
         self.held = threading.Event()  # set when a request is being held
         self._conditions: list[tuple[str, str, int, threading.Event]] = []
+        #: answers given in the store's place: method -> (status, error code, how many)
+        self._answers: dict[str, tuple[int, str, int]] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -82,6 +84,16 @@ class CountingProxy:
                 self._hold_left -= 1
             self.held.set()
             await self._release.wait()
+        answer = self._answers.get(request.method)
+        if answer is not None:
+            status, code, left = answer
+            if left <= 1:
+                del self._answers[request.method]
+            else:
+                self._answers[request.method] = (status, code, left - 1)
+            await request.read()
+            error = f"<Error><Code>{code}</Code><Message>{code}</Message></Error>"
+            return web.Response(status=status, body=error.encode(), content_type="application/xml")
         assert self._session is not None
         body = await request.read()
         # The Host as the client signed it (a store that checks signatures,
@@ -132,6 +144,16 @@ class CountingProxy:
             self._held_method = method
             self._hold_left = count
             self._release = asyncio.Event()
+
+        self._run(arm())
+
+    def answer(self, method: str, status: int, code: str, count: int = 1) -> None:
+        """Answer the next ``count`` requests of ``method`` with an S3 error
+        (``status``, ``code``) in the store's place: for answers a store
+        gives that it cannot be made to give on demand."""
+
+        async def arm() -> None:
+            self._answers[method] = (status, code, count)
 
         self._run(arm())
 

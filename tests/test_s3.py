@@ -420,3 +420,42 @@ async def test_two_daemons_writing_the_same_blocks_upload_them_once(
             assert (
                 boto.get_object(Bucket=bucket, Key=f"fleet-a/{key.hex()}")["Body"].read() == value
             )
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "outcome"),
+    [(501, "NotImplemented", "ok"), (409, "ConditionalRequestConflict", "exists")],
+    ids=["refused-header", "conflict"],
+)
+async def test_a_conditional_put_the_store_refuses_or_races_ends_cleanly(
+    s3: CephS3, status: int, code: str, outcome: str
+) -> None:
+    """Answers RGW does not give on demand, given by the proxy in its place:
+    a store that refuses ``If-None-Match`` (501) makes the tier write
+    unconditionally from then on, and the block is stored; AWS's 409
+    (another conditional write of the key under way) is the same no-op as
+    412. Neither counts against the breaker, nothing is owed."""
+    bucket = s3.new_bucket()
+    async with (
+        running_daemon(
+            short_tmpdir(), remote_tier_configs=[s3.tier_config(bucket)], disk={"enabled": False}
+        ) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        s3.proxy.answer("PUT", status, code)
+        await c.put(K, VALUE)
+        await d.settle()
+        await c.put(K + b"2", VALUE)  # (conditional again after a 409; not after a 501)
+        await d.settle()
+
+        def puts(o: str) -> float:
+            return sample(d, "kvtier_s3_requests_total", tier="s3", op="put", outcome=o)
+
+        assert puts(outcome) >= 1 and puts("error") == 0
+        assert sample(d, "kvtier_s3_breaker_state", tier="s3") == 0
+        assert (await c.stats())["writes"]["s3"]["owed_blocks"] == 0
+    boto = s3.boto()
+    second = boto.get_object(Bucket=bucket, Key=f"fleet-a/{(K + b'2').hex()}")
+    assert second["Body"].read() == VALUE
+    if status == 501:  # stored by the unconditional PUT that followed
+        assert boto.get_object(Bucket=bucket, Key=f"fleet-a/{K.hex()}")["Body"].read() == VALUE

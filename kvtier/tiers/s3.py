@@ -51,8 +51,10 @@ T = TypeVar("T")
 
 CHECKSUM_META = "kvtier-xxh3"
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
-#: a conditional PUT's answer: the object exists already
-_EXISTS = {"412", "PreconditionFailed"}
+#: a conditional PUT's answer: the object exists already; or (AWS, 409)
+#: another conditional write of the same key was under way: a block's key
+#: names its bytes, so that write stores this very block
+_EXISTS = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
 #: a store's refusal of the conditional header itself (it does not support it)
 _UNSUPPORTED = {"501", "NotImplemented"}
 
