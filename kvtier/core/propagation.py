@@ -83,8 +83,10 @@ HARD_LIMIT = 4
 #: seconds between two warnings of dropped writes of one tier
 DROP_LOG_INTERVAL = 10.0
 
-#: owed blocks sent at once to a tier that owes them
-SEND_AT_ONCE = 16
+#: owed blocks sent at once to a tier: as many as a tier's writes in
+#: flight when it keeps up (the S3 tier's ``max_concurrency``), so that
+#: new writes, queued behind the owed ones, flow as fast as without them
+SEND_AT_ONCE = 64
 #: seconds between two tries of a tier whose owed writes all failed: from
 #: the first, doubling up to the most (a tier whose breaker is open refuses
 #: at once, without a request, until its own trial succeeds)
@@ -148,8 +150,9 @@ class Writer:
     pending: int = 0
     #: keys of the writes in flight, and what waits on each (a durable PUT)
     flying: dict[bytes, list[asyncio.Future[bool]] | None] = field(default_factory=dict)
-    #: a task sends the owed blocks now
-    draining: bool = False
+    #: when to send owed blocks again after the tier failed them (None: at once)
+    retry: asyncio.TimerHandle | None = None
+    backoff: Backoff = field(default_factory=lambda: Backoff(RETRY_FIRST, RETRY_MOST))
     #: the owed keys' file is written at the end of this loop step
     flush_due: bool = False
     #: owed blocks that reached the tier
@@ -215,7 +218,7 @@ class Propagation:
                 self._counters.writes_dropped.inc(w.name, Dropped.BACKLOG.value, n=len(given_up))
             if owed:
                 log.info("%s: %d blocks owed since the last run", w.name, len(box))
-                self._start_sending(w)
+                self._send_owed(w)
 
     def close(self) -> None:
         """Write what the owed files hold; the blocks owed in memory only are
@@ -224,6 +227,9 @@ class Propagation:
             box, file = w.outbox, w.owed_file
             if box is None:
                 continue
+            if w.retry is not None:
+                w.retry.cancel()
+                w.retry = None
             if file is not None:
                 file.close()
                 continue
@@ -369,48 +375,53 @@ class Propagation:
             if gone.key != key or key in box:
                 self._settle(w, [gone])
             self._dropped(w, gone.key, why)
-        self._start_sending(w)
+        self._send_owed(w)
 
-    def _start_sending(self, w: Writer) -> None:
-        if not w.draining and not self._closing():
-            w.draining = True
+    def _send_owed(self, w: Writer) -> None:
+        """Send ``w``'s oldest owed blocks, up to ``SEND_AT_ONCE`` in flight:
+        each send that ends starts the next, so the tier is kept as busy as
+        by the writes themselves. After a failure nothing more is sent until
+        a delay has passed (:class:`~kvtier.backoff.Backoff`: 0.05 s doubling
+        to 1 s while the tier keeps failing; at once again after a success)."""
+        box = w.outbox
+        if box is None or w.retry is not None or self._closing():
+            return
+        for owed in box.take(SEND_AT_ONCE - box.sending):
             try:
-                self._task(self._send_owed(w))
+                self._task(self._send(w, owed))
             except BaseException:
-                w.draining = False
+                box.failed(owed)
                 raise
 
-    async def _send_owed(self, w: Writer) -> None:
-        """Send ``w``'s owed blocks, oldest first, until it owes none; while
-        every one fails, try again after a delay (:class:`~kvtier.backoff.Backoff`)."""
-        box = w.outbox
-        assert box is not None
-        backoff = Backoff(RETRY_FIRST, RETRY_MOST)
-        try:
-            while box.waiting and not self._closing():
-                sent = await asyncio.gather(*(self._send(w, o) for o in box.take(SEND_AT_ONCE)))
-                self._flush(w)
-                if any(sent):
-                    backoff.succeeded()
-                else:
-                    pause = backoff.failed(time.monotonic())
-                    await asyncio.sleep(pause)  # allow-sleep: between tries of a tier that refuses
-        finally:
-            w.draining = False
-            self._flush(w)
+    def _send_later(self, w: Writer) -> None:
+        if w.retry is None and not self._closing():
+            delay = w.backoff.failed(time.monotonic())
+            w.retry = asyncio.get_running_loop().call_later(delay, self._retry, w)
 
-    async def _send(self, w: Writer, owed: Owed) -> bool:
-        """Send one owed block: True unless the tier failed it (it stays owed)."""
+    def _retry(self, w: Writer) -> None:
+        w.retry = None
+        self._send_owed(w)
+
+    async def _send(self, w: Writer, owed: Owed) -> None:
+        """Send one owed block; one the tier fails stays owed, at its place."""
         box = w.outbox
         assert box is not None
-        value = owed.value
-        if value is None and self._copy_of is not None:
-            value = await self._copy_of(owed.key)
+        try:
+            value = owed.value
+            if value is None and self._copy_of is not None:
+                value = await self._copy_of(owed.key)
+        except asyncio.CancelledError:
+            box.failed(owed)
+            raise
+        except Exception as exc:  # (a local tier that cannot read it back)
+            log.warning("%s: owed block %s unreadable: %s", w.name, owed.key.hex(), exc)
+            value = None
         if value is None:  # no tier of this daemon holds it any more
             if box.sent(owed) is not None:
                 self._settle(w, [owed])
                 self._counters.writes_dropped.inc(w.name, Dropped.GONE.value)
-            return True
+            self._send_owed(w)
+            return
         try:
             await w.write(owed.key, value)
         except asyncio.CancelledError:
@@ -418,11 +429,13 @@ class Propagation:
             raise
         except Exception:
             box.failed(owed)
-            return False
+            self._send_later(w)
+            return
         if box.sent(owed) is not None:
             self._settle(w, [owed])
             w.drained += 1
-        return True
+        w.backoff.succeeded()
+        self._send_owed(w)
 
     def _settle(self, w: Writer, gone: Sequence[Owed]) -> None:
         """Entries that left ``w``'s outbox: their bytes let go, their keys off its file."""
@@ -431,6 +444,7 @@ class Propagation:
                 self._let_go(owed.key, owed.value)
         if w.owed_file is not None and gone:
             w.owed_file.settled([o.key for o in gone])
+            self._flush_soon(w)
 
     def _flush_soon(self, w: Writer) -> None:
         """Write ``w``'s owed keys at the end of this loop step (one frame for
