@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import sys
 import time
@@ -94,10 +95,11 @@ async def measure_size(tier: S3Tier, size: int, blocks: int, row: dict[str, floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--blocks", type=int, default=128, help="blocks per size and store")
+    parser.add_argument("--blocks", type=int, default=400, help="blocks per size and store")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # (moto's request log)
     rows: dict[str, dict[str, float]] = {}
     for name, start in (
         ("Ceph RGW, memstore", lambda: CephS3("memstore")),

@@ -333,14 +333,16 @@ async def test_a_hung_endpoint_opens_the_breaker_and_cold_lookups_answer_at_once
         await server.wait_closed()
 
 
-async def test_blocks_a_hung_store_hid_read_hit_once_its_breaker_closes(
-    s3: CephS3, sock_dir: Path
+@pytest.mark.parametrize("fault", ["hang", "restart"])
+async def test_blocks_an_outage_hid_read_hit_once_the_breaker_closes(
+    s3: CephS3, sock_dir: Path, fault: str
 ) -> None:
-    """RGW hangs (SIGSTOP) while a reader GETs blocks the store said it has:
-    the GETs time out, the breaker opens and refuses the rest. Those were
-    errors, not the store's answer: once RGW answers again and the breaker
-    closes, every block reads HIT at the next lookup, however long
-    ``verdict_ttl`` (``error_ttl`` 0 here: the default keeps an error 0.5 s)."""
+    """RGW hangs (SIGSTOP), or is killed, while a reader GETs blocks the
+    store said it has: the GETs time out or are refused, the breaker opens
+    and refuses the rest. Those were errors, not the store's answer: once
+    RGW answers again (SIGCONT, or started again) and the breaker closes,
+    every block reads HIT at the next lookup, however long ``verdict_ttl``
+    (``error_ttl`` 0 here: the default keeps an error 0.5 s)."""
     bucket = s3.new_bucket()
     keys = [b"hidden-%d" % i for i in range(8)]
     for key in keys:
@@ -357,12 +359,16 @@ async def test_blocks_a_hung_store_hid_read_hit_once_its_breaker_closes(
         await Client.connect(daemon.socket_path, shared=False) as c,
     ):
         assert (await c.lookup(keys, wait=10.0)).states == [H] * 8  # the store said so
-        s3.cluster.rgw_signal(signal.SIGSTOP)
+        down = signal.SIGSTOP if fault == "hang" else signal.SIGKILL
+        await asyncio.to_thread(s3.cluster.rgw_signal, down)
         try:
-            assert await c.get_many(keys) == [None] * 8  # timed out, then refused
+            assert await c.get_many(keys) == [None] * 8  # failed, then refused
             assert sample(daemon, "kvtier_s3_breaker_state", tier="s3") == 2  # open
         finally:
-            s3.cluster.rgw_signal(signal.SIGCONT)
+            if fault == "hang":
+                s3.cluster.rgw_signal(signal.SIGCONT)
+            else:
+                await asyncio.to_thread(s3.cluster.start_rgw)
         clock.skew += 60.0  # the breaker's reset interval passes
         for _ in range(20):  # lookups ask again: the trial request goes out
             await c.lookup(keys, wait=10.0)
