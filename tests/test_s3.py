@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -14,13 +15,20 @@ from typing import Any
 
 import pytest
 
-from kvtier import Client, State
+from kvtier import BlockingClient, Client, State
 from kvtier.config import S3TierConfig
 from kvtier.core.propagation import RemoteSpec, WritePolicy
 from kvtier.daemon import Daemon
 from kvtier.tiers.s3 import CHECKSUM_META, S3Tier
 from tests.ceph import CephS3
-from tests.helpers import DaemonProcess, running_daemon, short_tmpdir, wait_on_timers, wait_until
+from tests.helpers import (
+    ROOT,
+    DaemonProcess,
+    running_daemon,
+    short_tmpdir,
+    wait_on_timers,
+    wait_until,
+)
 
 H, M, P, R = State.HIT, State.MISS, State.PENDING, State.RETRY
 K = bytes(range(32))
@@ -465,3 +473,38 @@ async def test_a_conditional_put_the_store_refuses_or_races_ends_cleanly(
     assert second["Body"].read() == VALUE
     if status == 501:  # stored by the unconditional PUT that followed
         assert boto.get_object(Bucket=bucket, Key=f"fleet-a/{K.hex()}")["Body"].read() == VALUE
+
+
+def test_the_ceph_configuration_in_the_docs_serves_a_fleet(s3: CephS3, tmp_path: Path) -> None:
+    """docs/s3.md's Ceph RGW configuration, as written, with only the
+    endpoint, the bucket and the keys of this cluster put in: a daemon on it
+    writes a block through to the bucket, and another reads it back."""
+    doc = (ROOT / "docs" / "s3.md").read_text()
+    section = doc[doc.index("## Ceph's RADOS Gateway") :]
+    block = section[section.index("```toml\n") + 8 : section.index("```\n", 8)]
+    ours = {
+        "endpoint_url": s3.endpoint,
+        "bucket": s3.new_bucket(),
+        "access_key_id": s3.access_key,
+        "secret_access_key": s3.secret_key,
+    }
+    for name, setting in ours.items():
+        block, n = re.subn(rf"^{name} = .*$", f"{name} = {json.dumps(setting)}", block, flags=re.M)
+        assert n == 1, f"the documented configuration sets {name} once"
+    config = tmp_path / "kvtier.toml"
+    config.write_text(block)
+    key, value = b"documented", b"ceph" * 50_000
+    writer_dir, reader_dir = short_tmpdir(), short_tmpdir()
+    writer = DaemonProcess(writer_dir, "--config", str(config), "--no-disk").start()
+    try:
+        with BlockingClient(writer.socket_path) as c:
+            c.put(key, value, durable=True)  # (no disk: durable once in the bucket)
+    finally:
+        assert writer.stop() == 0
+    reader = DaemonProcess(reader_dir, "--config", str(config), "--no-disk").start()
+    try:
+        with BlockingClient(reader.socket_path) as c:
+            assert c.lookup([key], wait=10.0).states == [H]
+            assert c.get(key) == value
+    finally:
+        assert reader.stop() == 0
