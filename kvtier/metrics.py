@@ -471,8 +471,8 @@ class _Collector(Collector):
         )
         yield _counter(
             "kvtier_tier_writes_owed",
-            "Writes to a remote tier it failed or was behind for, owed and sent again "
-            "once it takes writes",
+            "Writes to a remote tier it failed (an outage, a timeout), kept owed and sent "
+            "again once it takes writes",
             c.writes_owed,
         )
 
@@ -491,7 +491,7 @@ class _Collector(Collector):
         yield verdicts
         owed_blocks = GaugeMetricFamily(
             "kvtier_tier_owed_blocks",
-            "Blocks a remote tier is owed (written through while it did not take them)",
+            "Blocks a remote tier is owed: written and not yet stored there",
             labels=["tier"],
         )
         owed_bytes = GaugeMetricFamily(

@@ -74,15 +74,16 @@ class S3TierConfig(Section):
     #: it and the others' PUTs are no-ops; off for a store that refuses the
     #: header (the tier also turns it off by itself when one does)
     conditional_put: bool = True
-    #: background writes in flight at most, in bytes (each counts its block
-    #: plus 8 KiB, the write's own memory); past it writes are owed
+    #: with max_backlog_bytes 0 only: background writes in flight at most,
+    #: in bytes (each counts its block plus 8 KiB); past it they are dropped
     max_pending_write_bytes: ByteCount = Field(default=256 * MiB, ge=0)
-    #: bytes of blocks the store may be owed: writes it failed or was behind
-    #: for (an outage), sent again oldest first once it takes writes. The
-    #: keys are kept on the disk tier and read back at start; a block's bytes
-    #: stay in memory only where no disk copy exists (no disk tier). Past
-    #: it the oldest owed writes are dropped and counted; 0: a failed write
-    #: is dropped at once
+    #: bytes of blocks the store may be owed: each block written through is
+    #: owed until the store has it (64 sent at once, oldest first), and one
+    #: it fails (an outage) is sent again once it takes writes. The keys are
+    #: kept on the disk tier and read back at start, so a crash loses none;
+    #: a block's bytes stay in memory only where no disk copy exists (no
+    #: disk tier). Past it the oldest waiting are dropped and counted; 0: no
+    #: backlog, a failed write is dropped at once
     max_backlog_bytes: ByteCount = Field(default=1024 * MiB, ge=0)
     #: consecutive failures that open the circuit breaker
     breaker_failures: int = Field(default=5, ge=1)

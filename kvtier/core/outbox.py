@@ -36,6 +36,8 @@ class Owed:
     value: Buffer | None
     #: sent now (:meth:`Outbox.take`): not taken again until it ends
     sending: bool = False
+    #: RAM evicted it (a write-back tier's demotion), counted as one when sent
+    demoted: bool = False
 
 
 class Outbox:
@@ -68,7 +70,9 @@ class Outbox:
         """Owed blocks not being sent now."""
         return len(self._owed) - self.sending
 
-    def owe(self, key: bytes, size: int, value: Buffer | None) -> list[Owed]:
+    def owe(
+        self, key: bytes, size: int, value: Buffer | None, *, demoted: bool = False
+    ) -> list[Owed]:
         """Owe ``key``'s block (``value``: its bytes, or None where a local
         tier keeps them). Returns the entries given up to stay within the
         bound, oldest first, and ``key``'s own new entry last when it does
@@ -76,7 +80,7 @@ class Outbox:
         if key in self._owed:
             return []
         if size > self.max_bytes:
-            return [Owed(key, size, value)]
+            return [Owed(key, size, value, demoted=demoted)]
         dropped: list[Owed] = []
         excess = self.bytes + size - self.max_bytes
         if excess > 0:
@@ -90,8 +94,8 @@ class Outbox:
             for old in dropped:
                 self._remove(old)
             if excess > 0:
-                return [*dropped, Owed(key, size, value)]
-        self._owed[key] = Owed(key, size, value)
+                return [*dropped, Owed(key, size, value, demoted=demoted)]
+        self._owed[key] = Owed(key, size, value, demoted=demoted)
         self.bytes += size
         return dropped
 

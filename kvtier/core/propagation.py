@@ -20,19 +20,22 @@ for memory with blocks of any size. Past the bound:
   tier full until then, so writers slow to the disk's pace and no block
   is lost. Only past ``HARD_LIMIT`` times the bound (writes that no
   client store paces: promotions kept locally) is one dropped;
-* a remote tier's (S3, peers) write never slows the engines' stores: with
-  a backlog (an object store's ``max_backlog_bytes``) it is owed, as is a
-  write the tier failed (:mod:`kvtier.core.outbox`), and sent again, oldest
-  first, once the tier answers; the owed keys are kept on the disk where
-  there is one (:class:`~kvtier.tiers.disk.owedfile.OwedFile`, read again at
-  start), their bytes held in memory only where no disk copy outlives the
-  daemon. Past the backlog's bound, and without one, a write is dropped,
-  counted and logged.
+* a remote tier's (S3, peers) write never slows the engines' stores. A
+  tier with a backlog (an object store's ``max_backlog_bytes``) is owed
+  each block from the moment it is written (:mod:`kvtier.core.outbox`)
+  until it has it: the owed blocks are sent oldest first, ``SEND_AT_ONCE``
+  in flight, and one the tier fails stays owed and is sent again once it
+  answers. The owed keys are kept on the disk where there is one
+  (:class:`~kvtier.tiers.disk.owedfile.OwedFile`, read again at start: a
+  crash loses no write in flight), their bytes held in memory only where
+  no disk copy outlives the daemon. Past the backlog's bound the oldest
+  waiting are given up; a tier without one (the peers) drops a write past
+  its ``max_pending`` bytes in flight, or one it fails; each is counted and
+  logged.
 
-While a tier owes blocks, its new writes queue behind them: the order of
-the owed blocks is the order they were written. A durable PUT with no disk
-rests on the first remote tier that outlives the daemon (:meth:`Propagation.durably`):
-it waits for that tier's write, or fails saying why.
+A durable PUT with no disk rests on the first remote tier that outlives
+the daemon (:meth:`Propagation.durably`): it waits for that tier's write,
+or fails saying why.
 
 A value is held (its RAM bytes unchanged) while its write runs. Imports the
 tiers' interface and the core's counters.
@@ -113,6 +116,10 @@ class RemoteSpec:
             await tier.batch_store([key], [value])
             written(key)
 
+        async def erase(key: bytes) -> None:
+            await tier.delete([key])
+            written(key)
+
         return Writer(
             tier.name,
             self.policy,
@@ -122,6 +129,7 @@ class RemoteSpec:
             local=False,
             outlives=tier.outlives_daemon,
             outbox=Outbox(self.max_backlog) if self.max_backlog else None,
+            erase=erase,
         )
 
 
@@ -146,6 +154,8 @@ class Writer:
     outbox: Outbox | None = None
     #: the owed keys on the disk (None: in memory only)
     owed_file: OwedFile | None = None
+    #: removes a block from the tier: one deleted while its write was in flight
+    erase: Callable[[bytes], Awaitable[None]] | None = None
     #: bytes of background writes in flight now; bounded by max_pending
     pending: int = 0
     #: keys of the writes in flight, and what waits on each (a durable PUT)
@@ -304,11 +314,11 @@ class Propagation:
     def _write_behind(self, w: Writer, key: bytes, value: Buffer, why: WriteReason) -> None:
         # What a write in flight really costs the daemon: its bytes and the
         # memory of the write itself, so small blocks cannot pile up unbounded.
+        if w.outbox is not None and not self._closing():
+            self._owe(w, key, value, why)  # (each write is owed until the tier has it)
+            return
         size = len(value) + WRITE_OVERHEAD
         over = w.pending + size > w.max_pending
-        if w.outbox is not None and (over or w.outbox) and not self._closing():
-            self._owe(w, key, value, why)  # behind its owed blocks, or past its bound
-            return
         if over and w.local and w.pending + size <= w.max_pending * HARD_LIMIT:
             if self._room is None:  # queued all the same: its writers are slowed
                 self._room = asyncio.get_running_loop().create_future()
@@ -334,11 +344,8 @@ class Propagation:
             outcome = Written.CANCELLED
             raise
         except Exception as exc:
-            if w.outbox is not None and not self._closing():
-                self._owe(w, key, value, why)  # (before the value is let go)
-            else:
-                self._counters.writes_dropped.inc(w.name, Dropped.FAILED.value)
-                log.warning("%s: %s of key %s failed: %s", w.name, why.value, key.hex(), exc)
+            self._counters.writes_dropped.inc(w.name, Dropped.FAILED.value)
+            log.warning("%s: %s of key %s failed: %s", w.name, why.value, key.hex(), exc)
         finally:
             w.pending -= size
             self._let_go(key, value)
@@ -363,14 +370,14 @@ class Propagation:
         if key in box:
             return
         kept = None if self._kept_locally(key) else value
-        given_up = box.owe(key, len(value), kept)
+        demoted = why is WriteReason.DEMOTION
+        given_up = box.owe(key, len(value), kept, demoted=demoted)
         if key in box:
             if kept is not None:
                 self._hold(key, kept)
             if w.owed_file is not None:
                 w.owed_file.owed(key, len(value))
                 self._flush_soon(w)
-            self._counters.writes_owed.inc(w.name)
         for gone in given_up:
             if gone.key != key or key in box:
                 self._settle(w, [gone])
@@ -422,20 +429,46 @@ class Propagation:
                 self._counters.writes_dropped.inc(w.name, Dropped.GONE.value)
             self._send_owed(w)
             return
+        key = owed.key
+        outcome = Written.FAILED
+        w.flying.setdefault(key, None)
         try:
-            await w.write(owed.key, value)
+            await w.write(key, value)
+            outcome = Written.COMPLETED
         except asyncio.CancelledError:
+            outcome = Written.CANCELLED
             box.failed(owed)
             raise
-        except Exception:
+        except Exception as exc:
             box.failed(owed)
+            if owed.key in box:  # (still owed: not deleted meanwhile)
+                self._counters.writes_owed.inc(w.name)
+                if not w.retry:
+                    log.warning("%s: write of key %s failed, kept owed: %s", w.name, key.hex(), exc)
             self._send_later(w)
             return
+        finally:
+            for fut in w.flying.pop(key, None) or ():
+                if not fut.done():
+                    fut.set_result(outcome is Written.COMPLETED)
+            if owed.demoted and outcome is not Written.FAILED:
+                self._counters.demotions.inc(w.name, outcome.value)
         if box.sent(owed) is not None:
             self._settle(w, [owed])
             w.drained += 1
+        elif w.erase is not None and not self._closing():
+            await self._erase(w, key)  # deleted while it was on its way: the delete wins
         w.backoff.succeeded()
         self._send_owed(w)
+
+    async def _erase(self, w: Writer, key: bytes) -> None:
+        assert w.erase is not None
+        try:
+            await w.erase(key)
+        except Exception as exc:
+            log.warning(
+                "%s: key %s, deleted while written, is still there: %s", w.name, key.hex(), exc
+            )
 
     def _settle(self, w: Writer, gone: Sequence[Owed]) -> None:
         """Entries that left ``w``'s outbox: their bytes let go, their keys off its file."""

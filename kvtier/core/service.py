@@ -150,8 +150,8 @@ class Service:
 
         async def copy_of(key: bytes) -> Buffer | None:
             value = ram.peek(key)
-            if value is None and disk is not None:
-                value = await disk.read(key)
+            if value is None and disk is not None:  # (after a crash: the file itself)
+                value = await disk.read_found(key)
             return value
 
         self.propagation = Propagation(

@@ -413,6 +413,20 @@ class DiskTier(LocalTier):
         self.read_bytes += len(value)
         return value
 
+    async def read_found(self, key: bytes) -> Buffer | None:
+        """The block, whether or not the index knows it yet: a file the
+        journal missed before a crash is read all the same (the start's pass
+        over the files adopts it later). None where there is no good file."""
+        value = await self.read(key)
+        if value is not None or key in self.budget:
+            return value
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._read_file, key
+            )
+        except (OSError, CorruptBlock, SealError):
+            return None  # (a damaged file is the pass's to count and remove)
+
     def _forget(self, key: bytes) -> None:
         """``key``'s file write failed: the disk does not hold it (the I/O
         thread journals what became of the file)."""
