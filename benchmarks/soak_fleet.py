@@ -53,7 +53,7 @@ from kvtier.model import LookupMode
 from kvtier.tiers.disk.format import HEADER
 from kvtier.tiers.rendezvous import owner
 from tests.ceph import CephS3
-from tests.helpers import DaemonProcess, rss_bytes
+from tests.helpers import DaemonProcess, metric_value, rss_bytes
 from tests.ports import free_port
 from tests.s3server import ProxiedS3, S3Server
 
@@ -420,19 +420,30 @@ class Soak:
             }
         )
 
+    async def _writes(self) -> dict[int, dict[str, int]]:
+        """Each live daemon's writes to the store (STATS ``writes.s3``)."""
+        out = {}
+        for node, proc in enumerate(self.fleet.procs):
+            if node in self.down:
+                continue
+            with contextlib.suppress(KvtierError):
+                async with await Client.connect(proc.socket_path) as c:
+                    out[node] = (await c.stats())["writes"]["s3"]
+        return out
+
     async def _owed_sent(self, since: float) -> float:
-        """Seconds from ``since`` until no live daemon owes the store a block."""
+        """Seconds from ``since`` until every daemon has sent what it owed
+        then: blocks are sent oldest first, so once a daemon has sent as many
+        as it owed, the ones it owed have all gone (new writes keep coming)."""
+        start = await self._writes()
         while True:
-            owed = 0
-            for node, proc in enumerate(self.fleet.procs):
-                if node in self.down:
-                    continue
-                with contextlib.suppress(KvtierError):
-                    async with await Client.connect(proc.socket_path) as c:
-                        owed += int((await c.stats())["writes"]["s3"]["owed_blocks"])
-            if not owed:
+            now = await self._writes()
+            if all(
+                node not in now or now[node]["owed_sent"] - w["owed_sent"] >= w["owed_blocks"]
+                for node, w in start.items()
+            ):
                 return round(time.monotonic() - since, 2)
-            if time.monotonic() - since > 60:
+            if time.monotonic() - since > 120:
                 return -1.0
             await asyncio.sleep(0.1)  # allow-sleep: polling the daemons' STATS
 
@@ -561,6 +572,14 @@ class Soak:
                     "maps": maps,
                     "disk_blocks": disk["blocks"],
                     "disk_evictions": disk["evictions"],
+                    "s3_puts": {
+                        outcome: metric_value(
+                            proc.scrape(),
+                            "kvtier_s3_requests_total",
+                            f'op="put",outcome="{outcome}",tier="s3"',
+                        )
+                        for outcome in ("ok", "exists", "error", "timeout", "rejected")
+                    },
                     "owed_blocks": stats["writes"]["s3"]["owed_blocks"],
                     "owed_sent": stats["writes"]["s3"]["owed_sent"],
                     "writes_dropped": {
@@ -635,7 +654,8 @@ def main() -> int:
         print(
             f"node {node['node']}: RSS {node['rss_mb']} MB, maps {node['maps']}, "
             f"disk {node['disk_blocks']} blocks, {node['disk_evictions']} evicted, "
-            f"owed {node['owed_blocks']} (sent {node['owed_sent']}), {node['writes_dropped']}"
+            f"owed {node['owed_blocks']} (sent {node['owed_sent']}), {node['writes_dropped']}, "
+            f"S3 PUTs {node['s3_puts']}"
         )
     if report.durable_lost:
         print(f"durable blocks lost, by the node that acknowledged them: {soak.lost_on}")

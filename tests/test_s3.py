@@ -508,3 +508,24 @@ def test_the_ceph_configuration_in_the_docs_serves_a_fleet(s3: CephS3, tmp_path:
             assert c.get(key) == value
     finally:
         assert reader.stop() == 0
+
+
+async def test_an_object_the_store_refuses_to_overwrite_but_cannot_serve_is_written_again(
+    s3: CephS3, daemon: Daemon
+) -> None:
+    """A store that crashed in the middle of a PUT can keep a head it does
+    not serve whole, and answer the next conditional PUT 412: the tier
+    checks what a 412 claims (HEAD: length and checksum) and, where it does
+    not hold, writes the block unconditionally."""
+    bucket = daemon.bucket  # type: ignore[attr-defined]
+    s3.boto().put_object(  # a head without this block's checksum
+        Bucket=bucket, Key=f"fleet-a/{K.hex()}", Body=b"a torn leftover", Metadata={}
+    )
+    async with await Client.connect(daemon.socket_path) as c:
+        await c.put(K, VALUE)
+    await daemon.settle()
+    put = "kvtier_s3_requests_total"
+    assert sample(daemon, put, tier="s3", op="put", outcome="exists") == 1
+    assert sample(daemon, put, tier="s3", op="put", outcome="ok") == 1
+    got = s3.boto().get_object(Bucket=bucket, Key=f"fleet-a/{K.hex()}")["Body"].read()
+    assert got == VALUE

@@ -367,7 +367,19 @@ class S3Tier(Tier):
         try:
             await self._call("put", call)
         except _Exists:
-            return  # another writer stored it first: the same block (counted)
+            # Another writer stored it first: the same block (counted), if the
+            # store can serve it. A store that crashed in the middle of a PUT
+            # may keep a head it cannot serve, and refuse the next PUT for it.
+            if await self._holds(key, body):
+                return
+            log.warning(
+                "%s: the store refused a PUT of %s as existing, but does not serve "
+                "it whole: writing it unconditionally",
+                self.name,
+                key.hex(),
+            )
+            conditional = False
+            await self._call("put", call)
         except _Unsupported as exc:
             log.warning(
                 "%s: the store refuses conditional PUTs (%s); writing unconditionally",
@@ -377,6 +389,24 @@ class S3Tier(Tier):
             self._conditional = conditional = False
             await self._call("put", call)
         self.counters.bytes_out.value += len(body)
+
+    async def _holds(self, key: bytes, body: bytes) -> bool:
+        """Whether the store serves ``key``'s object as ``body`` would be: its
+        length and checksum (HEAD)."""
+        want = object_checksum(key, body)
+
+        async def call() -> bool:
+            resp = await self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
+            self._count_retries("head", resp)
+            length = resp.get("ContentLength")
+            if length is not None and length != len(body) and length != 0:
+                return False  # (0 or none: a HEAD through a proxy may not carry it)
+            return bool(resp.get("Metadata", {}).get(CHECKSUM_META) == want)
+
+        try:
+            return await self._call("head", call)
+        except _NotFound:
+            return False
 
     async def _delete(self, key: bytes) -> None:
         async def call() -> None:
