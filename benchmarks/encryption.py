@@ -141,7 +141,7 @@ async def s3_rows(n: int, rounds: int) -> list[tuple[str, float, float]]:
         await tier.close()
     finally:
         server.close()
-    return [("s3 put 1MiB (local test server)", *put), ("s3 get 1MiB (local test server)", *get)]
+    return [("s3 put 1MiB (Ceph RGW)", *put), ("s3 get 1MiB (Ceph RGW)", *get)]
 
 
 def aead_row(rounds: int) -> tuple[str, float, float]:
