@@ -108,7 +108,9 @@ async def test_owed_writes_outlive_a_crash_of_the_daemon(
     first = DaemonProcess(sock_dir, "--config", str(config)).start()
     try:
         async with await Client.connect(first.socket_path) as c:
-            await c.put_many(keys, values)
+            # Durable: on the disk before the answer (a block only in RAM dies
+            # with the daemon, owed or not).
+            await c.put_many(keys, values, durable=True)
 
             async def owed() -> int:
                 return int((await c.stats())["writes"]["s3"]["owed_blocks"])
