@@ -378,7 +378,13 @@ def _replay_ttft(args: argparse.Namespace, chains: list[list[int]], unique: int)
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvtier import replay as rp
 
-    chains = rp.load_trace(Path(args.trace))
+    trace = Path(args.trace)
+    if trace.is_dir() or trace.name.endswith((".tar.gz", ".tgz", ".tar")):
+        if args.hints:
+            raise ConfigError("--hints needs a JSON-lines trace (input_length), not sessions")
+        chains = rp.load_sessions(trace, args.concurrency, args.seed)
+    else:
+        chains = rp.load_trace(trace)
     unique = rp.unique_blocks(chains)
     if args.noisy:
         if args.nodes or args.socket or args.hints:
@@ -542,7 +548,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "replay", help="replay a request trace through the eviction policies (hit ratio)"
     )
-    p.add_argument("trace", metavar="TRACE", help="JSON lines with hash_ids (Mooncake format)")
+    p.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="JSON lines with hash_ids (Mooncake format), or agent sessions: a folder or "
+        "tarball of one JSON file per session (the agentic trace format)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=float,
+        default=16.0,
+        help="agent sessions: how many are in progress at once on average (arrivals are "
+        "a seeded Poisson process)",
+    )
+    p.add_argument("--seed", type=int, default=1, help="agent sessions: the arrival order's seed")
     p.add_argument(
         "--capacity",
         default="5%,10%,20%",

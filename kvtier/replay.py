@@ -2,10 +2,12 @@
 
 A trace is JSON lines with ``hash_ids``: one id per block, a request's ids
 forming a chain (block i is usable only if blocks 0..i-1 are), as in
-Mooncake's FAST'25 traces. The metric is the *prefix-hit ratio*: the blocks
-each request finds as a leading run in the cache, over all blocks
-requested, replaying requests in order and then inserting or touching
-every block of the request.
+Mooncake's FAST'25 traces; or agent sessions, one JSON file each, in a
+folder or a tarball (:func:`load_sessions`), interleaved as concurrent
+users. The metric is the *prefix-hit ratio*: the blocks each request
+finds as a leading run in the cache, over all blocks requested, replaying
+requests in order and then inserting or touching every block of the
+request.
 
 Offline, each request runs through a :class:`~kvtier.tiers.ram.RamTier`
 built with the named policy (the daemon's own classes, not a model of
@@ -30,6 +32,7 @@ import gzip
 import json
 import random
 import sys
+import tarfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +92,77 @@ def load_trace(path: Path) -> list[Chain]:
     except OSError as exc:
         raise ConfigError(f"cannot read trace {path}: {exc}") from exc
     return chains
+
+
+def load_sessions(path: Path, concurrency: float = 16.0, seed: int = 1) -> list[Chain]:
+    """The requests of agent sessions (a folder, or a ``.tar.gz``, of one
+    JSON file per session: ``requests[]``, each with ``t``, seconds from the
+    session's start, and ``hash_ids``; a sub-agent's nested ``requests``
+    count as the session's), interleaved as concurrent users of one server,
+    in the order they arrive.
+
+    The arrival model: the sessions, in an order drawn from ``seed``, start
+    one after another with exponential gaps (a Poisson process) whose rate
+    keeps ``concurrency`` sessions in progress on average (Little's law,
+    over the sessions' mean length); each request arrives at its session's
+    start plus its ``t``. A session's block ids are its own (``hash_id_scope``
+    local): each session's are moved into a range of their own."""
+    if concurrency <= 0:
+        raise ConfigError(f"--concurrency must be positive, got {concurrency}")
+    sessions = [_session_requests(name, data) for name, data in _session_files(path)]
+    sessions = [s for s in sessions if s]
+    if not sessions:
+        raise ConfigError(f"{path}: no session with requests")
+    rng = random.Random(seed)
+    order = list(range(len(sessions)))
+    rng.shuffle(order)
+    mean_length = sum(max(t for t, _ in s) for s in sessions) / len(sessions)
+    rate = concurrency / max(mean_length, 1e-9)
+    timed: list[tuple[float, int, int, Chain]] = []
+    start = 0.0
+    for i in order:
+        start += rng.expovariate(rate)
+        base = (i + 1) << 32
+        for n, (t, ids) in enumerate(sessions[i]):
+            timed.append((start + t, i, n, [base + b for b in ids]))
+    timed.sort(key=lambda r: (r[0], r[1], r[2]))
+    return [chain for _, _, _, chain in timed]
+
+
+def _session_files(path: Path) -> list[tuple[str, bytes]]:
+    try:
+        if path.is_dir():
+            return [(p.name, p.read_bytes()) for p in sorted(path.glob("*.json"))]
+        with tarfile.open(path, "r:*") as tar:
+            out = []
+            for member in sorted(tar.getmembers(), key=lambda m: m.name):
+                if member.isfile() and member.name.endswith(".json"):
+                    fh = tar.extractfile(member)
+                    if fh is not None:
+                        out.append((member.name, fh.read()))
+            return out
+    except (OSError, tarfile.TarError) as exc:
+        raise ConfigError(f"cannot read sessions {path}: {exc}") from exc
+
+
+def _session_requests(name: str, data: bytes) -> list[tuple[float, Chain]]:
+    """(``t``, ``hash_ids``) of each request of one session, sub-agents' included."""
+    try:
+        doc = json.loads(data)
+        out: list[tuple[float, Chain]] = []
+        stack = list(reversed(doc["requests"]))
+        while stack:
+            r = stack.pop()
+            if isinstance(r.get("requests"), list):  # a sub-agent's run
+                stack.extend(reversed(r["requests"]))
+            ids = r.get("hash_ids")
+            if ids:
+                if not all(isinstance(b, int) and 0 <= b < 1 << 32 for b in ids):
+                    raise ValueError("hash_ids must be integers below 2**32")
+                out.append((float(r["t"]), list(ids)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{name}: not a session of the agentic trace format: {exc}") from None
+    return out
 
 
 def tail_hints(path: Path) -> list[bool]:
