@@ -477,32 +477,20 @@ class _Collector(Collector):
         )
 
     def _maps(self, m: MapSizes) -> Iterator[Metric]:
-        inflight = GaugeMetricFamily(
-            "kvtier_probes_inflight", "Remote existence probes in flight", labels=["tier"]
-        )
-        verdicts = GaugeMetricFamily(
-            "kvtier_verdicts_cached", "Probe verdicts held for reuse", labels=["tier"]
-        )
-        for tier, n in m.probes_inflight.items():
-            inflight.add_metric([tier], n)
-        for tier, n in m.verdicts_cached.items():
-            verdicts.add_metric([tier], n)
-        yield inflight
-        yield verdicts
-        owed_blocks = GaugeMetricFamily(
-            "kvtier_tier_owed_blocks",
-            "Blocks a remote tier is owed: written and not yet stored there",
-            labels=["tier"],
-        )
-        owed_bytes = GaugeMetricFamily(
-            "kvtier_tier_owed_bytes", "Bytes of the blocks a remote tier is owed", labels=["tier"]
-        )
-        for tier, n in m.owed_blocks.items():
-            owed_blocks.add_metric([tier], n)
-        for tier, n in m.owed_bytes.items():
-            owed_bytes.add_metric([tier], n)
-        yield owed_blocks
-        yield owed_bytes
+        for name, doc, by_tier in (
+            ("kvtier_probes_inflight", "Remote existence probes in flight", m.probes_inflight),
+            ("kvtier_verdicts_cached", "Probe verdicts held for reuse", m.verdicts_cached),
+            (
+                "kvtier_tier_owed_blocks",
+                "Blocks a remote tier is owed: written and not yet stored there",
+                m.owed_blocks,
+            ),
+            ("kvtier_tier_owed_bytes", "Bytes of the blocks a remote tier is owed", m.owed_bytes),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, n in by_tier.items():
+                family.add_metric([tier], n)
+            yield family
         yield GaugeMetricFamily(
             "kvtier_pending_writes",
             "Blocks reading PENDING: reservations and promotions in flight",

@@ -8,10 +8,11 @@ proxy in front of it goes away for the shorter ones."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,24 @@ from tests.helpers import DaemonProcess, running_daemon, short_tmpdir, wait_on_t
 
 VALUE = b"owed-block" * 30_000
 #: a breaker that tries the store again after 1 s of its outage (5 s by default)
-QUICK = {"breaker_reset": 1.0, "connect_timeout": 0.5, "max_attempts": 1}
+QUICK: dict[str, Any] = {"breaker_reset": 1.0, "connect_timeout": 0.5, "max_attempts": 1}
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    s3: CephS3, bucket: str, *, disk: dict[str, Any] | None = None, **tier: Any
+) -> AsyncIterator[tuple[Daemon, Client]]:
+    """A daemon whose S3 tier is ``bucket`` (``tier``: settings of its own;
+    no disk unless ``disk``), and a client of it."""
+    async with (
+        running_daemon(
+            short_tmpdir(),
+            remote_tier_configs=[s3.tier_config(bucket, **tier)],
+            disk=disk or {"enabled": False},
+        ) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        yield d, c
 
 
 def sample(d: Daemon, name: str, **labels: str) -> float:
@@ -50,25 +68,21 @@ def rgw_back(s3: CephS3) -> Iterator[None]:
         s3.cluster.start_rgw()
 
 
-@pytest.mark.parametrize("disk", [False, True], ids=["memory", "disk"])
+@pytest.mark.parametrize(
+    ("disk", "tier"), [(False, {}), (True, QUICK)], ids=["memory-defaults", "disk-quick-breaker"]
+)
 async def test_writes_made_while_the_store_is_down_reach_it_once_it_returns(
-    s3: CephS3, rgw_back: None, disk: bool, tmp_path: Path
+    s3: CephS3, rgw_back: None, disk: bool, tier: dict[str, Any], tmp_path: Path
 ) -> None:
     """RGW is killed; 16 PUTs are answered STORED and their writes through
     are owed (held in memory, or read back from the disk); RGW starts again
-    and every block is in the bucket, byte for byte, nothing dropped."""
+    and every block is in the bucket, byte for byte, nothing dropped. On the
+    tier's defaults (breaker_reset 5 s), and with a disk and a quick breaker."""
     bucket = s3.new_bucket()
     keys = [b"outage-%d" % i for i in range(16)]
     values = [bytes([i]) + VALUE for i in range(16)]
-    disk_cfg: dict[str, Any] = (
-        {"enabled": True, "path": str(tmp_path / "disk")} if disk else {"enabled": False}
-    )
-    async with (
-        running_daemon(
-            short_tmpdir(), remote_tier_configs=[s3.tier_config(bucket, **QUICK)], disk=disk_cfg
-        ) as d,
-        await Client.connect(d.socket_path) as c,
-    ):
+    disk_cfg = {"enabled": True, "path": str(tmp_path / "disk")} if disk else None
+    async with serving(s3, bucket, disk=disk_cfg, **tier) as (d, c):
         await asyncio.to_thread(s3.cluster.rgw_signal, signal.SIGKILL)
         for key, value in zip(keys, values, strict=True):
             assert await c.put(key, value) is not None  # answered at once
@@ -172,14 +186,7 @@ async def test_the_owed_bytes_are_bounded_and_what_they_drop_is_counted(s3: Ceph
 async def test_a_block_deleted_while_owed_never_reaches_the_store(s3: CephS3) -> None:
     bucket = s3.new_bucket()
     keep, gone = b"owed-kept", b"owed-deleted"
-    async with (
-        running_daemon(
-            short_tmpdir(),
-            remote_tier_configs=[s3.tier_config(bucket, **QUICK)],
-            disk={"enabled": False},
-        ) as d,
-        await Client.connect(d.socket_path) as c,
-    ):
+    async with serving(s3, bucket, **QUICK) as (d, c):
         s3.proxy.go_away()
         try:
             await c.put_many([keep, gone], [VALUE, VALUE])
@@ -199,14 +206,7 @@ async def test_a_durable_put_without_a_disk_rests_on_the_store(s3: CephS3) -> No
     fails saying why, and the block is still written through once the
     store is back."""
     bucket = s3.new_bucket()
-    async with (
-        running_daemon(
-            short_tmpdir(),
-            remote_tier_configs=[s3.tier_config(bucket, **QUICK)],
-            disk={"enabled": False},
-        ) as d,
-        await Client.connect(d.socket_path) as c,
-    ):
+    async with serving(s3, bucket, **QUICK) as (d, c):
         await c.put(b"durable-up", VALUE, durable=True)
         boto = s3.boto()
         head = await asyncio.to_thread(
@@ -234,3 +234,22 @@ async def test_a_durable_put_to_a_daemon_with_nothing_that_outlives_it_is_refuse
         with pytest.raises(BadArgumentError, match="no disk tier and no object store"):
             await c.put(b"nowhere", VALUE, durable=True)
         assert await c.get(b"nowhere") == VALUE  # stored as by a plain PUT
+
+
+async def test_without_a_backlog_a_write_the_store_fails_is_dropped_and_counted(
+    s3: CephS3,
+) -> None:
+    """``max_backlog_bytes = 0``: nothing is owed; a write the store fails
+    is dropped and counted (``dropped_failed``), as the peers' are."""
+    bucket = s3.new_bucket()
+    async with serving(s3, bucket, max_backlog_bytes=0, **QUICK) as (d, c):
+        s3.proxy.go_away()
+        try:
+            await c.put(b"unowed", VALUE)
+            await d.settle()  # (the write through ended)
+        finally:
+            s3.proxy.come_back()
+        stats = (await c.stats())["writes"]["s3"]
+        assert stats["dropped_failed"] == 1 and "owed_blocks" not in stats
+        assert sample(d, "kvtier_tier_writes_dropped_total", tier="s3", cause="failed") == 1
+    assert await asyncio.to_thread(objects, s3, bucket) == {}

@@ -534,13 +534,19 @@ class Propagation:
         if now - self._logged.get(w.name, -DROP_LOG_INTERVAL) >= DROP_LOG_INTERVAL:
             self._logged[w.name] = now
             total = self._counters.writes_dropped.value(w.name, Dropped.BACKLOG.value)
+            if w.outbox is not None:
+                held, bound = w.outbox.bytes, w.outbox.max_bytes
+                setting = "owed (max_backlog_bytes"
+            else:
+                held, bound = w.pending, w.max_pending
+                setting = "already in flight (max_pending_write_bytes"
             log.warning(
-                "%s: %s of key %s dropped: %d bytes of writes already in flight "
-                "(max_pending_write_bytes %d); %d dropped so far",
+                "%s: %s of key %s dropped: %d bytes of writes %s %d); %d dropped so far",
                 w.name,
                 why.value,
                 key.hex(),
-                w.pending,
-                w.max_pending,
+                held,
+                setting,
+                bound,
                 total,
             )
