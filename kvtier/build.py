@@ -180,6 +180,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
         tier_policy(config.ram.policy, ram_bytes, ram_quotas if shared_tiers else None),
         arena=arena,
         min_slot=shc.min_block,
+        retained_share=config.ram.retained_share,
     )
     disk = None
     if config.disk.enabled:
@@ -359,6 +360,7 @@ def _watch(parts: Parts) -> None:
     m.watch_namespaces(parts.service.namespace_stats, parts.config.metrics.max_namespaces)
     m.watch_tiers(lambda: [t.stats() for t in parts.service.tiers()])
     m.watch_sources(parts.service.source_costs)
+    m.watch_retention(parts.service.retainer.stats)
     if parts.disk is not None:
         m.watch_disk(parts.disk.stats)
     if parts.peer_tier is not None:

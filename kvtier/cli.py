@@ -376,13 +376,14 @@ def _replay_ttft(args: argparse.Namespace, chains: list[list[int]], unique: int)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from kvtier import agentic
     from kvtier import replay as rp
 
     trace = Path(args.trace)
     if trace.is_dir() or trace.name.endswith((".tar.gz", ".tgz", ".tar")):
         if args.hints:
             raise ConfigError("--hints needs a JSON-lines trace (input_length), not sessions")
-        chains = rp.load_sessions(trace, args.concurrency, args.seed)
+        chains = agentic.load_sessions(trace, args.concurrency, args.seed)
     else:
         chains = rp.load_trace(trace)
     unique = rp.unique_blocks(chains)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -88,6 +89,8 @@ class _Sources:
     events: Callable[[], EventStats] | None = None
     publisher: Callable[[], PublisherStats] | None = None
     namespaces: Callable[[], list[NamespaceStats]] | None = None
+    #: the retention leases' figures (Retainer.stats)
+    retention: Callable[[], dict[str, Any]] | None = None
     #: namespaces with series of their own; the rest are summed as "other"
     max_namespaces: int = 32
 
@@ -121,6 +124,52 @@ class _Collector(Collector):
             yield from self._publisher(s.publisher())
         if s.namespaces is not None:
             yield from self._namespaces(folded(s.namespaces(), s.max_namespaces))
+        if s.retention is not None:
+            yield from self._retention(s.retention())
+
+    def _retention(self, r: dict[str, Any]) -> Iterator[Metric]:
+        leased = GaugeMetricFamily(
+            "kvtier_retention_leased_bytes",
+            "Bytes of RAM's blocks under a retention lease, by namespace and priority",
+            labels=["namespace", "priority"],
+        )
+        for ns, by in r["leased_bytes_by_priority"].items():
+            for priority, n in by.items():
+                leased.add_metric([ns, priority], n)
+        yield leased
+        yield GaugeMetricFamily(
+            "kvtier_retention_sessions", "Sessions holding a retention lease", value=r["sessions"]
+        )
+        blocks = CounterMetricFamily(
+            "kvtier_retention_blocks",
+            "Blocks by what happened to their retention lease: granted, renewed, released "
+            "(the session ended it), expired (its ttl passed), capped (its namespace's "
+            "leased bytes passed the cap: an ordinary block now), evicted (RAM's room was "
+            "needed by leased blocks alone; kept below where a tier takes it), broken "
+            "(evicted, and no tier kept it)",
+            labels=["event"],
+        )
+        for event, key in (
+            ("granted", "granted"),
+            ("renewed", "renewed"),
+            ("released", "released"),
+            ("expired", "expired"),
+            ("capped", "capped"),
+            ("evicted", "evicted_from_ram"),
+            ("broken", "broken"),
+        ):
+            blocks.add_metric([event], r[key])
+        yield blocks
+        returns = CounterMetricFamily(
+            "kvtier_retention_return_blocks",
+            "Blocks a session's lookup asked for while its lease held (asked), and the "
+            "leading run of them the local tiers held (held): held / asked is the hit "
+            "ratio of sessions that came back within their lease",
+            labels=["blocks"],
+        )
+        returns.add_metric(["asked"], r["returns_asked"])
+        returns.add_metric(["held"], r["returns_held"])
+        yield returns
 
     def _namespaces(self, stats: list[NamespaceStats]) -> Iterator[Metric]:
         held = GaugeMetricFamily(
@@ -753,6 +802,9 @@ class Metrics:
     def watch_namespaces(self, stats: Callable[[], list[NamespaceStats]], most: int) -> None:
         self._sources.namespaces = stats
         self._sources.max_namespaces = most
+
+    def watch_retention(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._sources.retention = stats
 
     def watch_disk(self, stats: Callable[[], DiskStats]) -> None:
         self._sources.disk = stats

@@ -190,6 +190,44 @@ class PutHint(enum.IntFlag):
 KNOWN_PUT_HINTS: int = PutHint.TAIL.value
 
 
+#: a retention lease's session id is at most this long (bytes)
+MAX_SESSION_BYTES: Final = 64
+#: and its time to keep at most this long (seconds: a week)
+MAX_RETENTION_SECONDS: Final = 7 * 24 * 3600.0
+#: priorities run from 0 (kept least) to 100 (kept most)
+MAX_RETENTION_PRIORITY: Final = 100
+#: the priority of a lease that names none
+DEFAULT_RETENTION_PRIORITY: Final = 50
+
+
+@dataclass(slots=True, frozen=True)
+class Retention:
+    """A retention lease (docs/retention.md): a session asks that the blocks
+    it sends with this be kept for ``ttl`` seconds, before unleased ones of
+    equal value and before leases of lower ``priority``. Raises ValueError
+    for a value out of range, so no wing builds one that another refuses."""
+
+    #: whose blocks (a session, a conversation, an agent); released together
+    session: bytes
+    #: seconds to keep them, from the last time the session touched them
+    ttl: float
+    #: 0..100; among leased blocks the lowest priority goes first
+    priority: int = DEFAULT_RETENTION_PRIORITY
+
+    def __post_init__(self) -> None:
+        if len(self.session) > MAX_SESSION_BYTES:
+            raise ValueError(f"a session id is at most {MAX_SESSION_BYTES} bytes")
+        if not 0 < self.ttl <= MAX_RETENTION_SECONDS:  # (NaN fails too)
+            raise ValueError(
+                f"a retention ttl is above 0 and at most {MAX_RETENTION_SECONDS:.0f} s,"
+                f" not {self.ttl}"
+            )
+        if not 0 <= self.priority <= MAX_RETENTION_PRIORITY:
+            raise ValueError(
+                f"a retention priority is 0..{MAX_RETENTION_PRIORITY}, not {self.priority}"
+            )
+
+
 class ReserveStatus(enum.IntEnum):
     """Per-key answer to RESERVE."""
 
@@ -314,6 +352,14 @@ class CacheService(Protocol):
     def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]: ...
 
     def release(self, tag: bytes) -> bool: ...
+
+    def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
+        """A retention lease on the resident ones of ``keys`` (a chain);
+        ``lookup``: a lookup asked for them."""
+
+    def release_retention(self, session: bytes, namespace: bytes) -> int:
+        """End a session's leases; how many blocks they held."""
+        ...
 
     def connection_closed(self, owner: ConnId) -> None: ...
 

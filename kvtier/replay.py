@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import enum
 import gzip
+import heapq
 import json
 import random
 import sys
-import tarfile
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +42,7 @@ from typing import Any
 
 from kvtier.core.costs import Costs, Estimate, budget_cut, load_seconds
 from kvtier.errors import ConfigError
-from kvtier.model import namespace_prefix
+from kvtier.model import Retention, namespace_prefix
 from kvtier.tiers.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.rendezvous import owner
@@ -57,13 +59,21 @@ class Result:
     blocks: int
     hits: int
     requested: int
+    #: of the returning turns (a request whose first block an earlier one
+    #: had): prefix hits, blocks
+    returning_hits: int = 0
+    returning: int = 0
 
     @property
     def ratio(self) -> float:
         return self.hits / self.requested if self.requested else 0.0
 
+    @property
+    def returning_ratio(self) -> float | None:
+        return self.returning_hits / self.returning if self.returning else None
+
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "policy": self.policy,
             "capacity": self.capacity,
             "capacity_blocks": self.blocks,
@@ -71,6 +81,9 @@ class Result:
             "blocks_requested": self.requested,
             "prefix_hit_ratio": round(self.ratio, 6),
         }
+        if self.returning:
+            out["returning_prefix_hit_ratio"] = round(self.returning_hits / self.returning, 6)
+        return out
 
 
 def load_trace(path: Path) -> list[Chain]:
@@ -92,77 +105,6 @@ def load_trace(path: Path) -> list[Chain]:
     except OSError as exc:
         raise ConfigError(f"cannot read trace {path}: {exc}") from exc
     return chains
-
-
-def load_sessions(path: Path, concurrency: float = 16.0, seed: int = 1) -> list[Chain]:
-    """The requests of agent sessions (a folder, or a ``.tar.gz``, of one
-    JSON file per session: ``requests[]``, each with ``t``, seconds from the
-    session's start, and ``hash_ids``; a sub-agent's nested ``requests``
-    count as the session's), interleaved as concurrent users of one server,
-    in the order they arrive.
-
-    The arrival model: the sessions, in an order drawn from ``seed``, start
-    one after another with exponential gaps (a Poisson process) whose rate
-    keeps ``concurrency`` sessions in progress on average (Little's law,
-    over the sessions' mean length); each request arrives at its session's
-    start plus its ``t``. A session's block ids are its own (``hash_id_scope``
-    local): each session's are moved into a range of their own."""
-    if concurrency <= 0:
-        raise ConfigError(f"--concurrency must be positive, got {concurrency}")
-    sessions = [_session_requests(name, data) for name, data in _session_files(path)]
-    sessions = [s for s in sessions if s]
-    if not sessions:
-        raise ConfigError(f"{path}: no session with requests")
-    rng = random.Random(seed)
-    order = list(range(len(sessions)))
-    rng.shuffle(order)
-    mean_length = sum(max(t for t, _ in s) for s in sessions) / len(sessions)
-    rate = concurrency / max(mean_length, 1e-9)
-    timed: list[tuple[float, int, int, Chain]] = []
-    start = 0.0
-    for i in order:
-        start += rng.expovariate(rate)
-        base = (i + 1) << 32
-        for n, (t, ids) in enumerate(sessions[i]):
-            timed.append((start + t, i, n, [base + b for b in ids]))
-    timed.sort(key=lambda r: (r[0], r[1], r[2]))
-    return [chain for _, _, _, chain in timed]
-
-
-def _session_files(path: Path) -> list[tuple[str, bytes]]:
-    try:
-        if path.is_dir():
-            return [(p.name, p.read_bytes()) for p in sorted(path.glob("*.json"))]
-        with tarfile.open(path, "r:*") as tar:
-            out = []
-            for member in sorted(tar.getmembers(), key=lambda m: m.name):
-                if member.isfile() and member.name.endswith(".json"):
-                    fh = tar.extractfile(member)
-                    if fh is not None:
-                        out.append((member.name, fh.read()))
-            return out
-    except (OSError, tarfile.TarError) as exc:
-        raise ConfigError(f"cannot read sessions {path}: {exc}") from exc
-
-
-def _session_requests(name: str, data: bytes) -> list[tuple[float, Chain]]:
-    """(``t``, ``hash_ids``) of each request of one session, sub-agents' included."""
-    try:
-        doc = json.loads(data)
-        out: list[tuple[float, Chain]] = []
-        stack = list(reversed(doc["requests"]))
-        while stack:
-            r = stack.pop()
-            if isinstance(r.get("requests"), list):  # a sub-agent's run
-                stack.extend(reversed(r["requests"]))
-            ids = r.get("hash_ids")
-            if ids:
-                if not all(isinstance(b, int) and 0 <= b < 1 << 32 for b in ids):
-                    raise ValueError("hash_ids must be integers below 2**32")
-                out.append((float(r["t"]), list(ids)))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{name}: not a session of the agentic trace format: {exc}") from None
-    return out
 
 
 def tail_hints(path: Path) -> list[bool]:
@@ -228,19 +170,33 @@ def replay(
     *,
     block_size: int = 4096,
     tails: Sequence[bool] | None = None,
+    retentions: Sequence[Retention | None] | None = None,
+    times: Sequence[float] | None = None,
+    retained_share: float = 0.8,
     progress: Progress | None = None,
 ) -> Result:
     """Replay ``chains`` through a RAM tier of ``capacity`` blocks under
-    ``policy``; ``tails``: per chain, whether its new last block is put with
-    the TAIL hint."""
+    ``policy``, as the daemon serves an engine: a prefix lookup (its hits
+    touched), then a PUT of the blocks after the leading run (tail first, as
+    the daemon admits a batch). ``tails``: per chain, whether its new last
+    block is put with the TAIL hint; ``retentions``: per chain, the lease its
+    engine sends with both (None: none), at ``times`` (seconds; the lease
+    clock)."""
     label, blocks = capacity
-    ram = RamTier(blocks * block_size, make_policy(policy))
+    ram = RamTier(blocks * block_size, make_policy(policy), retained_share=retained_share)
     value = memoryview(bytes(block_size))  # every block shares one buffer
-    contains, get, put = ram.contains, ram.get, ram.put
-    hits = requested = 0
+    contains, put, touch_later = ram.contains, ram.put, ram.touch_later
+    book = ram.retention
+    heads: set[int] = set()
+    leases: dict[bytes, Retention] = {}  # each session's latest
+    hits = requested = returning_hits = returning = 0
     step = max(1, len(chains) // 100)
     for n, chain in enumerate(chains):
         keys = [key_of(i) for i in chain]
+        lease = retentions[n] if retentions is not None else None
+        now = times[n] if times is not None else float(n)
+        if book:
+            book.expire(now)
         run = 0
         for key in keys:
             if not contains(key):
@@ -248,15 +204,102 @@ def replay(
             run += 1
         hits += run
         requested += len(keys)
+        if chain and chain[0] in heads:  # a returning turn
+            returning += len(keys)
+            returning_hits += run
+        elif chain:
+            heads.add(chain[0])
+        touch_later(keys, run)
+        if lease is not None and run:  # the lookup renews what the session said last
+            said = leases.get(lease.session)
+            if said is not None:
+                ram.retain(keys[:run], said, now)
         last = len(keys) - 1 if tails is not None and tails[n] else -1
-        for i, key in enumerate(keys):
-            if contains(key):
-                get(key)
-            else:
-                put(key, value, cold=i == last)
+        if len(keys) - run > 1:  # one eviction pass for the batch, as the daemon's
+            rest = keys[run:]
+            ram.make_room(rest, [value] * len(rest))
+        for i in range(len(keys) - 1, run - 1, -1):
+            put(keys[i], value, cold=i == last)
+        if lease is not None:  # the store says how long, and how much it matters
+            ram.retain(keys, lease, now)
+            leases[lease.session] = lease
         if progress is not None and n % step == 0:
             progress(n, len(chains))
-    return Result(policy + ("+hints" if tails is not None else ""), label, blocks, hits, requested)
+    name = policy + ("+hints" if tails is not None or retentions is not None else "")
+    return Result(name, label, blocks, hits, requested, returning_hits, returning)
+
+
+def plain_lru(chains: Sequence[Chain], capacity: tuple[str, int]) -> Result:
+    """LRU as a cache that knows no chains orders blocks (vLLM's CPU offload
+    tier, a Redis sidecar): each request's blocks touched or added in the
+    request's order, so a chain's head is its least recent block. The
+    reference the policies are compared with."""
+    label, blocks = capacity
+    order: OrderedDict[int, None] = OrderedDict()
+    hits = requested = 0
+    for chain in chains:
+        run = 0
+        for b in chain:
+            if b not in order:
+                break
+            run += 1
+        hits += run
+        requested += len(chain)
+        for b in chain:
+            if b in order:
+                order.move_to_end(b)
+            else:
+                order[b] = None
+                if len(order) > blocks:
+                    order.popitem(last=False)
+    return Result("plain-lru", label, blocks, hits, requested)
+
+
+def belady(chains: Sequence[Chain], capacity: tuple[str, int]) -> Result:
+    """Belady's optimum (MIN, with bypass) at ``capacity`` blocks: at each
+    eviction the block used again furthest in the future goes (a block
+    never used again is not kept; of a chain's blocks used next by the same
+    request the deepest goes first). Knows the future: the reference no
+    policy can beat. Time O(N log C) and memory O(N) for N blocks requested
+    (4 bytes each) and C blocks of capacity."""
+    label, blocks = capacity
+    never = len(chains)
+    future: list[array[int] | None] = [None] * len(chains)
+    last: dict[int, int] = {}
+    for r in range(len(chains) - 1, -1, -1):
+        chain = chains[r]
+        future[r] = array("i", [last.get(b, never) for b in chain])
+        for b in chain:
+            last[b] = r
+    del last
+    cache: dict[int, tuple[int, int]] = {}  # block -> (next use, depth)
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block); stale ones skipped
+    hits = requested = 0
+    for r, chain in enumerate(chains):
+        run = 0
+        for b in chain:
+            if b not in cache:
+                break
+            run += 1
+        hits += run
+        requested += len(chain)
+        uses = future[r]
+        future[r] = None
+        assert uses is not None
+        for depth, (b, u) in enumerate(zip(chain, uses, strict=True)):
+            if u == never:
+                cache.pop(b, None)
+                continue
+            cache[b] = (u, depth)
+            heapq.heappush(heap, (-u, -depth, b))
+        while len(cache) > blocks:
+            u, d, b = heapq.heappop(heap)
+            if cache.get(b) == (-u, -d):
+                del cache[b]
+        if len(heap) > 4 * len(cache) + 4096:
+            heap = [(-u, -d, b) for b, (u, d) in cache.items()]
+            heapq.heapify(heap)
+    return Result("belady", label, blocks, hits, requested)
 
 
 # -- what an engine waits for: time to first token with plain and budgeted answers

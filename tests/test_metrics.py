@@ -96,6 +96,16 @@ def test_every_label_value_is_documented() -> None:
         "kvtier_connections_refused_total": ["not_allowed", "no_credentials"],
         "kvtier_peer_requests_total": [o.value for o in PeerOutcome],
         "kvtier_peer_listener_refused_total": [r.value for r in Refusal],
+        "kvtier_retention_blocks_total": [
+            "granted",
+            "renewed",
+            "released",
+            "expired",
+            "capped",
+            "evicted",
+            "broken",
+        ],
+        "kvtier_retention_return_blocks_total": ["asked", "held"],
     }
     missing = {
         family: [v for v in vals if f"`{v}`" not in _row(family)] for family, vals in values.items()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import replay as rp
+from kvtier import agentic
 from kvtier.errors import ConfigError
 
 
@@ -39,7 +39,7 @@ def write_folder(where: Path, n: int) -> Path:
 
 def test_sessions_interleave_keep_their_order_and_their_own_ids(tmp_path: Path) -> None:
     folder = write_folder(tmp_path / "sessions", 3)
-    chains = rp.load_sessions(folder, concurrency=2, seed=7)
+    chains = agentic.load_sessions(folder, concurrency=2, seed=7)
     assert len(chains) == (3 + 4 + 5) + 3  # every turn, and each sub-agent's request
     by_session: dict[int, list[list[int]]] = {}
     for chain in chains:
@@ -50,8 +50,8 @@ def test_sessions_interleave_keep_their_order_and_their_own_ids(tmp_path: Path) 
         grown = [c for c in turns if (c[0] & 0xFFFFFFFF) == 0]
         assert [len(c) for c in grown] == sorted(len(c) for c in grown)  # in turn order
     # the same seed, the same arrivals; another seed, another interleaving
-    assert rp.load_sessions(folder, concurrency=2, seed=7) == chains
-    assert rp.load_sessions(folder, concurrency=2, seed=8) != chains
+    assert agentic.load_sessions(folder, concurrency=2, seed=7) == chains
+    assert agentic.load_sessions(folder, concurrency=2, seed=8) != chains
 
 
 def test_a_tarball_reads_as_the_folder_does(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ def test_a_tarball_reads_as_the_folder_does(tmp_path: Path) -> None:
             info = tarfile.TarInfo(f"traces/{p.name}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    assert rp.load_sessions(tarball, 4, 3) == rp.load_sessions(folder, 4, 3)
+    assert agentic.load_sessions(tarball, 4, 3) == agentic.load_sessions(folder, 4, 3)
 
 
 def test_bad_sessions_are_refused_clearly(tmp_path: Path) -> None:
@@ -71,12 +71,12 @@ def test_bad_sessions_are_refused_clearly(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "trace_0000.json").write_text('{"requests": [{"t": 0, "hash_ids": ["x"]}]}')
     with pytest.raises(ConfigError, match=r"trace_0000\.json: not a session"):
-        rp.load_sessions(folder)
+        agentic.load_sessions(folder)
     with pytest.raises(ConfigError, match="concurrency"):
-        rp.load_sessions(folder, concurrency=0)
+        agentic.load_sessions(folder, concurrency=0)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no session"):
-        rp.load_sessions(tmp_path / "empty")
+        agentic.load_sessions(tmp_path / "empty")
 
 
 def test_kvtier_replay_reads_sessions(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from kvtier.client.aio import Client, Timeout
 from kvtier.client.blocking import BlockingClient
 from kvtier.client.options import ClientOptions
 from kvtier.defaults import DEFAULT_TIMEOUT
-from kvtier.model import LookupMode, LookupReply, PutStatus, ReserveStatus, State
+from kvtier.model import LookupMode, LookupReply, PutStatus, ReserveStatus, Retention, State
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -19,6 +19,7 @@ __all__ = [
     "LookupReply",
     "PutStatus",
     "ReserveStatus",
+    "Retention",
     "State",
     "Timeout",
 ]

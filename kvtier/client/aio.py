@@ -51,8 +51,9 @@ from kvtier.model import (
     PutStatus,
     Reserve,
     ReserveStatus,
+    Retention,
 )
-from kvtier.wire import FLAG_DURABLE, FLAG_HINTS, Frame, HelloReply, Op
+from kvtier.wire import FLAG_DURABLE, FLAG_HINTS, FLAG_RETAIN, Frame, HelloReply, Op
 
 if TYPE_CHECKING:
     import ssl
@@ -461,6 +462,7 @@ class Client:
         request_tag: bytes = b"",
         peek: bool = False,
         budget: float = 0.0,
+        retention: Retention | None = None,
         timeout: Timeout = ...,
     ) -> LookupReply:
         """Per-key states of ``keys`` and the usable prefix (``prefix_hits``, ``defer``).
@@ -469,7 +471,18 @@ class Client:
         daemon leaves its eviction order as it was and reads nothing ahead.
         ``budget``: the seconds recomputing these blocks would take; the
         keys past the prefix whose loads save the engine the most time
-        answer MISS (docs/lookup.md)."""
+        answer MISS (docs/lookup.md). ``retention``: the session's lease,
+        renewed on the blocks it finds (docs/retention.md); such a lookup
+        is the daemon's to answer, never the lookup process's."""
+        if retention is not None:
+            meta = wire.encode_retention(retention) + wire.encode_lookup(
+                Lookup(
+                    list(keys), mode, window, wait, max_pending_wait, request_tag, 0, peek, budget
+                ),
+                self._prefix,
+            )
+            frame = await self._call(Op.LOOKUP, meta, flags=FLAG_RETAIN, timeout=timeout)
+            return wire.decode_lookup_reply(frame.meta)
         meta = wire.encode_lookup(
             Lookup(
                 list(keys),
@@ -509,8 +522,38 @@ class Client:
         frame = await self._call(Op.LOOKUP, meta, timeout=timeout)
         return wire.decode_lookup_reply(frame.meta)
 
-    async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> LookupReply:
-        return await self.lookup(keys, mode=LookupMode.PREFIX, timeout=timeout)
+    async def lookup_prefix(
+        self,
+        keys: Sequence[bytes],
+        *,
+        retention: Retention | None = None,
+        timeout: Timeout = ...,
+    ) -> LookupReply:
+        return await self.lookup(keys, mode=LookupMode.PREFIX, retention=retention, timeout=timeout)
+
+    async def retain(
+        self, keys: Sequence[bytes], retention: Retention, *, timeout: Timeout = ...
+    ) -> None:
+        """Lease the blocks of ``keys`` the daemon's RAM holds to
+        ``retention``'s session, or renew their lease (docs/retention.md):
+        blocks stored any way (staged, in place, a region) are leased so."""
+        step = self._max_batch()
+        head = wire.encode_retention(retention)
+        futs = [
+            self._send(
+                Op.RETAIN,
+                head + wire.encode_keys(keys[i : i + step], self._prefix),
+                flags=FLAG_RETAIN,
+            )
+            for i in range(0, len(keys), step)
+        ]
+        await self._await(futs, self._timeout(timeout))
+
+    async def unretain(self, session: bytes, *, timeout: Timeout = ...) -> int:
+        """End ``session``'s lease (the session is over); returns how many
+        blocks it held."""
+        frame = await self._call(Op.UNRETAIN, wire.encode_tag(session), timeout=timeout)
+        return wire.decode_u64(frame.meta, "UNRETAIN reply")
 
     async def get(self, key: bytes, *, timeout: Timeout = ...) -> memoryview | None:
         """The block stored under ``key``, or None."""
@@ -580,10 +623,23 @@ class Client:
         *,
         durable: bool = False,
         hint: PutHint = PutHint.NONE,
+        retention: Retention | None = None,
         timeout: Timeout = ...,
     ) -> PutStatus:
         """Store one block; EXISTS if it was already there (PUT is idempotent).
-        ``hint``: what the writer knows of its reuse (docs/eviction.md)."""
+        ``hint``: what the writer knows of its reuse (docs/eviction.md);
+        ``retention``: the session's lease on it (docs/retention.md)."""
+        if retention is not None:
+            return (
+                await self.put_many(
+                    [key],
+                    [value],
+                    durable=durable,
+                    hints=[hint] if hint else None,
+                    retention=retention,
+                    timeout=timeout,
+                )
+            )[0]
         if self._shm is not None and self._writes.one(value) and not hint:
             status = await self._shm.put(key, value, durable, self._timeout(timeout))
             if status is not None:
@@ -600,11 +656,14 @@ class Client:
         *,
         durable: bool = False,
         hints: Sequence[PutHint] | None = None,
+        retention: Retention | None = None,
         timeout: Timeout = ...,
     ) -> list[PutStatus]:
         """Store blocks, pipelined. Large values travel one per frame.
         ``hints``: one :class:`~kvtier.model.PutHint` per key (hinted blocks
-        travel over the socket, never through staging)."""
+        travel over the socket, never through staging); ``retention``: the
+        session's lease on them, ``keys`` a chain head first
+        (docs/retention.md)."""
         if len(keys) != len(values) or (hints is not None and len(hints) != len(keys)):
             raise ValueError("put_many needs one value (and one hint) per key")
         if hints is not None and not any(hints):
@@ -614,10 +673,13 @@ class Client:
             async def over_socket(ks: Sequence[bytes], vs: Sequence[Buffer]) -> list[PutStatus]:
                 return await self._put_socket(ks, vs, None, durable, timeout)
 
-            return await self._shm.put_many(
+            statuses = await self._shm.put_many(
                 keys, values, durable, self._timeout(timeout), over_socket
             )
-        return await self._put_socket(keys, values, hints, durable, timeout)
+            if retention is not None:  # (stored in place or staged: leased after)
+                await self.retain(keys, retention, timeout=timeout)
+            return statuses
+        return await self._put_socket(keys, values, hints, durable, timeout, retention)
 
     async def _region_put(self, io: wire.RegionIO, timeout: Timeout) -> list[PutStatus]:
         frame = await self._call(
@@ -632,27 +694,28 @@ class Client:
         hints: Sequence[PutHint] | None,
         durable: bool,
         timeout: Timeout,
+        retention: Retention | None = None,
     ) -> list[PutStatus]:
         flags = (FLAG_DURABLE if durable else 0) | (FLAG_HINTS if hints is not None else 0)
+        head = b""
+        if retention is not None:
+            flags |= FLAG_RETAIN
+            head = wire.encode_retention(retention)
         batches = put_batches(
             values,
             keys_bytes=[len(k) for k in keys],
             max_frame=self._max_frame(),
             max_batch=self._max_batch(),
         )
-        futs = [
-            self._send(
-                Op.PUT,
-                *wire.encode_put(
-                    [keys[i] for i in batch],
-                    [values[i] for i in batch],
-                    None if hints is None else [hints[i] for i in batch],
-                    self._prefix,
-                ),
-                flags=flags,
+        futs = []
+        for batch in batches:
+            meta, data = wire.encode_put(
+                [keys[i] for i in batch],
+                [values[i] for i in batch],
+                None if hints is None else [hints[i] for i in batch],
+                self._prefix,
             )
-            for batch in batches
-        ]
+            futs.append(self._send(Op.PUT, head + meta if head else meta, data, flags=flags))
         frames = await self._await(futs, self._timeout(timeout))
         out = [PutStatus.STORED] * len(keys)
         for batch, frame in zip(batches, frames, strict=True):

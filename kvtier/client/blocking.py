@@ -33,6 +33,7 @@ from kvtier.model import (
     PutHint,
     PutStatus,
     ReserveStatus,
+    Retention,
 )
 from kvtier.wire import Frame, HelloReply
 
@@ -230,6 +231,7 @@ class BlockingClient:
         request_tag: bytes = b"",
         peek: bool = False,
         budget: float = 0.0,
+        retention: Retention | None = None,
         timeout: Timeout = ...,
     ) -> LookupReply:
         return self._run(
@@ -242,12 +244,27 @@ class BlockingClient:
                 request_tag=request_tag,
                 peek=peek,
                 budget=budget,
+                retention=retention,
                 timeout=timeout,
             )
         )
 
-    def lookup_prefix(self, keys: Sequence[bytes], *, timeout: Timeout = ...) -> LookupReply:
-        return self._run(self._client.lookup_prefix(keys, timeout=timeout))
+    def lookup_prefix(
+        self,
+        keys: Sequence[bytes],
+        *,
+        retention: Retention | None = None,
+        timeout: Timeout = ...,
+    ) -> LookupReply:
+        return self._run(self._client.lookup_prefix(keys, retention=retention, timeout=timeout))
+
+    def retain(
+        self, keys: Sequence[bytes], retention: Retention, *, timeout: Timeout = ...
+    ) -> None:
+        self._run(self._client.retain(keys, retention, timeout=timeout))
+
+    def unretain(self, session: bytes, *, timeout: Timeout = ...) -> int:
+        return self._run(self._client.unretain(session, timeout=timeout))
 
     def get(self, key: bytes, *, timeout: Timeout = ...) -> memoryview | None:
         return self._run(self._client.get(key, timeout=timeout))
@@ -284,9 +301,14 @@ class BlockingClient:
         *,
         durable: bool = False,
         hint: PutHint = PutHint.NONE,
+        retention: Retention | None = None,
         timeout: Timeout = ...,
     ) -> PutStatus:
-        return self._run(self._client.put(key, value, durable=durable, hint=hint, timeout=timeout))
+        return self._run(
+            self._client.put(
+                key, value, durable=durable, hint=hint, retention=retention, timeout=timeout
+            )
+        )
 
     def put_many(
         self,
@@ -295,10 +317,13 @@ class BlockingClient:
         *,
         durable: bool = False,
         hints: Sequence[PutHint] | None = None,
+        retention: Retention | None = None,
         timeout: Timeout = ...,
     ) -> list[PutStatus]:
         return self._run(
-            self._client.put_many(keys, values, durable=durable, hints=hints, timeout=timeout)
+            self._client.put_many(
+                keys, values, durable=durable, hints=hints, retention=retention, timeout=timeout
+            )
         )
 
     def attach_region(self, fd: int, *, timeout: Timeout = ...) -> int:

@@ -79,6 +79,13 @@ class CoreCounters:
         self.lookup_peeks = Counts().bind()
         #: keys a lookup's budget answered MISS, by the tier they would have loaded from
         self.lookup_budget_cut = Counts("tier")
+        #: leased blocks RAM evicted that no tier kept (docs/retention.md)
+        self.retention_broken = Counts().bind()
+        #: lookups of a session that came back within its lease: blocks asked,
+        #: and the leading run of them the local tiers held
+        self.retention_returns = Counts("blocks")
+        self.retention_return_asked = self.retention_returns.bind("asked")
+        self.retention_return_held = self.retention_returns.bind("held")
 
     def __repr__(self) -> str:
         return (

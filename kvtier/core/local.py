@@ -23,7 +23,7 @@ from kvtier.core.answers import Answers
 from kvtier.core.loads import Loads
 from kvtier.core.probing import Reach
 from kvtier.core.stores import Stores
-from kvtier.errors import ForbiddenError
+from kvtier.errors import BadArgumentError, ForbiddenError
 from kvtier.model import (
     Buffer,
     ConnId,
@@ -33,6 +33,7 @@ from kvtier.model import (
     PutStatus,
     Reserve,
     ReserveStatus,
+    Retention,
 )
 from kvtier.tiers.sealing import Sealer
 
@@ -103,6 +104,12 @@ class LocalView:
 
     def release(self, tag: bytes) -> bool:
         raise ForbiddenError("peers have no request tags here")
+
+    def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
+        raise BadArgumentError("retention leases are set by local clients, not peers")
+
+    def release_retention(self, session: bytes, namespace: bytes) -> int:
+        raise BadArgumentError("retention leases are set by local clients, not peers")
 
     def connection_closed(self, owner: ConnId) -> None:
         pass  # a peer owns no reservations

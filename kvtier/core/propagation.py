@@ -47,7 +47,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,12 +298,24 @@ class Propagation:
             if wanted and not w.holds(key):
                 self._write_behind(w, key, value, reason)
 
-    def evicted(self, victims: Sequence[tuple[bytes, Buffer]]) -> None:
-        """RAM evicted ``victims``: write-back tiers take them."""
+    def evicted(
+        self, victims: Sequence[tuple[bytes, Buffer]], leased: Collection[bytes] = ()
+    ) -> int:
+        """RAM evicted ``victims``: write-back tiers take them, and every local
+        tier takes the ``leased`` ones (a retention lease keeps a block below
+        RAM when RAM cannot keep it). Returns how many leased ones no tier
+        holds and no local tier takes (their lease is broken)."""
+        broken = 0
         for key, value in victims:
+            kept = False
             for w in self.writers:
-                if w.policy is WritePolicy.WRITE_BACK and not w.holds(key):
+                if w.holds(key):
+                    kept = True
+                elif w.policy is WritePolicy.WRITE_BACK or (w.local and key in leased):
                     self._write_behind(w, key, value, WriteReason.DEMOTION)
+                    kept = kept or w.local
+            broken += not kept and key in leased
+        return broken
 
     def forget(self, keys: Sequence[bytes]) -> None:
         """``keys`` were deleted: no tier is owed them any more."""

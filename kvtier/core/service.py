@@ -57,6 +57,7 @@ from kvtier.core.local import LocalView, SealedView
 from kvtier.core.lookup import Locator
 from kvtier.core.probing import Reach, RemoteProbes
 from kvtier.core.propagation import Propagation, RemoteSpec, WritePolicy, Writer
+from kvtier.core.retainer import Retainer
 from kvtier.core.stores import Stores
 from kvtier.core.timers import Scheduler
 from kvtier.core.writing import PendingWrites
@@ -67,6 +68,7 @@ from kvtier.model import (
     EventTier,
     FeedRecords,
     Limits,
+    Retention,
     Spawn,
     Subscriber,
     namespace_name,
@@ -196,6 +198,8 @@ class Service:
         self.reserve_arriving, self.abort = stores.reserve_arriving, stores.abort
         self.connection_closed = stores.connection_closed
         self.unpin, self.release, self.looked_up = loads.unpin, answers.release, answers.looked_up
+        #: retention leases (docs/retention.md)
+        self.retainer = Retainer(ram, now, counters, self.holds)
 
     def __repr__(self) -> str:
         return (
@@ -231,6 +235,7 @@ class Service:
 
     def sweep(self) -> None:
         now = self.scheduler.now()
+        self.retainer.expire()
         self.probing.expire(now)
         self.answers.deferrals.expire(now)
         if self.disk is not None and self.disk.fsync == "batch" and not self.life.closing:
@@ -242,6 +247,19 @@ class Service:
             await self.disk.sync()
         except OSError as exc:
             log.warning("disk: periodic sync failed: %s", exc)
+
+    # ------------------------------------------------------------ RETENTION
+
+    def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
+        """``retention`` for the resident ones of ``keys`` (a chain); ``lookup``:
+        a lookup asked for them (a return within the lease is counted)."""
+        if lookup:
+            self.retainer.looked_up(keys, retention)
+        else:
+            self.retainer.retain(keys, retention)
+
+    def release_retention(self, session: bytes, namespace: bytes) -> int:
+        return self.retainer.release(session, namespace)
 
     # ------------------------------------------------------------ EVENTS
 
@@ -349,6 +367,7 @@ class Service:
             },
             "namespaces": {n.name: n.as_dict() for n in self.namespace_stats()},
             "writes": self.propagation.stats(),
+            "retention": self.retainer.stats(),
             "sources": self.source_costs(),
             "lookup_budget_cut": {
                 tier: int(n) for (tier,), n in self.counters.lookup_budget_cut.samples()

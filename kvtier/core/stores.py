@@ -76,15 +76,34 @@ class Stores:
         is admitted at the cold end of RAM's eviction order)."""
         check_keys(self.c.limits, keys)
         check_values(self.c.limits, values, self.c.ram.capacity)
-        if len(keys) > 1:  # one eviction pass for the batch
-            self.evicted(self.c.ram.make_room(keys, values))
+        if len(keys) == 1:
+            cold = hints is not None and bool(hints[0] & PutHint.TAIL)
+            self.c.counters.put_tail.value += cold
+            return [self.store(keys[0], values[0], source, copy, cold)]
+        self.evicted(self.c.ram.make_room(keys, values))  # one eviction pass for the batch
         if hints is None:
-            return [self.store(k, v, source, copy) for k, v in zip(keys, values, strict=True)]
-        self.c.counters.put_tail.value += sum(1 for h in hints if h & PutHint.TAIL)
-        return [
-            self.store(k, v, source, copy, bool(h & PutHint.TAIL))
-            for k, v, h in zip(keys, values, hints, strict=True)
-        ]
+            colds = [False] * len(keys)
+        else:
+            colds = [bool(h & PutHint.TAIL) for h in hints]
+            self.c.counters.put_tail.value += sum(colds)
+        # RAM admits a batch tail first (its head is then its most recent
+        # block: the tail goes first, none is left behind a missing one);
+        # the tiers below get it head first (an outage or a crash cuts a
+        # chain's tail, never its head)
+        statuses: list[PutStatus] = []
+        try:
+            with self.c.ram.budget.tail_first():
+                for i in reversed(range(len(keys))):
+                    statuses.append(self.store(keys[i], values[i], source, copy, colds[i], False))
+        finally:  # (what RAM took flows down, even when a later block fails)
+            statuses.reverse()
+            done = keys[len(keys) - len(statuses) :]
+            local = self.propagation.local
+            flows = source is None or (local and source not in local)
+            for key, status in zip(done, statuses, strict=True):
+                if flows and status is PutStatus.STORED:
+                    self._flow_down(key, source)
+        return statuses
 
     def store(
         self,
@@ -93,8 +112,10 @@ class Stores:
         promoted_from: str | None = None,
         copy: bool = False,
         cold: bool = False,
+        flow: bool = True,
     ) -> PutStatus:
-        """Store into RAM and complete a pending write of ``key``, if any."""
+        """Store into RAM and complete a pending write of ``key``, if any;
+        ``flow``: the block flows down now (else its caller sends it)."""
         res = self.c.pending.table.get(key)
         if res is not None:
             self.c.pending.claim(res)
@@ -107,21 +128,29 @@ class Stores:
         if res is not None:
             self.c.pending.end(res, End.COMPLETED)
         self.evicted(evicted)
-        local = self.propagation.local
         # A client's block flows down by each tier's policy; a promoted one is
         # kept on the local disk when it came from a remote tier, else nowhere.
-        if stored and (promoted_from is None or (local and promoted_from not in local)):
-            # (None: its namespace was over its max with it, and it went at
-            # once, demoted with the evicted where the policy says so)
-            kept = self.c.ram.peek(key)
-            if kept is not None:
-                self.propagation.stored(key, kept, promoted_from)
+        local = self.propagation.local
+        if stored and flow and (promoted_from is None or (local and promoted_from not in local)):
+            self._flow_down(key, promoted_from)
         return PutStatus.STORED if stored else PutStatus.EXISTS
 
+    def _flow_down(self, key: bytes, promoted_from: str | None) -> None:
+        kept = self.c.ram.peek(key)
+        # (None: its namespace was over its max with it, and it went at
+        # once, demoted with the evicted where the policy says so)
+        if kept is not None:
+            self.propagation.stored(key, kept, promoted_from)
+
     def evicted(self, evicted: list[tuple[bytes, Buffer]]) -> None:
-        """RAM evicted these (the holdings heard of it): write-back tiers take them."""
+        """RAM evicted these (the holdings heard of it): write-back tiers take
+        them, and the tiers below keep the leased ones."""
         if evicted:
-            self.propagation.evicted(evicted)
+            leased = self.c.ram.retention.evicted_leased
+            broken = self.propagation.evicted(evicted, leased)
+            if leased:
+                self.c.counters.retention_broken.value += broken
+                leased.clear()
 
     def write_room(self) -> asyncio.Future[None] | None:
         """None while every local tier can queue the writes stores make;

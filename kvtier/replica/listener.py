@@ -269,6 +269,8 @@ class LookupOps:
         return Reply(bytes(frame.meta))
 
     def lookup(self, conn: Connection, frame: Frame) -> Reply:
+        if frame.header.flags & wire.FLAG_RETAIN:  # (a lease is the daemon's to keep)
+            raise ReferredError("a lookup with a retention lease: ask the daemon")
         scope = conn.scope if conn.scope is not None else NO_KEYS
         reply = self._listener.lookup(frame.meta, scope)
         if reply is None:

@@ -29,6 +29,7 @@ from kvtier.model import (
     Lookup,
     LookupReply,
     PutStatus,
+    Retention,
     SharedService,
     client_key,
     namespace_id,
@@ -181,6 +182,8 @@ class Ops:
             Op.RESERVE: self.reserve,
             Op.ABORT: self.abort,
             Op.RELEASE: self.release,
+            Op.RETAIN: self.retain,
+            Op.UNRETAIN: self.unretain,
             Op.GET_SHARED: self.get_shared,
             Op.UNLEASE: self.unlease,
             Op.STAGE: self.stage,
@@ -241,9 +244,14 @@ class Ops:
         return Reply(wire.encode_json(stats))
 
     def lookup(self, conn: Connection, frame: Frame) -> Reply | Later:
-        req = wire.decode_lookup(frame.meta, self.max_batch, conn.scope)
+        retention, meta = None, frame.meta
+        if frame.header.flags & wire.FLAG_RETAIN:
+            retention, meta = self._retention(frame)
+        req = wire.decode_lookup(meta, self.max_batch, conn.scope)
         if conn.namespace and req.request_tag:  # tags are a namespace's own too
             req = scoped_tag(req, namespace_prefix(conn.namespace))
+        if retention is not None:  # (renewed before the answer touches them)
+            self.service.retain(req.keys, retention, lookup=True)
         reply = self.service.lookup(req, conn.eof)
         if isinstance(reply, LookupReply):
             return Reply(wire.encode_lookup_reply(reply))
@@ -284,13 +292,17 @@ class Ops:
     def put(self, conn: Connection, frame: Frame) -> Reply | Later:
         durable = bool(frame.header.flags & wire.FLAG_DURABLE)
         try:
+            retention, meta = self._retention(frame)
             hinted = bool(frame.header.flags & wire.FLAG_HINTS)
             keys, values, hints = wire.decode_put(
-                frame.meta, frame.data, self.max_batch, hinted=hinted, scope=conn.scope
+                meta, frame.data, self.max_batch, hinted=hinted, scope=conn.scope
             )
             if len(keys) > PUT_STEP:
-                return Later(self._put_in_steps(keys, values, hints, durable), _put_reply)
+                steps = self._put_in_steps(keys, values, hints, durable, retention)
+                return Later(steps, _put_reply)
             statuses = self.service.put(keys, values, hints=hints)
+            if retention is not None:
+                self.service.retain(keys, retention)
         finally:
             self.service.drop_staged(frame.data)  # unless stored
         if durable:
@@ -300,7 +312,12 @@ class Ops:
         return _put_reply(statuses)
 
     async def _put_in_steps(
-        self, keys: list[bytes], values: list[Buffer], hints: bytes | None, durable: bool
+        self,
+        keys: list[bytes],
+        values: list[Buffer],
+        hints: bytes | None,
+        durable: bool,
+        retention: Retention | None,
     ) -> list[PutStatus]:
         """A PUT of many blocks, PUT_STEP blocks per loop step: lookups and
         other connections are answered between the steps."""
@@ -312,6 +329,8 @@ class Ops:
                 keys[lo:hi], values[lo:hi], hints=hints[lo:hi] if hints is not None else None
             )
             statuses += step
+            if retention is not None:
+                self.service.retain(keys[lo:hi], retention)
             if durable:  # held for the disk in the step that stored them
                 written.append(self.service.make_durable(keys[lo:hi], values[lo:hi]))
             await asyncio.sleep(0)  # allow-sleep: yields the loop; waits for nothing
@@ -585,6 +604,35 @@ class Ops:
         finally:
             conn.eof.remove_done_callback(half_closed)
             source.unsubscribe(sub)
+
+    def retain(self, conn: Connection, frame: Frame) -> Reply:
+        """A retention lease on blocks however they were stored (a region, in
+        place, staged): the meta is a lease, then a key list."""
+        retention, meta = self._retention(frame, required=True)
+        assert retention is not None
+        keys, end, _ = wire.decode_keys(meta, 0, self.max_batch, conn.scope)
+        if end != len(meta) or frame.data:
+            raise wire.CodecError("RETAIN carries a lease and a key list only")
+        self.service.retain(keys, retention)
+        return Reply(b"")
+
+    def unretain(self, conn: Connection, frame: Frame) -> Reply:
+        """The end of a session's leases (its tag-encoded id); replies with
+        how many blocks they held."""
+        self._retention(frame)  # (refused on the peer port)
+        session = wire.decode_tag(frame.meta)
+        n = self.service.release_retention(session, conn.namespace)
+        return Reply(wire.encode_u64(n))
+
+    def _retention(self, frame: Frame, required: bool = False) -> tuple[Retention | None, Buffer]:
+        """The lease a FLAG_RETAIN request carries, and the rest of its meta."""
+        if self.access is None and (required or frame.header.flags & wire.FLAG_RETAIN):
+            raise BadArgumentError("retention leases are set by local clients, not peers")
+        if not frame.header.flags & wire.FLAG_RETAIN:
+            if required:
+                raise wire.CodecError("RETAIN needs FLAG_RETAIN and a lease")
+            return None, frame.meta
+        return wire.split_retention(frame.meta)
 
     def _only_keys(self, conn: Connection, frame: Frame, op: str) -> list[bytes]:
         keys, end, _ = wire.decode_keys(frame.meta, 0, self.max_batch, conn.scope)

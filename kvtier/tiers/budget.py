@@ -23,6 +23,7 @@ the index changed.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
@@ -58,6 +59,27 @@ class Unwatched:
 
 
 UNWATCHED = Unwatched()
+
+
+class _HeadFirst:
+    """A watch between a batch admitted tail first and the real one: the
+    keys held are told head first, in one call, before anything else."""
+
+    def __init__(self, watch: IndexWatch) -> None:
+        self.watch = watch
+        self.keys: list[bytes] = []
+
+    def held(self, keys: Sequence[bytes]) -> None:
+        self.keys.extend(keys)
+
+    def gone(self, keys: Sequence[bytes], why: Gone) -> None:
+        self.flush()
+        self.watch.gone(keys, why)
+
+    def flush(self) -> None:
+        if self.keys:
+            keys, self.keys = self.keys[::-1], []
+            self.watch.held(keys)
 
 
 class Budget:
@@ -131,6 +153,25 @@ class Budget:
         self._policy.admit_many(index)
         if index:
             self.watch.held(list(index))
+
+    def policy_of(self, key: bytes) -> EvictionPolicy[bytes] | None:
+        """The policy that orders resident ``key`` (its namespace's, with shares)."""
+        if key not in self._sizes:
+            return None
+        return self.shares.policy_of(key) if self.shares is not None else self._policy
+
+    @contextlib.contextmanager
+    def tail_first(self) -> Iterator[None]:
+        """Admissions made tail first in this block (a batch: its head is then
+        the most recent in the eviction order) are told to the watch head
+        first, so whoever watches sees a chain in its order."""
+        watch = self.watch
+        buffered = self.watch = _HeadFirst(watch)
+        try:
+            yield
+        finally:
+            self.watch = watch
+            buffered.flush()
 
     def touch(self, key: bytes) -> None:
         self._policy.touch(key)

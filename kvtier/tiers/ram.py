@@ -86,10 +86,12 @@ from typing import Protocol
 
 from kvtier import blockcopy
 from kvtier.errors import NoCapacityError, ValueTooLargeError
-from kvtier.model import Buffer
+from kvtier.model import Buffer, Retention
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
-from kvtier.tiers.policy import EvictionPolicy, NoRoom
+from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, NoRoom
+from kvtier.tiers.retention import Retaining, RetentionBook
+from kvtier.tiers.shares import Shares
 
 log = logging.getLogger("kvtier.ram")
 
@@ -145,7 +147,16 @@ class RamTier(LocalTier):
         *,
         arena: Arena | None = None,
         min_slot: int = 64 * 1024,
+        retained_share: float = 0.8,
     ) -> None:
+        #: retention leases on resident blocks (docs/retention.md)
+        self.retention = RetentionBook(self._retention_cap)
+        #: the share of the tier (or of a namespace's max) leases may hold
+        self.retained_share = retained_share
+        if isinstance(policy, Shares):
+            policy.wrap(lambda p: Retaining(p, self.retention))
+        else:
+            policy = Retaining(policy if policy is not None else LRUPolicy(), self.retention)
         self.budget = Budget(capacity, policy)
         self._values: dict[bytes, Buffer] = {}
         #: reads' and lookups' hits not yet shown to the eviction policy (see
@@ -210,14 +221,16 @@ class RamTier(LocalTier):
             self._touch_resident(islice(oldest, n))
 
     def _apply_touches(self) -> None:
-        """Each key touched once, in the order of its latest lookup: lookups of
-        the same prefixes (a shared system prompt, a polling reader) cost the
-        policy one touch per key per window, not one per lookup."""
+        """Each key touched once, in the order of its latest lookup, and each
+        lookup's keys tail first (a chain's head is its most recent block: the
+        tail goes first, and no block is left behind a missing one). Lookups
+        of the same prefixes (a shared system prompt, a polling reader) cost
+        the policy one touch per key per window, not one per lookup."""
         touches, self._touches = self._touches, deque()
         self._deferred = 0
         if len(touches) == 1:
             keys, count = touches[0]
-            latest: Iterable[bytes] = keys[:count]
+            latest: Iterable[bytes] = reversed(keys[:count])
         else:  # dict.fromkeys dedupes at C speed; built newest first, then reversed
             newest = chain.from_iterable(islice(k, c) for k, c in reversed(touches))
             latest = reversed(dict.fromkeys(newest))
@@ -305,6 +318,25 @@ class RamTier(LocalTier):
     def peek(self, key: bytes) -> Buffer | None:
         """``key``'s value as stored, without touching the eviction order."""
         return self._values.get(key)
+
+    # -- retention
+
+    def retain(self, keys: Sequence[bytes], retention: Retention, now: float) -> int:
+        """Lease the resident ones of ``keys`` (a chain, head first) to
+        ``retention``, or renew their lease; returns how many were resident."""
+        if self._touches:
+            self._apply_touches()
+        policy_of, size_of = self.budget.policy_of, self.budget.size_of
+        held = [k for k in keys if k in self._values]
+        owners = [policy_of(k) for k in held]
+        self.retention.grant(held, [size_of(k) for k in held], owners, retention, now)  # type: ignore[arg-type]
+        return len(held)
+
+    def _retention_cap(self, ns: bytes) -> int:
+        shares = self.budget.shares
+        quota = shares.quota(ns).max if shares is not None else None
+        whole = self.budget.capacity if quota is None else min(quota, self.budget.capacity)
+        return int(whole * self.retained_share)
 
     # -- writes
 
@@ -417,6 +449,8 @@ class RamTier(LocalTier):
     ) -> list[tuple[bytes, Buffer]]:
         if self._touches:  # (every eviction sees every read before it)
             self._apply_touches()
+        leased = self.retention.evicted_leased
+        leased.clear()
         try:
             victims = self.budget.evict_for(size, key)
         except NoRoom as exc:
@@ -428,7 +462,8 @@ class RamTier(LocalTier):
         for victim in victims:
             value = values.pop(victim)
             if self.slots.slot_of(value) is not None:
-                kept = bytes(value) if self.keep_evicted else value
+                # (a leased block is kept below: its bytes outlive the slot)
+                kept = bytes(value) if self.keep_evicted or victim in leased else value
                 self._retire(value)
                 value = kept
             out.append((victim, value))

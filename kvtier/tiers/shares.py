@@ -104,6 +104,16 @@ class Shares:
         policy.admit(key, cold)
         self.used[ns] = self.used.get(ns, 0) + self.size_of(key)
 
+    def wrap(self, wrap: Callable[[EvictionPolicy[bytes]], EvictionPolicy[bytes]]) -> None:
+        """Every namespace's policy, present and to come, wrapped by ``wrap``."""
+        make = self._make_policy
+        self._make_policy = lambda: wrap(make())
+        self.policies = {ns: wrap(p) for ns, p in self.policies.items()}
+
+    def policy_of(self, key: bytes) -> EvictionPolicy[bytes] | None:
+        """The policy that orders resident ``key``'s namespace."""
+        return self.policies.get(namespace_of(key))
+
     def touch(self, key: bytes) -> None:
         policy = self.policies.get(namespace_of(key))
         if policy is not None:

@@ -28,6 +28,7 @@ from kvtier.model import (
     LookupReply,
     PutStatus,
     Reserve,
+    Retention,
 )
 from kvtier.wire.framing import MAX_KEY_BYTES_V1, CodecError
 
@@ -515,6 +516,35 @@ def encode_status_bytes(values: Iterable[int]) -> bytes:
 
 def decode_status_bytes(buf: Buffer) -> list[int]:
     return list(_decode_count_bytes(buf))
+
+
+# --------------------------------------------------------------------------- retention
+
+_RETAIN_TAIL = struct.Struct("<dB")  # ttl seconds, priority
+
+
+def encode_retention(retention: Retention) -> bytes:
+    """A retention lease as a request's meta starts with it (FLAG_RETAIN):
+    the session id's length (u8) and bytes, the ttl (f64 seconds) and the
+    priority (u8)."""
+    session = retention.session
+    return _U8.pack(len(session)) + session + _RETAIN_TAIL.pack(retention.ttl, retention.priority)
+
+
+def split_retention(meta: Buffer) -> tuple[Retention, memoryview]:
+    """The lease a FLAG_RETAIN request's meta starts with, and the rest of it."""
+    view = memoryview(meta)
+    if len(view) < 1:
+        raise CodecError("truncated retention lease")
+    end = 1 + view[0] + _RETAIN_TAIL.size
+    if len(view) < end:
+        raise CodecError("truncated retention lease")
+    ttl, priority = _RETAIN_TAIL.unpack_from(view, 1 + view[0])
+    try:
+        retention = Retention(bytes(view[1 : 1 + view[0]]), ttl, priority)
+    except ValueError as exc:
+        raise CodecError(str(exc)) from None
+    return retention, view[end:]
 
 
 def encode_tag(tag: bytes) -> bytes:

@@ -28,7 +28,10 @@ FLAG_REPLY = 0x0001
 FLAG_DURABLE = 0x0002  # PUT: acknowledge once the block is durable
 FLAG_HINTS = 0x0004  # PUT: one hint byte per key follows the lengths (PutHint)
 FLAG_MORE = 0x0008  # reply: more replies follow for this request (SUBSCRIBE)
-KNOWN_REQUEST_FLAGS = FLAG_DURABLE | FLAG_HINTS
+#: LOOKUP, PUT: the meta starts with a retention lease (encode_retention)
+#: for the request's blocks
+FLAG_RETAIN = 0x0010
+KNOWN_REQUEST_FLAGS = FLAG_DURABLE | FLAG_HINTS | FLAG_RETAIN
 
 #: Hard ceilings of the v1 encoding (the configured limits must be below them).
 MAX_KEY_BYTES_V1 = 0xFFFF
@@ -46,6 +49,8 @@ class Op(enum.IntEnum):
     RESERVE = 0x20
     ABORT = 0x21
     RELEASE = 0x22
+    RETAIN = 0x23
+    UNRETAIN = 0x24
     GET_SHARED = 0x30
     UNLEASE = 0x31
     STAGE = 0x32

@@ -1,0 +1,85 @@
+"""Retention leases, acting half: the verbs' leases to RAM's book, their
+expiry on the daemon's clock, and what they are worth.
+
+The pure half is :mod:`kvtier.tiers.retention` (the book and the eviction
+order). Here a LOOKUP, PUT or commit that carries a lease grants or renews
+it on the resident blocks it names, a release ends a session's leases, and
+the daemon's sweep ends the leases whose time has passed (so a lease may
+outlive its ttl by at most one ``sweep_interval``). A lookup of a session
+that still holds a lease on its chain's head is a *return within the
+lease*: the blocks it asked and the leading run of them the local tiers
+held are counted, which is the hit ratio leases are for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.core.counts import CoreCounters
+from kvtier.model import Retention, namespace_name
+from kvtier.tiers.ram import RamTier
+
+
+class Retainer:
+    def __init__(
+        self,
+        ram: RamTier,
+        now: Callable[[], float],
+        counters: CoreCounters,
+        held_locally: Callable[[bytes], bool],
+    ) -> None:
+        self.ram = ram
+        self.book = ram.retention
+        self.now = now
+        self.counters = counters
+        self._held_locally = held_locally
+
+    def __repr__(self) -> str:
+        return f"<Retainer {self.book!r}>"
+
+    def looked_up(self, keys: Sequence[bytes], retention: Retention) -> None:
+        """A lookup of ``keys`` (a chain) with ``retention``: a return within
+        the lease is counted, then the lease renewed on the resident keys."""
+        if keys and self.book.holds(retention.session, keys[:1]):
+            held = 0
+            for key in keys:
+                if not self._held_locally(key):
+                    break
+                held += 1
+            self.counters.retention_return_asked.value += len(keys)
+            self.counters.retention_return_held.value += held
+        self.retain(keys, retention)
+
+    def retain(self, keys: Sequence[bytes], retention: Retention) -> None:
+        """Lease the resident ones of ``keys`` to ``retention`` (or renew it)."""
+        if keys:
+            self.ram.retain(keys, retention, self.now())
+
+    def release(self, session: bytes, namespace: bytes) -> int:
+        """End ``namespace``'s ``session``'s leases; how many blocks it held."""
+        return self.book.release(session, namespace)
+
+    def expire(self) -> None:
+        self.book.expire(self.now())
+
+    def stats(self) -> dict[str, Any]:
+        c = self.book.counts
+        by: dict[str, dict[str, int]] = {}
+        for (ns, priority), n in sorted(self.book.by_priority().items()):
+            by.setdefault(namespace_name(ns), {})[str(priority)] = n
+        return {
+            "leased_blocks": len(self.book),
+            "sessions": self.book.sessions(),
+            "leased_bytes": {namespace_name(ns): n for ns, n in self.book.leased_bytes.items()},
+            "leased_bytes_by_priority": by,
+            "granted": c.granted,
+            "renewed": c.renewed,
+            "released": c.released,
+            "expired": c.expired,
+            "capped": c.capped,
+            "evicted_from_ram": c.evicted,
+            "broken": int(self.counters.retention_broken.value),
+            "returns_asked": int(self.counters.retention_return_asked.value),
+            "returns_held": int(self.counters.retention_return_held.value),
+        }
