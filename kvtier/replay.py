@@ -42,7 +42,7 @@ from typing import Any
 
 from kvtier.core.costs import Costs, Estimate, budget_cut, load_seconds
 from kvtier.errors import ConfigError
-from kvtier.model import Retention, namespace_prefix
+from kvtier.model import NAMESPACE_ESCAPE, NAMESPACE_MARK, Retention, namespace_prefix
 from kvtier.tiers.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.rendezvous import owner
@@ -157,7 +157,10 @@ def parse_capacities(text: str, unique: int) -> list[tuple[str, int]]:
 
 
 def key_of(block_id: int) -> bytes:
-    return block_id.to_bytes(8, "little", signed=True)
+    """A block id as a stored key of the default namespace (escaped as the
+    daemon escapes one that starts with the namespace mark)."""
+    key = block_id.to_bytes(8, "little", signed=True)
+    return NAMESPACE_ESCAPE + key if key[0] == NAMESPACE_MARK else key
 
 
 Progress = Callable[[int, int], None]
@@ -196,7 +199,7 @@ def replay(
         lease = retentions[n] if retentions is not None else None
         now = times[n] if times is not None else float(n)
         if book:
-            book.expire(now)
+            ram.expire_leases(now)
         run = 0
         for key in keys:
             if not contains(key):

@@ -165,21 +165,22 @@ def test_the_book_and_a_model_agree_under_random_operations() -> None:
         for _ in range(400):
             now += rng.random()
             op = rng.random()
+            ns = rng.choice([b"", b"a"])  # (two namespaces, one cap each)
             if op < 0.4:
                 start = rng.randrange(40)
-                put(ram, [k(start + i) for i in range(rng.randint(1, 6))])
+                put(ram, [k(start + i, ns) for i in range(rng.randint(1, 6))])
             elif op < 0.5:
-                ram.remove(k(rng.randrange(46)))
+                ram.remove(k(rng.randrange(46), ns))
             elif op < 0.8:
                 session = b"s%d" % rng.randrange(4)
-                keys = [k(rng.randrange(46)) for _ in range(rng.randint(1, 5))]
+                keys = [k(rng.randrange(46), ns) for _ in range(rng.randint(1, 5))]
                 ram.retain(keys, lease(session, rng.choice([2.0, 5.0]), rng.randrange(101)), now)
             elif op < 0.9:
-                book.release(b"s%d" % rng.randrange(4))
+                ram.release_session(b"s%d" % rng.randrange(4), ns)
             else:
-                book.expire(now)
+                ram.expire_leases(now)
             _check(ram, book)
-        book.expire(now + 10)
+        ram.expire_leases(now + 10)
         assert len(book) == 0 and book.leased_bytes == {} and book.sessions() == 0
         _check(ram, book)
 
@@ -193,8 +194,9 @@ def _check(ram: RamTier, book: RetentionBook) -> None:
     assert not set(leased) & set(ordinary)
     assert sorted(leased + ordinary) == sorted(ram.resident())
     assert len(policy) == len(ram)
-    total = sum(h.size for h in book._held.values())
-    assert sum(book.leased_bytes.values()) == total <= book.cap_of(b"")
+    for ns in (b"", b"a"):
+        total = sum(h.size for h in book._held.values() if h.namespace == ns)
+        assert book.leased_bytes.get(ns, 0) == total <= book.cap_of(ns)
     for slot, sess in book._sessions.items():
         assert sess.keys and all(book._held[key].session == slot for key in sess.keys)
     assert sum(len(s.keys) for s in book._sessions.values()) == len(book)

@@ -662,23 +662,25 @@ class Client:
         """Store blocks, pipelined. Large values travel one per frame.
         ``hints``: one :class:`~kvtier.model.PutHint` per key (hinted blocks
         travel over the socket, never through staging); ``retention``: the
-        session's lease on them, ``keys`` a chain head first
-        (docs/retention.md)."""
+        session's lease on them, ``keys`` a chain head first (leased blocks
+        travel over the socket too, the lease in the same frame: docs/retention.md)."""
         if len(keys) != len(values) or (hints is not None and len(hints) != len(keys)):
             raise ValueError("put_many needs one value (and one hint) per key")
         if hints is not None and not any(hints):
             hints = None
-        if hints is None and self._shm is not None and self._writes.many(values):
+        if (
+            hints is None
+            and retention is None
+            and self._shm is not None
+            and self._writes.many(values)
+        ):
 
             async def over_socket(ks: Sequence[bytes], vs: Sequence[Buffer]) -> list[PutStatus]:
                 return await self._put_socket(ks, vs, None, durable, timeout)
 
-            statuses = await self._shm.put_many(
+            return await self._shm.put_many(
                 keys, values, durable, self._timeout(timeout), over_socket
             )
-            if retention is not None:  # (stored in place or staged: leased after)
-                await self.retain(keys, retention, timeout=timeout)
-            return statuses
         return await self._put_socket(keys, values, hints, durable, timeout, retention)
 
     async def _region_put(self, io: wire.RegionIO, timeout: Timeout) -> list[PutStatus]:

@@ -58,10 +58,10 @@ class Retainer:
 
     def release(self, session: bytes, namespace: bytes) -> int:
         """End ``namespace``'s ``session``'s leases; how many blocks it held."""
-        return self.book.release(session, namespace)
+        return self.ram.release_session(session, namespace)
 
     def expire(self) -> None:
-        self.book.expire(self.now())
+        self.ram.expire_leases(self.now())
 
     def stats(self) -> dict[str, Any]:
         c = self.book.counts

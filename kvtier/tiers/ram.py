@@ -332,6 +332,19 @@ class RamTier(LocalTier):
         self.retention.grant(held, [size_of(k) for k in held], owners, retention, now)  # type: ignore[arg-type]
         return len(held)
 
+    def release_session(self, session: bytes, namespace: bytes) -> int:
+        """End ``namespace``'s ``session``'s lease (after the reads it made
+        are in the order: its blocks then go first)."""
+        if self._touches:
+            self._apply_touches()
+        return self.retention.release(session, namespace)
+
+    def expire_leases(self, now: float) -> int:
+        """End the leases whose time passed, as :meth:`release_session` does."""
+        if self._touches:
+            self._apply_touches()
+        return self.retention.expire(now)
+
     def _retention_cap(self, ns: bytes) -> int:
         shares = self.budget.shares
         quota = shares.quota(ns).max if shares is not None else None

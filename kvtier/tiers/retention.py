@@ -73,6 +73,8 @@ class Held:
     size: int
     #: the wrapper whose order holds it
     owner: Retaining
+    #: its namespace (whose leased bytes it counts in)
+    namespace: bytes
 
 
 @dataclass(slots=True)
@@ -130,7 +132,7 @@ class RetentionBook:
         """Leased bytes per (namespace, priority)."""
         out: dict[tuple[bytes, int], int] = {}
         for h in self._held.values():
-            slot = (h.session[0], h.priority)
+            slot = (h.namespace, h.priority)
             out[slot] = out.get(slot, 0) + h.size
         return out
 
@@ -151,11 +153,11 @@ class RetentionBook:
         retention: Retention,
         now: float,
     ) -> None:
-        """Lease resident ``keys`` (a batch of one namespace in chain order,
-        each with its size and the wrapper whose order holds it) to
-        ``retention``'s session, whose lease now ends at ``now + ttl`` (its
-        latest word stands), or renew them. Then caps the namespace if its
-        leased bytes passed its cap."""
+        """Lease resident ``keys`` (a batch in chain order, each with its
+        size and the wrapper whose order holds it) to ``retention``'s
+        session (of the first key's namespace), whose lease now ends at
+        ``now + ttl`` (its latest word stands), or renew them. Then caps
+        each namespace whose leased bytes passed its cap."""
         if not keys:
             return
         ns = namespace_of(keys[0])
@@ -170,13 +172,16 @@ class RetentionBook:
             heapq.heappush(self._ends, (ends, slot))
         mine, held_of, counts = sess.keys, self._held, self.counts
         priority = retention.priority
+        touched: set[bytes] = set()
         # tail first: the head of the batch ends up the most recent
         for key, size, owner in zip(reversed(keys), reversed(sizes), reversed(owners), strict=True):
             held = held_of.get(key)
             if held is None:
-                held_of[key] = Held(slot, priority, size, owner)
-                self.leased_bytes[ns] = self.leased_bytes.get(ns, 0) + size
-                self._owners.setdefault(ns, set()).add(owner)
+                own = namespace_of(key)
+                held_of[key] = Held(slot, priority, size, owner, own)
+                self.leased_bytes[own] = self.leased_bytes.get(own, 0) + size
+                self._owners.setdefault(own, set()).add(owner)
+                touched.add(own)
                 counts.granted += 1
                 owner.lease(key, priority)
                 mine.add(key)
@@ -192,8 +197,9 @@ class RetentionBook:
                 held.owner.reorder(key, held.priority, new)
                 held.priority = new
             else:
-                held.owner.touch(key)
-        self._cap(ns)
+                held.owner.bump(key, new)
+        for own in touched:
+            self._cap(own)
 
     def expire(self, now: float) -> int:
         """End every session's lease whose end is at or before ``now``;
@@ -267,7 +273,7 @@ class RetentionBook:
         return key, held
 
     def _unaccount(self, held: Held) -> None:
-        ns = held.session[0]
+        ns = held.namespace
         left = self.leased_bytes[ns] - held.size
         if left:
             self.leased_bytes[ns] = left
@@ -337,13 +343,22 @@ class Retaining:
         if held is None:
             self.inner.touch(key)
         else:
-            order = self._leased[held.priority]
-            order.move_to_end(key)
-            order[key] = next(self._uses)
+            self.bump(key, held.priority)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
+        held = self.book._held
+        keys = list(keys)
+        self.inner.touch_many([k for k in keys if k not in held])
         for key in keys:
-            self.touch(key)
+            h = held.get(key)
+            if h is not None:
+                self.bump(key, h.priority)
+
+    def bump(self, key: bytes, priority: int) -> None:
+        """Leased ``key`` (of ``priority``) was just used."""
+        order = self._leased[priority]
+        order.move_to_end(key)
+        order[key] = next(self._uses)
 
     def remove(self, key: bytes) -> None:
         if key in self.book:
@@ -392,8 +407,8 @@ class Retaining:
     def leased_order(self, ns: bytes) -> Iterator[tuple[bytes, tuple[int, int]]]:
         """This wrapper's leased keys of namespace ``ns``, in the order leases
         are capped: lowest priority first, least recently used first."""
-        for p in sorted(self._leased):
-            for key, use in list(self._leased[p].items()):
+        for p in sorted(self._leased):  # (the caller ends leases after it has read)
+            for key, use in self._leased[p].items():
                 if namespace_of(key) == ns:
                     yield key, (p, use)
 

@@ -1,0 +1,181 @@
+"""Retention leases end to end: a session's blocks stay in RAM while other
+traffic fills it, go to the disk rather than nowhere when RAM cannot keep
+them, end when the session says so, and bad leases are refused without
+harm (docs/retention.md)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier import wire
+from kvtier.client.aio import Client
+from kvtier.errors import BadArgumentError, ForbiddenError, KvtierError
+from kvtier.model import Retention
+from tests.helpers import running_daemon
+
+BLOCK = 200_000  # five fit in the 1 MiB of RAM below
+RAM = {"capacity": "1MiB"}
+RAM_ONLY = {"enabled": False}
+#: all of RAM may be leased: leased blocks must then leave it
+ALL_LEASED = {**RAM, "retained_share": 1.0}
+SESSION = Retention(b"agent-1", ttl=600.0, priority=70)
+
+
+def blocks(name: str, n: int) -> tuple[list[bytes], list[bytes]]:
+    return [f"{name}{i}".encode() for i in range(n)], [bytes([i + 1]) * BLOCK for i in range(n)]
+
+
+async def retention(c: Client) -> dict[str, Any]:
+    stats: dict[str, Any] = (await c.stats())["retention"]
+    return stats
+
+
+SETTINGS = {
+    # the defaults: RAM above a disk written through, the lookup process on
+    "defaults": dict(server={"lookup_process": True}),
+    "ram-only": dict(disk=RAM_ONLY),
+    "shared-memory-writes": dict(disk=RAM_ONLY, shared={"preallocate": True}),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+async def test_a_leased_session_keeps_its_blocks_in_ram_under_other_traffic(
+    sock_dir: Path, setting: str
+) -> None:
+    async with (
+        running_daemon(sock_dir, ram=RAM, **SETTINGS[setting]) as d,  # type: ignore[arg-type]
+        await Client.connect(d.socket_path) as c,
+    ):
+        mine, values = blocks("agent", 3)
+        await c.put_many(mine, values, retention=SESSION)
+        other, others = blocks("other", 6)
+        for key, value in zip(other, others, strict=True):  # fills RAM twice over
+            await c.put(key, value)
+        r = await retention(c)
+        assert (r["leased_blocks"], r["sessions"], r["evicted_from_ram"]) == (3, 1, 0)
+        held = r["leased_bytes"]["default"]  # (as RAM counts them: whole pages in the arena)
+        assert 3 * BLOCK <= held < 3 * (BLOCK + 8192)
+        assert [await c.get(k) for k in mine] == values
+        # the session comes back: its lookup renews the lease and counts a return
+        reply = await c.lookup_prefix(mine, retention=SESSION)
+        assert reply.prefix_hits == 3
+        r = await retention(c)
+        assert (r["returns_asked"], r["returns_held"]) == (3, 3)
+        leased = d.metrics.registry.get_sample_value(
+            "kvtier_retention_leased_bytes", {"namespace": "default", "priority": "70"}
+        )
+        assert leased == held
+        # the session is over: its blocks are ordinary again, and go first
+        assert await c.unretain(SESSION.session) == 3
+        for key, value in zip(other[:3], others[:3], strict=True):
+            await c.delete(key)
+            await c.put(key, value)
+        r = await retention(c)
+        assert (r["leased_blocks"], r["released"], r["broken"]) == (0, 3, 0)
+        if setting != "defaults":  # (with a disk below, they are still found there)
+            assert [await c.get(k) for k in mine] == [None] * 3
+
+
+async def test_without_a_lease_the_same_blocks_are_gone(sock_dir: Path) -> None:
+    async with (
+        running_daemon(sock_dir, ram=RAM, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        mine, values = blocks("agent", 3)
+        await c.put_many(mine, values)
+        other, others = blocks("other", 6)
+        for key, value in zip(other, others, strict=True):
+            await c.put(key, value)
+        assert [await c.get(k) for k in mine] == [None] * 3
+
+
+async def test_leased_blocks_ram_cannot_keep_go_to_the_disk_rather_than_nowhere(
+    sock_dir: Path,
+) -> None:
+    # a disk that takes no block of its own accord: the lease sends them there
+    async with (
+        running_daemon(sock_dir, ram=ALL_LEASED, disk={"write_policy": "none"}) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        mine, values = blocks("agent", 8)  # more than RAM holds, all leased
+        await c.put_many(mine[:4], values[:4], retention=SESSION)
+        await c.put_many(mine[4:], values[4:], retention=SESSION)
+        await d.settle()
+        r = await retention(c)
+        assert r["evicted_from_ram"] >= 3 and r["broken"] == 0
+        assert [await c.get(k) for k in mine] == values
+        assert d.parts.service.disk is not None
+        assert all(d.parts.service.disk.contains(k) for k in mine[:3])
+
+
+async def test_leased_blocks_with_nothing_below_are_counted_broken(sock_dir: Path) -> None:
+    async with (
+        running_daemon(sock_dir, ram=ALL_LEASED, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        mine, values = blocks("agent", 8)
+        await c.put_many(mine, values, retention=SESSION)
+        r = await retention(c)
+        assert r["broken"] == r["evicted_from_ram"] >= 3
+        broken = d.metrics.registry.get_sample_value(
+            "kvtier_retention_blocks_total", {"event": "broken"}
+        )
+        assert broken == r["broken"]
+
+
+async def test_a_namespace_with_no_retained_share_keeps_no_lease(sock_dir: Path) -> None:
+    async with (
+        running_daemon(sock_dir, ram={**RAM, "retained_share": 0.0}, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        mine, values = blocks("agent", 3)
+        await c.put_many(mine, values, retention=SESSION)
+        r = await retention(c)
+        assert (r["leased_blocks"], r["capped"], r["granted"]) == (0, 3, 3)
+
+
+def _frame_lease(session: bytes, ttl: float, priority: int) -> bytes:
+    return bytes([len(session)]) + session + struct.pack("<dB", ttl, priority)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        _frame_lease(b"s", 0.0, 50),  # no time to keep
+        _frame_lease(b"s", 1.0, 101),  # a priority out of range
+        _frame_lease(b"s" * 65, 1.0, 50),  # a session id too long
+        _frame_lease(b"s", 1.0, 50)[:-3],  # truncated
+        b"",
+    ],
+)
+async def test_a_bad_lease_is_refused_and_the_connection_goes_on(
+    sock_dir: Path, meta: bytes
+) -> None:
+    async with (
+        running_daemon(sock_dir, ram=RAM, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path, shared=False) as c,
+        await Client.connect(d.socket_path, shared=False) as other,
+    ):
+        await c.put(b"k", b"v")
+        with pytest.raises(KvtierError, match="retention|lease|truncated|session|priority"):
+            await c.request(wire.Op.RETAIN, meta + wire.encode_keys([b"k"]), flags=wire.FLAG_RETAIN)
+        with pytest.raises(KvtierError):
+            await c.request(wire.Op.RETAIN, wire.encode_keys([b"k"]))  # no lease at all
+        assert await c.ping(b"still here") == b"still here"
+        assert await other.get(b"k") == b"v"
+        assert (await retention(c))["leased_blocks"] == 0
+
+
+async def test_the_peer_port_takes_no_lease(sock_dir: Path) -> None:
+    peer = {"listen": "127.0.0.1:0", "members": ["127.0.0.1:9"], "token": "t"}
+    async with running_daemon(sock_dir, ram=RAM, disk=RAM_ONLY, peer=peer) as d:
+        assert d.peer_port is not None
+        async with await Client.connect_tcp("127.0.0.1", d.peer_port, token=b"t") as c:
+            with pytest.raises(ForbiddenError, match="RETAIN is not allowed on the peer port"):
+                await c.retain([b"k"], SESSION)
+            with pytest.raises(BadArgumentError, match="local clients"):  # (a lease on a PUT)
+                await c.put(b"k", b"v", retention=SESSION)
