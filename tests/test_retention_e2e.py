@@ -161,7 +161,7 @@ async def test_a_bad_lease_is_refused_and_the_connection_goes_on(
         await Client.connect(d.socket_path, shared=False) as other,
     ):
         await c.put(b"k", b"v")
-        with pytest.raises(KvtierError, match="retention|lease|truncated|session|priority"):
+        with pytest.raises(KvtierError, match=r"retention|lease|truncated|session|priority"):
             await c.request(wire.Op.RETAIN, meta + wire.encode_keys([b"k"]), flags=wire.FLAG_RETAIN)
         with pytest.raises(KvtierError):
             await c.request(wire.Op.RETAIN, wire.encode_keys([b"k"]))  # no lease at all
