@@ -49,7 +49,7 @@ from kvtier.backoff import Backoff
 from kvtier.client import Client
 from kvtier.client.redial import Redial
 from kvtier.errors import ForbiddenError, KvtierError
-from kvtier.model import HIT, MISS, BlockEvent, Buffer, EventKind, LookupMode
+from kvtier.model import HIT, MISS, BlockEvent, Buffer, EventKind, LookupMode, Retention
 
 log = logging.getLogger("kvtier.engine")
 
@@ -355,6 +355,8 @@ class _Request:
     asked: set[bytes] = field(default_factory=set)
     #: keys to send at the next flush
     queued: list[bytes] = field(default_factory=list)
+    #: the session's lease its lookups renew (docs/retention.md)
+    retention: Retention | None = None
 
 
 class EngineTier:
@@ -422,8 +424,9 @@ class EngineTier:
 
     # ------------------------------------------------------------ scheduler side
 
-    def lookup(self, request_id: str, key: bytes) -> Answer:
-        """What is known of ``key`` for ``request_id`` now; never waits."""
+    def lookup(self, request_id: str, key: bytes, retention: Retention | None = None) -> Answer:
+        """What is known of ``key`` for ``request_id`` now; never waits.
+        ``retention``: the request's session lease, renewed by its lookups."""
         self._drain_answers()
         failed_until = self._failed.get(key)
         if failed_until is not None:
@@ -433,6 +436,8 @@ class EngineTier:
         req = self._requests.get(request_id)
         if req is None:
             req = self._requests[request_id] = _Request(request_id.encode()[:255])
+        if retention is not None:
+            req.retention = retention
         answer = req.answers.get(key)
         if answer is Answer.HIT or answer is Answer.MISS:
             return self._count_answer(answer)
@@ -449,7 +454,8 @@ class EngineTier:
         for request_id, req in self._requests.items():
             if req.queued:
                 keys, req.queued = req.queued, []
-                self._calls.add(self._submit(self._lookup(request_id, req.tag, keys)))
+                lookup = self._lookup(request_id, req.tag, keys, req.retention)
+                self._calls.add(self._submit(lookup))
 
     def request_finished(self, request_id: str) -> None:
         """Forget the request here and its reader-side state in the daemon."""
@@ -461,9 +467,16 @@ class EngineTier:
         """Start receiving ``keys`` into ``rows``; the result comes from :meth:`finished`."""
         self._jobs.add(self._submit(self._load(job_id, list(keys), list(rows))))
 
-    def store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[Buffer]) -> None:
-        """Start sending ``rows`` under ``keys``; the result comes from :meth:`finished`."""
-        self._jobs.add(self._submit(self._store(job_id, list(keys), list(rows))))
+    def store(
+        self,
+        job_id: int,
+        keys: Sequence[bytes],
+        rows: Sequence[Buffer],
+        retention: Retention | None = None,
+    ) -> None:
+        """Start sending ``rows`` under ``keys`` (leased to ``retention``'s
+        session once stored); the result comes from :meth:`finished`."""
+        self._jobs.add(self._submit(self._store(job_id, list(keys), list(rows), retention)))
 
     def watch_removals(self) -> RemovalWatch:
         """Follow the daemon's block events from now on: :meth:`removed` then
@@ -562,7 +575,9 @@ class EngineTier:
         """The client, connecting (with backoff after a failure) if needed."""
         return await self._link.client()
 
-    async def _lookup(self, request_id: str, tag: bytes, keys: list[bytes]) -> None:
+    async def _lookup(
+        self, request_id: str, tag: bytes, keys: list[bytes], retention: Retention | None
+    ) -> None:
         states: bytes | None = None
         try:
             client = await self._connected()
@@ -572,6 +587,7 @@ class EngineTier:
                 max_pending_wait=self.max_pending_wait,
                 request_tag=tag,
                 budget=len(keys) * self.recompute_seconds_per_block,
+                retention=retention,
             )
             if len(reply.raw_states) == len(keys):
                 states = reply.raw_states
@@ -642,7 +658,9 @@ class EngineTier:
             os.close(fd)
         return ids[0] if ids else 0
 
-    async def _store(self, job_id: int, keys: list[bytes], rows: list[Buffer]) -> None:
+    async def _store(
+        self, job_id: int, keys: list[bytes], rows: list[Buffer], retention: Retention | None
+    ) -> None:
         started = time.perf_counter()
         ok = False
         nbytes = sum(memoryview(r).nbytes for r in rows)
@@ -672,6 +690,8 @@ class EngineTier:
                     *(t for t in (reserve, put) if t is not None), return_exceptions=True
                 )
                 put.result()  # the job stands or falls with the PUT
+            if retention is not None:  # (however the blocks went: one RETAIN after)
+                await client.retain(names, retention)
             ok = True
         except (KvtierError, OSError) as exc:
             log.warning("store job %d failed: %s", job_id, exc)

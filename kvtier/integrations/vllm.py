@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -41,7 +42,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvtier.integrations.dialects import from_vllm
 from kvtier.integrations.engine import Answer, EngineTier, RemovalWatch, engine_namespace
+from kvtier.model import Retention
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -176,12 +179,14 @@ class KvtierTier(SecondaryTierManager):
         return [self._flat[int(c) * size : (int(c) + 1) * size] for c in job.chunk_ids]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _ANSWERS[self._engine.lookup(req_context.req_id, bytes(key))]
+        lease = _lease_of(req_context)
+        return _ANSWERS[self._engine.lookup(req_context.req_id, bytes(key), lease)]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._jobs[job_metadata.job_id] = job_metadata
         keys = [bytes(k) for k in job_metadata.keys]
-        self._engine.store(job_metadata.job_id, keys, self._rows(job_metadata))
+        lease = _lease_of(job_metadata.req_context)
+        self._engine.store(job_metadata.job_id, keys, self._rows(job_metadata), lease)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._jobs[job_metadata.job_id] = job_metadata
@@ -282,3 +287,30 @@ class KvtierTier(SecondaryTierManager):
                     stats.increase_counter(name, delta, label)
         self._reported = counts
         return None if stats.is_empty() else stats
+
+
+@dataclass(frozen=True, slots=True)
+class _Lease:
+    """A request's retention lease as read once from its context (None: none)."""
+
+    retention: Retention | None
+
+
+def _lease_of(req_context: ReqContext | None) -> Retention | None:
+    """The retention lease a request asks for (kv_hints, kv_transfer_params:
+    kvtier/integrations/dialects.py), read once per request; a malformed
+    hint is logged and read as none."""
+    if req_context is None:
+        return None
+    known: _Lease | None = req_context.get_state(_Lease)
+    if known is None:
+        try:
+            lease = from_vllm(
+                req_context.kv_transfer_params, getattr(req_context, "kv_hints", None)
+            )
+        except ValueError as exc:
+            log.warning("request %s: its retention hint is ignored: %s", req_context.req_id, exc)
+            lease = None
+        known = _Lease(lease)
+        req_context.set_state(known)
+    return known.retention

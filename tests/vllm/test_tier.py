@@ -148,3 +148,58 @@ def test_counts_reach_vllm_through_its_metric_hooks(tier: object, region: np.nda
     assert values["vllm:kv_offload_kvtier_store_bytes"] == {(): BLOCK}
     assert values["vllm:kv_offload_kvtier_load_bytes"] == {(): BLOCK}
     assert tier.get_stats() is None  # type: ignore[attr-defined]  # deltas: reported once
+
+
+def test_a_requests_kv_hints_lease_its_blocks_and_its_lookups_renew_them(
+    tier: object, daemon: Daemon, region: np.ndarray
+) -> None:
+    """vLLM's own KvHintsEnvelope on the request: its store job's blocks are
+    leased to the session, and the same session's next lookups count a
+    return within the lease (docs/retention.md)."""
+    from vllm.v1.kv_hints.protocol import KvHintAction, KvHintsEnvelope
+
+    from kvtier.client import BlockingClient
+
+    hints = KvHintsEnvelope(
+        protocol_version="0.1",
+        message_id="turn-1",
+        actions=[
+            KvHintAction(
+                action_id="keep",
+                action_type="kv.retain",
+                action_version="1.0",
+                payload={"session_id": "agent-7", "ttl_seconds": 300, "priority": 80},
+            )
+        ],
+    )
+    keys = [make_offload_key(bytes([i + 40]) * 16, 0) for i in range(3)]
+    turn = ReqContext("turn-1", kv_hints=hints)
+    tier.submit_store(TransferJob(7, keys, np.array([0, 1, 2]), False, turn))  # type: ignore[attr-defined]
+    tier.drain_jobs()  # type: ignore[attr-defined]
+    (stored,) = tier.get_finished_jobs()  # type: ignore[attr-defined]
+    assert stored.success
+    again = ReqContext(
+        "turn-2",
+        kv_transfer_params={
+            "kv_hint": {
+                "protocol_version": "0.1",
+                "message_id": "turn-2",
+                "actions": [
+                    {
+                        "action_id": "keep",
+                        "action_type": "kv.retain",
+                        "action_version": "1.0",
+                        "payload": {"session_id": "agent-7", "ttl_seconds": 300},
+                    }
+                ],
+            }
+        },
+    )  # (as Dynamo's bridge passes the same envelope)
+    step(tier, again, keys)
+    assert step(tier, again, keys) == [LookupResult.HIT] * 3
+    with BlockingClient.connect(daemon.socket_path, namespace="tiny-llama/abc123/") as c:
+        r = c.stats()["retention"]
+    assert r["leased_blocks"] == 3 and r["sessions"] == 1
+    # the session's latest word (no priority: the default) stands
+    assert r["leased_bytes_by_priority"] == {"tiny-llama/abc123/": {"50": 3 * BLOCK}}
+    assert r["returns_asked"] >= 3 and r["returns_held"] >= 3
