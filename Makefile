@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: ceph-tools bench-s3 soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: ceph-tools bench-s3 bench-agents soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -245,7 +245,13 @@ bench-deps: $(BENCH_STAMP)
 	  else echo "make bench needs redis-server: sudo apt-get install redis-server" >&2; exit 1; fi; }
 
 # BENCH_ARGS=--quick for a shorter run.
-bench: bench-deps bench-budget bench-hedging bench-encryption bench-s3
+# Agent sessions through the eviction policies, with and without retention
+# hints, against plain LRU and Belady's optimum (docs/retention.md); the
+# sessions are read from ../shared/traces when present.
+bench-agents: $(STAMP)
+	$(BIN)/python -m benchmarks.agents
+
+bench: bench-deps bench-budget bench-hedging bench-encryption bench-s3 bench-agents
 	$(BIN)/python -m benchmarks.suite --json docs/benchmarks.json --chart docs/benchmarks.png \
 	  --markdown docs/benchmarks.md $(BENCH_ARGS)
 	$(BIN)/kvtier replay traces/mooncake_synthetic.jsonl.gz --capacity 2%,5%,10%,20%,40% \

@@ -59,8 +59,9 @@ from kvtier.client import Client
 from kvtier.client.direct import DirectReader
 from kvtier.client.redial import Redial
 from kvtier.errors import KvtierError
+from kvtier.integrations.dialects import from_lmcache_tags
 from kvtier.integrations.engine import block_key, engine_namespace
-from kvtier.model import HIT, LookupMode, PutHint
+from kvtier.model import HIT, LookupMode, PutHint, Retention
 
 log = logging.getLogger("kvtier.lmcache")
 
@@ -153,6 +154,7 @@ class KvtierConnector(RemoteConnector):
                 mode=LookupMode.PREFIX,
                 request_tag=lookup_id.encode()[:255],
                 budget=len(keys) * self.recompute_seconds_per_chunk,
+                retention=_lease(keys[0]),
                 timeout=self.timeout,
             )
         except KvtierError as exc:
@@ -271,7 +273,11 @@ class KvtierConnector(RemoteConnector):
         try:
             client = await self._redial.client()
             await client.put_many(
-                [self.key(k) for k in keys], blobs, hints=hints, timeout=self.timeout * 10
+                [self.key(k) for k in keys],
+                blobs,
+                hints=hints,
+                retention=_lease(keys[0]) if keys else None,
+                timeout=self.timeout * 10,
             )
         except KvtierError as exc:
             log.debug("store of %d chunk(s) dropped: %s", len(keys), exc)
@@ -426,6 +432,16 @@ class KvtierBackend(RemoteBackend):
         if reader is not None:
             reader.close()
         super().close()
+
+
+def _lease(key: CacheEngineKey) -> Retention | None:
+    """The retention lease the request's tags ask for (its keys carry them:
+    kvtier/integrations/dialects.py); a malformed one is logged, and none."""
+    try:
+        return from_lmcache_tags(key.tags)
+    except ValueError as exc:
+        log.warning("the retention tags are ignored: %s", exc)
+        return None
 
 
 def _bytes_of(obj: MemoryObj) -> memoryview:

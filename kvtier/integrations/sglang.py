@@ -60,8 +60,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.client import Client
 from kvtier.errors import KvtierError
+from kvtier.integrations.dialects import from_sglang
 from kvtier.integrations.engine import DaemonLink, Regions, block_key, engine_namespace
-from kvtier.model import HIT, LookupMode
+from kvtier.model import HIT, LookupMode, Retention
 
 log = logging.getLogger("kvtier.sglang")
 
@@ -248,12 +249,15 @@ class KvtierStorage(HiCacheStorage):
             page = int(getattr(self.mem_pool_host, "page_size", 0) or 1)
             budget = len(keys) * page / self.recompute_tokens_per_second
 
+        lease = self._lease(extra_info)
+
         async def lookup(client: Client) -> int:
             reply = await client.lookup(
                 names,
                 mode=LookupMode.PREFIX,
                 wait=self.pending_wait,
                 budget=budget,
+                retention=lease,
                 timeout=self.timeout,
             )
             raw = reply.raw_states  # only HIT counts: PENDING past the wait is a miss
@@ -319,12 +323,27 @@ class KvtierStorage(HiCacheStorage):
         ptrs, sizes = self._page_buffers(keys, host_indices)
         names = self.names(keys, self.parts)
         places = place_in(self.files, ptrs, sizes) if self.files else None
-        if places is not None:
-            stored = self._put_in_place(names, places, len(keys))
-            if stored is not None:
-                return stored
-        views = [_view(p, n) for p, n in zip(ptrs, sizes, strict=True)]
-        return self._put(names, views, len(keys))
+        stored = self._put_in_place(names, places, len(keys)) if places is not None else None
+        if stored is None:
+            views = [_view(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+            stored = self._put(names, views, len(keys))
+        lease = self._lease(extra_info)
+        if lease is not None and any(stored):  # (however the pages went: one RETAIN)
+            try:
+                self.link.call(lambda c: c.retain(names, lease, timeout=self.timeout), self.timeout)
+            except FAILURES as exc:
+                log.debug("retain failed (%s): the pages are stored unleased", exc)
+        return stored
+
+    @staticmethod
+    def _lease(extra_info: HiCacheStorageExtraInfo | None) -> Retention | None:
+        """The call's retention lease (kvtier/integrations/dialects.py); a
+        malformed one is logged and read as none."""
+        try:
+            return from_sglang(extra_info)
+        except ValueError as exc:
+            log.warning("the retention hint is ignored: %s", exc)
+            return None
 
     # ------------------------------------------------------------ tensors (the older interface)
 

@@ -279,3 +279,25 @@ def test_buffers_come_in_one_call_when_lmcache_has_room_else_one_by_one() -> Non
     got = KvtierConnector._allocate(connector(2), 3)
     assert [g is not None for g in got] == [True, True, False]
     assert calls == [("batched", 3, False), ("one", 1, True), ("one", 1, True), ("one", 1, True)]
+
+
+def test_a_requests_retention_tags_lease_its_chunks(eng: Engine, daemon: Daemon) -> None:
+    """LMCache's own request tags (request_configs "lmcache.tag.*", which
+    LMCache keeps on each CacheEngineKey): the chunks stored are leased to
+    the session, and its lookups count a return (docs/retention.md)."""
+    configs = {
+        "lmcache.tag.session_id": "agent-5",
+        "lmcache.tag.retention_seconds": "10m",
+        "lmcache.tag.priority": 75,
+    }
+    keys = [CacheEngineKey("tiny", 1, 0, 700 + i, torch.float16, configs) for i in range(2)]
+    assert keys[0].tags is not None  # (LMCache's own parsing of the configs)
+    chunks = [eng.chunk(700 + i)[0] for i in range(2)]
+    eng.put(keys, chunks)
+    for chunk in chunks:
+        chunk.ref_count_down()
+    assert eng.run(eng.connector.batched_async_contains("req-9", keys)) == 2
+    r = daemon.stats()["retention"]
+    assert r["leased_blocks"] == 2 and r["sessions"] == 1
+    assert r["returns_asked"] == 2 and r["returns_held"] == 2
+    assert [list(by) for by in r["leased_bytes_by_priority"].values()] == [["75"]]

@@ -377,3 +377,23 @@ def test_a_prefill_rate_sends_budgets_and_pages_slower_to_load_read_as_misses(
     finally:
         fast.close()
     assert daemon.total("kvtier_lookup_budget_cut_total") >= 2
+
+
+def test_sglangs_soft_retention_leases_the_pages_it_stores(eng: Engine, daemon: Daemon) -> None:
+    """SGLang's own HiCacheStorageExtraInfo with its soft-retention fields
+    (priority, retention_seconds): the pages stored are leased to the
+    request's session, and its lookups count a return (docs/retention.md)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    info = HiCacheStorageExtraInfo(
+        prefix_keys=None,
+        extra_info={"priority": 80, "retention_seconds": 120, "session_id": "agent-3"},
+    )
+    keys = hashes(3, base=500)
+    src, _ = eng.fill(3)
+    assert eng.storage.batch_set_v1(keys, src, info) == [True] * 3
+    assert eng.storage.batch_exists(keys, info) == 3
+    r = daemon.stats()["retention"]
+    assert r["leased_blocks"] == 3 * 2 and r["sessions"] == 1  # (a page: its K and its V)
+    assert r["returns_asked"] == 6 and r["returns_held"] == 6
+    assert list(r["leased_bytes_by_priority"].values()) == [{"80": 6 * PART}]
