@@ -129,9 +129,15 @@ def main(spec: dict[str, Any]) -> None:
     params = SamplingParams(
         temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False
     )
+    #: per prompt (its index as a string), the request's kv_transfer_params
+    transfer = spec.get("kv_transfer_params", {})
     for i, ids in enumerate(spec["prompts"]):
         started = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        asked = params
+        if str(i) in transfer:
+            asked = params.clone()
+            asked.extra_args = {"kv_transfer_params": transfer[str(i)]}
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], asked, use_tqdm=False)
         seconds = time.perf_counter() - started
         line = {
             "tokens": list(out.outputs[0].token_ids),

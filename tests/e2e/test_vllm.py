@@ -22,7 +22,7 @@ from tests.e2e.conftest import (
     run,
 )
 from tests.e2e.engine import BLOCK
-from tests.enginedaemon import EngineDaemon
+from tests.enginedaemon import EngineDaemon, start
 
 
 def test_vllm_generates_the_same_tokens_with_prefixes_served_from_kvtier(
@@ -57,3 +57,33 @@ def test_an_engine_keeps_generating_while_kvtier_is_down(model: Path, tmp_path: 
     keeps generating, recomputing what it cannot load, the same tokens; with
     the daemon started again, it stores and loads through kvtier again."""
     keeps_generating_through_a_daemon_restart(model, tmp_path)
+
+
+def test_a_leased_session_comes_back_to_its_prefix_after_other_traffic(
+    model: Path, tmp_path: Path
+) -> None:
+    """7. A multi-turn session with a pause: turn 1 (A) carries a retention
+    lease in its kv_transfer_params (docs/retention.md), 30 other prompts
+    fill kvtier's RAM (RAM only, room for about 40 blocks) in the pause, and
+    turn 2 extends A. With the lease, turn 2 gets A's 9 blocks from kvtier;
+    without it, none are left. Tokens are the same either way."""
+    turn_2 = A + list(range(400, 440))  # the session's next prompt extends A
+    prompts = [A, *others(30), turn_2]
+    lease = {"retention": {"session_id": "agent-1", "ttl_seconds": 600, "priority": 70}}
+    control = run(model, None, [turn_2])
+    answers = {}
+    for leased in (True, False):
+        d = start(tmp_path / str(leased), "--no-disk", "--ram-capacity", "3MiB")
+        try:
+            spec = {"kv_transfer_params": {"0": lease, "31": lease}} if leased else {}
+            answers[leased] = run(model, d.socket_path, prompts, **spec)
+            retained = d.stats()["retention"]
+        finally:
+            d.stop()
+        if leased:
+            assert retained["leased_blocks"] >= 9 and retained["returns_asked"] > 0
+        else:
+            assert retained["leased_blocks"] == 0
+    assert answers[True][-1].tokens == answers[False][-1].tokens == control[0].tokens
+    assert answers[True][-1].cached == 9 * BLOCK
+    assert answers[False][-1].cached == 0
