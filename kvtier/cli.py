@@ -380,10 +380,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kvtier import replay as rp
 
     trace = Path(args.trace)
+    retentions = times = None
+    prompt = 0.0
     if trace.is_dir() or trace.name.endswith((".tar.gz", ".tgz", ".tar")):
-        if args.hints:
-            raise ConfigError("--hints needs a JSON-lines trace (input_length), not sessions")
-        chains = agentic.load_sessions(trace, args.concurrency, args.seed)
+        turns = agentic.load(trace, args.concurrency, args.seed)
+        chains = [t.chain for t in turns]
+        prompt = agentic.busy_prompt(turns)
+        if args.hints:  # the leases an engine would send (kvtier/agentic.py)
+            retentions = agentic.retention_hints(turns)
+            times = [t.at for t in turns]
+        del turns
     else:
         chains = rp.load_trace(trace)
     unique = rp.unique_blocks(chains)
@@ -397,7 +403,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _replay_fleet(args, chains, unique)
     if args.tier_cost:
         return _replay_ttft(args, chains, unique)
-    tails = rp.tail_hints(Path(args.trace)) if args.hints else None
+    if args.socket and retentions is not None:
+        raise ConfigError("--hints with agent sessions replays offline: drop --socket")
+    tails = rp.tail_hints(Path(args.trace)) if args.hints and retentions is None else None
     show = sys.stderr.isatty() and not args.json
     results: list[rp.Result] = []
     if args.socket:
@@ -410,7 +418,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         results.append(daemon)
         capacities = [(f"{daemon.blocks} blocks", daemon.blocks)]
     else:
-        capacities = rp.parse_capacities(args.capacity, unique)
+        capacities = rp.parse_capacities(args.capacity, unique, prompt)
     policies = args.policy or ["lru", "harc"]
     if "all" in policies:
         policies = list(rp.POLICIES)
@@ -425,9 +433,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     capacity,
                     block_size=args.block_size,
                     tails=tails,
+                    retentions=retentions,
+                    times=times,
                     progress=bar,
                 )
             )
+    if args.optimum:  # the references: a chain-blind LRU, and Belady's optimum
+        for capacity in capacities:
+            results.append(rp.plain_lru(chains, capacity))
+            results.append(rp.belady(chains, capacity))
     if show:
         sys.stderr.write("\r" + " " * 70 + "\r")
     if args.json:
@@ -566,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--capacity",
         default="5%,10%,20%",
-        help="comma-separated capacities: percent of the unique blocks, or block counts",
+        help="comma-separated capacities: percent of the unique blocks, block counts, or "
+        "(agent sessions) busy prompts such as 3p",
     )
     p.add_argument(
         "--policy",
@@ -578,7 +593,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hints",
         action="store_true",
-        help="put each request's partial last block (from input_length) with the TAIL hint",
+        help="JSON lines: put each request's partial last block (from input_length) with the "
+        "TAIL hint; agent sessions: send the retention lease an engine would (docs/retention.md)",
+    )
+    p.add_argument(
+        "--optimum",
+        action="store_true",
+        help="add the references: LRU as a chain-blind cache orders blocks (plain-lru) and "
+        "Belady's optimum",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="draw hit ratio against capacity")

@@ -138,12 +138,19 @@ def unique_blocks(chains: Iterable[Chain]) -> int:
     return len({i for chain in chains for i in chain})
 
 
-def parse_capacities(text: str, unique: int) -> list[tuple[str, int]]:
-    """``"5%,10%,2000"`` as (label, blocks): percentages of the unique blocks, or counts."""
+def parse_capacities(text: str, unique: int, prompt: float = 0.0) -> list[tuple[str, int]]:
+    """``"5%,10%,2000,3p"`` as (label, blocks): percentages of the unique
+    blocks, counts, or (with ``prompt``, the busy sessions' average prompt
+    in blocks) a number of prompts."""
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         try:
-            blocks = round(unique * float(part[:-1]) / 100) if part.endswith("%") else int(part)
+            if part.endswith("p"):
+                if prompt <= 0:
+                    raise ConfigError(f"capacity {part!r}: prompts are agent sessions' unit")
+                blocks = round(float(part[:-1]) * prompt)
+            else:
+                blocks = round(unique * float(part[:-1]) / 100) if part.endswith("%") else int(part)
         except ValueError:
             raise ConfigError(
                 f"capacity {part!r}: expected a percentage or a block count"
@@ -794,6 +801,9 @@ def table(results: Sequence[Result], ceiling: Result | None = None) -> str:
 
     lines = [f"{'policy':10}" + "".join(f"{c:>10}" for c in capacities)]
     lines += rows(lambda r: f"{r.ratio:.3f}")
+    if any(r.returning for r in results):
+        lines.append("returning turns (a request whose first block an earlier one had)")
+        lines += rows(lambda r: f"{r.returning_ratio:.3f}" if r.returning_ratio is not None else "")
     if ceiling is None:
         return "\n".join(lines)
     lines.append(f"{'infinite':10}" + f"{ceiling.ratio:>10.3f}" * len(capacities))

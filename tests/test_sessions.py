@@ -104,3 +104,152 @@ def test_kvtier_replay_reads_sessions(tmp_path: Path) -> None:
     report = json.loads(out.stdout)
     rows = report["results"]
     assert rows and 0 < rows[0]["prefix_hit_ratio"] < 1, report
+
+
+def agent(seed: int, turns: int = 12) -> dict[str, object]:
+    """A session of tool loops and ends of turn: a prompt that grows turn by
+    turn, short pauses after a tool call, long ones after the end of a turn."""
+    import random
+
+    rng = random.Random(seed)
+    t, size, requests = 0.0, 4, []
+    for n in range(turns):
+        stop = "end_turn" if n % 4 == 3 else "tool_use"
+        requests.append({"t": t, "hash_ids": list(range(size)), "stop": stop})
+        size += rng.randint(1, 3)
+        t += rng.uniform(5, 20) if stop == "tool_use" else rng.uniform(200, 900)
+    return {"block_size": 64, "hash_id_scope": "local", "requests": requests}
+
+
+def agents_folder(where: Path, n: int = 12) -> Path:
+    where.mkdir()
+    for i in range(n):
+        (where / f"trace_{i:04d}.json").write_text(json.dumps(agent(i)))
+    return where
+
+
+def test_the_hints_an_engine_would_send(tmp_path: Path) -> None:
+    turns = agentic.load(agents_folder(tmp_path / "a", 3), concurrency=2, seed=1)
+    hints = agentic.retention_hints(turns)
+    for turn, lease in zip(turns, hints, strict=True):
+        assert lease.session == b"s%d" % turn.session
+        tool = turn.stop == "tool_use"
+        assert lease.priority == (
+            agentic.TOOL_CALL_PRIORITY if tool else agentic.END_OF_TURN_PRIORITY
+        )
+        if turn.pause is None:  # a session's last request: its stop's default
+            assert lease.ttl == agentic.LAST_TTL[turn.stop]
+        else:  # the pause, rounded up to a step a harness picks from
+            assert lease.ttl >= min(turn.pause, agentic.TTL_STEPS[-1])
+            assert lease.ttl in agentic.TTL_STEPS
+    assert sum(h.ttl == 60.0 for h in hints) and sum(h.ttl == 3600.0 for h in hints)
+
+
+def test_the_busy_prompt_is_the_mean_prompt_of_the_sessions_busy_at_each_arrival() -> None:
+    def turn(at: float, session: int, size: int) -> agentic.Turn:
+        return agentic.Turn(at, session, list(range(size)), "tool_use", None)
+
+    turns = [turn(0, 0, 10), turn(10, 1, 30), turn(400, 0, 20)]
+    # at 0: {10}; at 10: {10, 30}; at 400: session 1 is idle past 300 s: {20}
+    assert agentic.busy_prompt(turns) == pytest.approx((10 + 20 + 20) / 3)
+
+
+def _brute_optimum(chains: list[list[int]], capacity: int) -> int:
+    """Belady's MIN by its definition, in O(N * C) per request: the block
+    used again furthest ahead goes, the deepest in that request first (never
+    used again: not kept)."""
+    hits, cache, never = 0, set(), len(chains)
+    for r, chain in enumerate(chains):
+        for b in chain:
+            if b not in cache:
+                break
+            hits += 1
+        cache.update(chain)
+        ahead = {b: next((q for q in range(r + 1, never) if b in chains[q]), never) for b in cache}
+        cache = {b for b in cache if ahead[b] < never}
+        while len(cache) > capacity:
+            cache.remove(max(cache, key=lambda b: (ahead[b], chains[ahead[b]].index(b))))
+    return hits
+
+
+def test_belady_is_the_optimum_and_no_policy_beats_it() -> None:
+    import random
+
+    from kvtier import replay as rp
+
+    for seed in range(8):
+        rng = random.Random(seed)
+        fresh = iter(range(10**9))
+        chains: list[list[int]] = []
+        for _ in range(60):  # a chain: an earlier one's prefix, extended by new blocks
+            base = rng.choice(chains) if chains and rng.random() < 0.8 else []
+            cut = rng.randint(0, len(base))
+            chains.append(base[:cut] + [next(fresh) for _ in range(rng.randint(1, 4))])
+        for capacity in (3, 8, 20):
+            best = rp.belady(chains, ("c", capacity))
+            assert best.hits == _brute_optimum(chains, capacity), (seed, capacity)
+            for policy in ("lru", "harc"):
+                assert rp.replay(chains, policy, ("c", capacity)).hits <= best.hits
+            assert rp.plain_lru(chains, ("c", capacity)).hits <= best.hits
+
+
+def test_leases_keep_the_sessions_that_come_back_soon(tmp_path: Path) -> None:
+    """With the hints, the default policy gets more of the returning turns'
+    prefixes than without, and than LRU as a chain-blind cache keeps them,
+    and never more than the optimum."""
+    from kvtier import replay as rp
+
+    turns = agentic.load(agents_folder(tmp_path / "a", 24), concurrency=8, seed=3)
+    chains, times = [t.chain for t in turns], [t.at for t in turns]
+    capacity = ("2p", round(2 * agentic.busy_prompt(turns)))
+    plain = rp.plain_lru(chains, capacity)
+    bare = rp.replay(chains, "harc", capacity)
+    hinted = rp.replay(
+        chains, "harc", capacity, retentions=agentic.retention_hints(turns), times=times
+    )
+    best = rp.belady(chains, capacity)
+    assert plain.hits <= bare.hits < hinted.hits <= best.hits
+
+
+def test_kvtier_replay_with_hints_prompts_and_the_optimum(tmp_path: Path) -> None:
+    folder = agents_folder(tmp_path / "a", 6)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "replay",
+            str(folder),
+            "--capacity",
+            "1p,3p",
+            "--policy",
+            "harc",
+            "--hints",
+            "--optimum",
+            "--concurrency",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {(r["policy"], r["capacity"]): r for r in json.loads(out.stdout)["results"]}
+    assert set(rows) == {
+        (p, c) for p in ("harc+hints", "plain-lru", "belady") for c in ("1p", "3p")
+    }
+    for c in ("1p", "3p"):
+        assert (
+            rows[("harc+hints", c)]["prefix_hit_ratio"] <= rows[("belady", c)]["prefix_hit_ratio"]
+        )
+        assert "returning_prefix_hit_ratio" in rows[("harc+hints", c)]
+    lines = tmp_path / "trace.jsonl"
+    lines.write_text('{"hash_ids": [1, 2, 3]}\n')
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvtier", "replay", str(lines), "--capacity", "2p"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "prompts are agent sessions' unit" in bad.stderr
