@@ -21,7 +21,7 @@ from kvtier.client import Client
 from kvtier.config import Config, load_config, render_toml
 from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.model import LookupMode, State
+from kvtier.model import LookupMode, Retention, State
 from kvtier.tiers.policy import POLICIES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISS = 0, 1, 2, 3
@@ -338,12 +338,20 @@ def _replay_tenants(args: argparse.Namespace, chains: list[list[int]], unique: i
     return EXIT_OK
 
 
-def _replay_ttft(args: argparse.Namespace, chains: list[list[int]], unique: int) -> int:
+def _replay_ttft(
+    args: argparse.Namespace,
+    chains: list[list[int]],
+    unique: int,
+    prompt: float,
+    retentions: list[Retention] | None,
+    times: list[float] | None,
+) -> int:
     """``kvtier replay --tier-cost``: modelled time to first token, with
-    yes/no answers and with budgeted ones."""
+    yes/no answers and with budgeted ones (agent sessions' leases with
+    ``--hints``)."""
     from kvtier import replay as rp
 
-    if args.nodes or args.socket or args.noisy or args.hints:
+    if args.nodes or args.socket or args.noisy or (args.hints and retentions is None):
         raise ConfigError("--tier-cost models one offline cache")
     if args.recompute_tokens_per_second <= 0 or args.block_tokens <= 0:
         raise ConfigError("--tier-cost needs --recompute-tokens-per-second and --block-tokens > 0")
@@ -352,6 +360,9 @@ def _replay_ttft(args: argparse.Namespace, chains: list[list[int]], unique: int)
     policies = args.policy or ["harc"]
     if "all" in policies:
         policies = list(rp.POLICIES)
+    lower = None
+    if args.lower_capacity:
+        ((_, lower),) = rp.parse_capacities(args.lower_capacity, unique, prompt)
     results = [
         rp.replay_ttft(
             chains,
@@ -360,9 +371,12 @@ def _replay_ttft(args: argparse.Namespace, chains: list[list[int]], unique: int)
             costs,
             block_bytes=args.block_bytes,
             recompute_seconds_per_block=per_block,
+            retentions=retentions,
+            times=times,
+            lower_blocks=lower,
         )
         for policy in dict.fromkeys(policies)
-        for capacity in rp.parse_capacities(args.capacity, unique)
+        for capacity in rp.parse_capacities(args.capacity, unique, prompt)
     ]
     if args.json:
         print(json.dumps({"trace": args.trace, "results": [r.as_dict() for r in results]}))
@@ -402,7 +416,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise ConfigError("--hints replays one cache; fleets replay without hints")
         return _replay_fleet(args, chains, unique)
     if args.tier_cost:
-        return _replay_ttft(args, chains, unique)
+        return _replay_ttft(args, chains, unique, prompt, retentions, times)
     if args.socket and retentions is not None:
         raise ConfigError("--hints with agent sessions replays offline: drop --socket")
     tails = rp.tail_hints(Path(args.trace)) if args.hints and retentions is None else None
@@ -641,6 +655,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model time to first token: RAM and the tier below it (holding every block "
         "written), each NAME=LATENCY/RATE, e.g. ram=20us/5GB,s3=30ms/200MB; with "
         "--recompute-tokens-per-second: yes/no answers against budgeted ones",
+    )
+    p.add_argument(
+        "--lower-capacity",
+        metavar="CAPACITY",
+        help="with --tier-cost: the tier below RAM holds this much (as --capacity), written "
+        "through, instead of every block",
     )
     p.add_argument(
         "--recompute-tokens-per-second",

@@ -36,7 +36,7 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +355,11 @@ class TTFTResult:
     #: blocks loaded, and blocks the budget sent to be recomputed instead
     loaded: int
     cut: int
+    #: blocks found (yes/no answers) in RAM, and in the tier below it
+    from_ram: int = 0
+    from_lower: int = 0
+    #: the returning turns' times (a request whose first block an earlier one had)
+    returning: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -363,8 +368,11 @@ class TTFTResult:
             "requests": len(self.plain),
             "ttft_plain": _quantiles(self.plain),
             "ttft_budgeted": _quantiles(self.budgeted),
+            "ttft_returning_turns": _quantiles(self.returning),
             "blocks_loaded": self.loaded,
             "blocks_cut": self.cut,
+            "blocks_from_ram": self.from_ram,
+            "blocks_from_lower_tier": self.from_lower,
         }
 
 
@@ -387,62 +395,112 @@ def replay_ttft(
     *,
     block_bytes: int,
     recompute_seconds_per_block: float,
+    retentions: Sequence[Retention | None] | None = None,
+    times: Sequence[float] | None = None,
+    lower_blocks: int | None = None,
 ) -> TTFTResult:
     """Each request's time to first token, modelled: its leading run of
     blocks found anywhere is loaded (RAM's from RAM, under ``policy`` at
-    ``capacity`` blocks; a block seen before and not in RAM from the tier
-    below it, the second of ``costs``, which holds every block ever
-    written), the rest recomputed at ``recompute_seconds_per_block``. With
+    ``capacity`` blocks, served as :func:`replay` serves it, leases
+    included; a block not in RAM from the tier below it, the second of
+    ``costs``, which holds every block written, or, with ``lower_blocks``,
+    that many under ``policy``, written through and kept the longer for a
+    lease), the rest recomputed at ``recompute_seconds_per_block``. With
     budgeted answers, the loaded prefix is the one
     :func:`~kvtier.core.costs.budget_cut` keeps. Costs are
     :func:`~kvtier.core.costs.load_seconds`' model."""
     label, blocks = capacity
-    lower = next(name for name in costs.sources if name != "ram")
+    lower_name = next(name for name in costs.sources if name != "ram")
     ram = RamTier(blocks * 4096, make_policy(policy))
+    below = RamTier(lower_blocks * 4096, make_policy(policy)) if lower_blocks else None
     value = memoryview(bytes(4096))
     seen: set[int] = set()
+    heads: set[int] = set()
     plain: list[float] = []
     budgeted: list[float] = []
-    loaded = cut_blocks = 0
-    for chain in chains:
+    returning: list[float] = []
+    loaded = cut_blocks = from_ram = from_lower = 0
+    for n, chain in enumerate(chains):
         keys = [key_of(i) for i in chain]
+        lease = retentions[n] if retentions is not None else None
+        now = times[n] if times is not None else float(n)
+        for tier in (ram, below):
+            if tier is not None and tier.retention:
+                tier.expire_leases(now)
         sources: list[str | None] = []
         for block, key in zip(chain, keys, strict=True):
             if ram.contains(key):
                 sources.append("ram")
-            elif block in seen:
-                sources.append(lower)
+            elif below.contains(key) if below is not None else block in seen:
+                sources.append(lower_name)
             else:
                 break
-        n, found = len(chain), len(sources)
+        n_keys, found = len(chain), len(sources)
         sizes = [block_bytes] * found
         loads = [0.0, *load_seconds(sources, sizes, costs)]  # loads[p]: the first p blocks
         keep = budget_cut(sources, sizes, costs, found * recompute_seconds_per_block)
-        plain.append(loads[found] + (n - found) * recompute_seconds_per_block)
-        budgeted.append(loads[keep] + (n - keep) * recompute_seconds_per_block)
+        plain.append(loads[found] + (n_keys - found) * recompute_seconds_per_block)
+        budgeted.append(loads[keep] + (n_keys - keep) * recompute_seconds_per_block)
+        if chain and chain[0] in heads:
+            returning.append(plain[-1])
+        elif chain:
+            heads.add(chain[0])
         loaded += found
         cut_blocks += found - keep
-        for key in keys:
-            if ram.contains(key):
-                ram.get(key)
-            else:
-                ram.put(key, value)
+        ram_found = sum(1 for s in sources if s == "ram")
+        from_ram += ram_found
+        from_lower += found - ram_found
+        _serve(ram, keys, value)
+        if below is not None:  # (written through)
+            _serve(below, keys, value)
+        if lease is not None:
+            for tier in (ram, below):
+                if tier is not None:
+                    tier.retain(keys, lease, now)
         seen.update(chain)
-    return TTFTResult(policy, label, plain, budgeted, loaded, cut_blocks)
+    return TTFTResult(
+        policy + ("+hints" if retentions is not None else ""),
+        label,
+        plain,
+        budgeted,
+        loaded,
+        cut_blocks,
+        from_ram,
+        from_lower,
+        returning,
+    )
+
+
+def _serve(tier: RamTier, keys: list[bytes], value: memoryview) -> None:
+    """A request as the daemon serves it: the lookup's leading hits touched,
+    then a PUT of the rest (one eviction pass, tail first)."""
+    lead = 0
+    for key in keys:
+        if not tier.contains(key):
+            break
+        lead += 1
+    tier.touch_later(keys, lead)
+    rest = keys[lead:]
+    if len(rest) > 1:
+        tier.make_room(rest, [value] * len(rest))
+    for key in reversed(rest):
+        tier.put(key, value)
 
 
 def ttft_table(results: Sequence[TTFTResult]) -> str:
     lines = [
-        f"{'policy':8}{'capacity':>10}{'':>4}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
-        f"{'  blocks loaded / cut':>22}"
+        f"{'policy':12}{'capacity':>10}{'':>4}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
+        f"{'  blocks loaded / cut':>22}{'ram / below':>16}{'returning p50':>15}"
     ]
     for r in results:
         for how, values, cut in (("yes/no", r.plain, 0), ("budget", r.budgeted, r.cut)):
             q = _quantiles(values)
             extra = f"{r.loaded - cut:>12} / {cut}"
+            where = f"{r.from_ram:>8} / {r.from_lower}" if how == "yes/no" else ""
+            back = f"{_quantiles(r.returning)['p50'] * 1e3:>12.1f} ms" if how == "yes/no" else ""
             lines.append(
-                f"{r.policy:8}{r.capacity:>10} {how:>6}{q['mean'] * 1e3:>10.1f}"
-                f"{q['p50'] * 1e3:>10.1f}{q['p99'] * 1e3:>10.1f}  {extra}"
+                f"{r.policy:12}{r.capacity:>10} {how:>6}{q['mean'] * 1e3:>10.1f}"
+                f"{q['p50'] * 1e3:>10.1f}{q['p99'] * 1e3:>10.1f}  {extra:>20}{where:>16}{back:>15}"
             )
     return "\n".join(lines)
 

@@ -253,3 +253,35 @@ def test_kvtier_replay_with_hints_prompts_and_the_optimum(tmp_path: Path) -> Non
         timeout=120,
     )
     assert bad.returncode != 0 and "prompts are agent sessions' unit" in bad.stderr
+
+
+def test_with_a_disk_below_returning_turns_load_from_it_and_start_sooner(tmp_path: Path) -> None:
+    """The replay's modelled time to first token: with a tier below a small
+    RAM, the returning turns' blocks load from it rather than being
+    recomputed, and they start sooner than with RAM alone."""
+    from kvtier import replay as rp
+
+    turns = agentic.load(agents_folder(tmp_path / "a", 24), concurrency=8, seed=3)
+    chains, times = [t.chain for t in turns], [t.at for t in turns]
+    hints = agentic.retention_hints(turns)
+    prompt = agentic.busy_prompt(turns)
+    costs = rp.parse_tier_costs("ram=20us/5GB,disk=150us/1.5GB")
+    ram = ("1p", round(prompt))
+
+    def ttft(lower: int) -> rp.TTFTResult:
+        return rp.replay_ttft(
+            chains,
+            "harc",
+            ram,
+            costs,
+            block_bytes=1 << 20,
+            recompute_seconds_per_block=0.05,
+            retentions=hints,
+            times=times,
+            lower_blocks=lower,
+        )
+
+    tiny, disk = ttft(1), ttft(round(20 * prompt))
+    assert disk.from_lower > 0 and tiny.from_lower <= disk.from_lower
+    assert sum(disk.returning) < sum(tiny.returning)
+    assert disk.as_dict()["blocks_from_lower_tier"] == disk.from_lower
