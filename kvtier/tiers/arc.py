@@ -418,7 +418,10 @@ class HistoryARCPolicy(ARCPolicy):
             # only while it beats LRU by more than chance would (MARGIN
             # standard deviations of the difference of two counts).
             best = max(with_.hits, without.hits)
-            if best - lru.hits <= MARGIN * math.sqrt(best + lru.hits):
+            lead = best - lru.hits
+            if self.mode is Mode.LRU and lead <= MARGIN * math.sqrt(best + lru.hits):
+                pass  # LRU keeps ties and near-ties
+            elif lead <= 0:  # a candidate orders until LRU's shadow is level again
                 self.mode = Mode.LRU
             else:
                 self.mode = Mode.HISTORY if with_.hits >= without.hits else Mode.ARC
