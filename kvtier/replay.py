@@ -490,7 +490,7 @@ def _serve(tier: RamTier, keys: list[bytes], value: memoryview) -> None:
 def ttft_table(results: Sequence[TTFTResult]) -> str:
     lines = [
         f"{'policy':12}{'capacity':>10}{'':>4}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
-        f"{'  blocks loaded / cut':>22}{'ram / below':>16}{'returning p50':>15}"
+        f"{'  blocks loaded / cut':>22}  {'ram / below':>16}  {'returning p50':>15}"
     ]
     for r in results:
         for how, values, cut in (("yes/no", r.plain, 0), ("budget", r.budgeted, r.cut)):
@@ -500,7 +500,8 @@ def ttft_table(results: Sequence[TTFTResult]) -> str:
             back = f"{_quantiles(r.returning)['p50'] * 1e3:>12.1f} ms" if how == "yes/no" else ""
             lines.append(
                 f"{r.policy:12}{r.capacity:>10} {how:>6}{q['mean'] * 1e3:>10.1f}"
-                f"{q['p50'] * 1e3:>10.1f}{q['p99'] * 1e3:>10.1f}  {extra:>20}{where:>16}{back:>15}"
+                f"{q['p50'] * 1e3:>10.1f}{q['p99'] * 1e3:>10.1f}  {extra:>20}"
+                f"  {where:>16}  {back:>15}"
             )
     return "\n".join(lines)
 
