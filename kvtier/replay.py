@@ -38,17 +38,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.core.costs import Costs, Estimate, budget_cut, load_seconds
 from kvtier.errors import ConfigError
-from kvtier.model import NAMESPACE_ESCAPE, NAMESPACE_MARK, Retention, namespace_prefix
+from kvtier.model import NAMESPACE_ESCAPE, NAMESPACE_MARK, Buffer, Retention, namespace_prefix
 from kvtier.tiers.policy import POLICIES, EvictionPolicy, make_policy
 from kvtier.tiers.ram import RamTier
 from kvtier.tiers.rendezvous import owner
 from kvtier.tiers.shares import Quota, Shares
 
 Chain = list[int]
+T = TypeVar("T")
 
 
 @dataclass(slots=True, frozen=True)
@@ -173,6 +174,27 @@ def key_of(block_id: int) -> bytes:
 Progress = Callable[[int, int], None]
 
 
+def leading_run(chain: Sequence[T], held: Callable[[T], bool]) -> int:
+    """How many of ``chain``'s first blocks ``held`` holds, up to the first it does not."""
+    run = 0
+    for block in chain:
+        if not held(block):
+            break
+        run += 1
+    return run
+
+
+def _store_rest(tier: RamTier, keys: list[bytes], run: int, value: Buffer, cold: int = -1) -> None:
+    """A PUT of ``keys[run:]`` as the daemon serves one: one eviction pass for
+    the batch, then the blocks admitted tail first (``cold``: the index of a
+    block put with the TAIL hint, or -1)."""
+    if len(keys) - run > 1:
+        rest = keys[run:]
+        tier.make_room(rest, [value] * len(rest))
+    for i in range(len(keys) - 1, run - 1, -1):
+        tier.put(keys[i], value, cold=i == cold)
+
+
 def replay(
     chains: Sequence[Chain],
     policy: str,
@@ -195,7 +217,7 @@ def replay(
     label, blocks = capacity
     ram = RamTier(blocks * block_size, make_policy(policy), retained_share=retained_share)
     value = memoryview(bytes(block_size))  # every block shares one buffer
-    contains, put, touch_later = ram.contains, ram.put, ram.touch_later
+    contains, touch_later = ram.contains, ram.touch_later
     book = ram.retention
     heads: set[int] = set()
     leases: dict[bytes, Retention] = {}  # each session's latest
@@ -207,11 +229,7 @@ def replay(
         now = times[n] if times is not None else float(n)
         if book:
             ram.expire_leases(now)
-        run = 0
-        for key in keys:
-            if not contains(key):
-                break
-            run += 1
+        run = leading_run(keys, contains)
         hits += run
         requested += len(keys)
         if chain and chain[0] in heads:  # a returning turn
@@ -224,12 +242,7 @@ def replay(
             said = leases.get(lease.session)
             if said is not None:
                 ram.retain(keys[:run], said, now)
-        last = len(keys) - 1 if tails is not None and tails[n] else -1
-        if len(keys) - run > 1:  # one eviction pass for the batch, as the daemon's
-            rest = keys[run:]
-            ram.make_room(rest, [value] * len(rest))
-        for i in range(len(keys) - 1, run - 1, -1):
-            put(keys[i], value, cold=i == last)
+        _store_rest(ram, keys, run, value, len(keys) - 1 if tails is not None and tails[n] else -1)
         if lease is not None:  # the store says how long, and how much it matters
             ram.retain(keys, lease, now)
             leases[lease.session] = lease
@@ -248,12 +261,7 @@ def plain_lru(chains: Sequence[Chain], capacity: tuple[str, int]) -> Result:
     order: OrderedDict[int, None] = OrderedDict()
     hits = requested = 0
     for chain in chains:
-        run = 0
-        for b in chain:
-            if b not in order:
-                break
-            run += 1
-        hits += run
+        hits += leading_run(chain, order.__contains__)
         requested += len(chain)
         for b in chain:
             if b in order:
@@ -286,12 +294,7 @@ def belady(chains: Sequence[Chain], capacity: tuple[str, int]) -> Result:
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block); stale ones skipped
     hits = requested = 0
     for r, chain in enumerate(chains):
-        run = 0
-        for b in chain:
-            if b not in cache:
-                break
-            run += 1
-        hits += run
+        hits += leading_run(chain, cache.__contains__)
         requested += len(chain)
         uses = future[r]
         future[r] = None
@@ -474,17 +477,9 @@ def replay_ttft(
 def _serve(tier: RamTier, keys: list[bytes], value: memoryview) -> None:
     """A request as the daemon serves it: the lookup's leading hits touched,
     then a PUT of the rest (one eviction pass, tail first)."""
-    lead = 0
-    for key in keys:
-        if not tier.contains(key):
-            break
-        lead += 1
+    lead = leading_run(keys, tier.contains)
     tier.touch_later(keys, lead)
-    rest = keys[lead:]
-    if len(rest) > 1:
-        tier.make_room(rest, [value] * len(rest))
-    for key in reversed(rest):
-        tier.put(key, value)
+    _store_rest(tier, keys, lead, value)
 
 
 def ttft_table(results: Sequence[TTFTResult]) -> str:
@@ -566,11 +561,7 @@ def replay_tenants(
     def request(ns: bytes, chain: Chain, offset: int = 0) -> None:
         prefix = namespace_prefix(ns)
         keys = [prefix + key_of(i + offset) for i in chain]
-        run = 0
-        for key in keys:
-            if not ram.contains(key):
-                break
-            run += 1
+        run = leading_run(keys, ram.contains)
         counts[ns][0] += run
         counts[ns][1] += len(keys)
         for key in keys:
@@ -667,12 +658,7 @@ def _kv_aware(tiers: Sequence[RamTier], keys: Sequence[bytes], loads: list[int])
     for i, tier in enumerate(tiers):
         if loads[i] + 1 > cap:
             continue
-        run = 0
-        for key in keys:
-            if not tier.contains(key):
-                break
-            run += 1
-        rank = (run, -loads[i])
+        rank = (leading_run(keys, tier.contains), -loads[i])
         if rank > best_key:
             best, best_key = i, rank
     if best_key[0] < 0:  # every node at the cap: the least loaded
@@ -813,12 +799,7 @@ def infinite(chains: Sequence[Chain]) -> Result:
     seen: set[int] = set()
     hits = requested = 0
     for chain in chains:
-        run = 0
-        for block in chain:
-            if block not in seen:
-                break
-            run += 1
-        hits += run
+        hits += leading_run(chain, seen.__contains__)
         requested += len(chain)
         seen.update(chain)
     return Result("infinite", "all", len(seen), hits, requested)

@@ -75,8 +75,7 @@ def test_a_lease_ends_at_its_time_and_its_blocks_go_first() -> None:
     put(ram, [k(10)])
     book = ram.retention
     assert book.expire(9.999) == 0 and len(book) == 4
-    assert book.next_end() == 10.0
-    assert book.expire(10.0) == 4 and len(book) == 0 and book.next_end() is None
+    assert book.expire(10.0) == 4 and len(book) == 0 and book.sessions() == 0
     assert book.counts.expired == 4
     # ordinary again, at the cold end: before the newer block, oldest (tail) first
     assert list(ram.budget._policy.candidates())[:4] == chain[::-1]

@@ -30,6 +30,16 @@ def session(turns: int, gap: float) -> dict[str, object]:
     return {"block_size": 64, "hash_id_scope": "local", "requests": requests}
 
 
+def replay_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvtier replay`` with ``args``, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier", "replay", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def write_folder(where: Path, n: int) -> Path:
     where.mkdir()
     for i in range(n):
@@ -81,24 +91,15 @@ def test_bad_sessions_are_refused_clearly(tmp_path: Path) -> None:
 
 def test_kvtier_replay_reads_sessions(tmp_path: Path) -> None:
     folder = write_folder(tmp_path / "sessions", 4)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier",
-            "replay",
-            str(folder),
-            "--capacity",
-            "50%",
-            "--policy",
-            "lru",
-            "--concurrency",
-            "2",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    out = replay_cli(
+        str(folder),
+        "--capacity",
+        "50%",
+        "--policy",
+        "lru",
+        "--concurrency",
+        "2",
+        "--json",
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -213,26 +214,17 @@ def test_leases_keep_the_sessions_that_come_back_soon(tmp_path: Path) -> None:
 
 def test_kvtier_replay_with_hints_prompts_and_the_optimum(tmp_path: Path) -> None:
     folder = agents_folder(tmp_path / "a", 6)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier",
-            "replay",
-            str(folder),
-            "--capacity",
-            "1p,3p",
-            "--policy",
-            "harc",
-            "--hints",
-            "--optimum",
-            "--concurrency",
-            "4",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    out = replay_cli(
+        str(folder),
+        "--capacity",
+        "1p,3p",
+        "--policy",
+        "harc",
+        "--hints",
+        "--optimum",
+        "--concurrency",
+        "4",
+        "--json",
     )
     assert out.returncode == 0, out.stderr
     rows = {(r["policy"], r["capacity"]): r for r in json.loads(out.stdout)["results"]}
@@ -246,12 +238,7 @@ def test_kvtier_replay_with_hints_prompts_and_the_optimum(tmp_path: Path) -> Non
         assert "returning_prefix_hit_ratio" in rows[("harc+hints", c)]
     lines = tmp_path / "trace.jsonl"
     lines.write_text('{"hash_ids": [1, 2, 3]}\n')
-    bad = subprocess.run(
-        [sys.executable, "-m", "kvtier", "replay", str(lines), "--capacity", "2p"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = replay_cli(str(lines), "--capacity", "2p")
     assert bad.returncode != 0 and "prompts are agent sessions' unit" in bad.stderr
 
 

@@ -215,17 +215,6 @@ class RetentionBook:
         self.counts.expired += len(ended)
         return len(ended)
 
-    def next_end(self) -> float | None:
-        """When the next session's lease ends, or None."""
-        ends = self._ends
-        while ends:
-            at, slot = ends[0]
-            sess = self._sessions.get(slot)
-            if sess is not None and sess.ends == at:
-                return at
-            heapq.heappop(ends)
-        return None
-
     def release(self, session: bytes, namespace: bytes = b"") -> int:
         """End ``namespace``'s ``session``'s lease; returns how many blocks it held."""
         sess = self._sessions.pop((namespace, session), None)
