@@ -357,6 +357,10 @@ class CacheService(Protocol):
         """A retention lease on the resident ones of ``keys`` (a chain);
         ``lookup``: a lookup asked for them."""
 
+    def retain_arriving(self, keys: Sequence[bytes], retention: Retention) -> None:
+        """The lease of a lookup of ``keys`` on the ones loading into RAM, as
+        they land."""
+
     def release_retention(self, session: bytes, namespace: bytes) -> int:
         """End a session's leases; how many blocks they held."""
         ...

@@ -14,7 +14,8 @@ import pytest
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.errors import BadArgumentError, ForbiddenError, KvtierError
-from kvtier.model import Retention
+from kvtier.model import LookupMode, Retention
+from tests.ceph import CephS3
 from tests.helpers import running_daemon
 
 BLOCK = 200_000  # five fit in the 1 MiB of RAM below
@@ -179,3 +180,58 @@ async def test_the_peer_port_takes_no_lease(sock_dir: Path) -> None:
                 await c.retain([b"k"], SESSION)
             with pytest.raises(BadArgumentError, match="local clients"):  # (a lease on a PUT)
                 await c.put(b"k", b"v", retention=SESSION)
+
+
+async def test_a_returning_session_gets_its_blocks_back_in_ram_leased(sock_dir: Path) -> None:
+    # A keeps 3 blocks at a low priority; B's 4 at a higher one push 2 of
+    # A's to the disk (RAM holds 5). B is over; A comes back: its blocks
+    # are read back into RAM and leased there again, ahead of other traffic.
+    low = Retention(b"agent-a", ttl=600.0, priority=30)
+    high = Retention(b"agent-b", ttl=600.0, priority=70)
+    async with (
+        running_daemon(sock_dir, ram=ALL_LEASED, disk={"write_policy": "none"}) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        ram = d.parts.service.ram
+        mine, values = blocks("agent-a", 3)
+        await c.put_many(mine, values, retention=low)
+        theirs, others = blocks("agent-b", 4)
+        await c.put_many(theirs, others, retention=high)
+        await d.settle()
+        assert sum(ram.contains(k) for k in mine) == 1
+        assert await c.unretain(high.session) == 4
+        reply = await c.lookup_prefix(mine, retention=low)
+        assert reply.prefix_hits == 3
+        await d.settle()
+        assert all(ram.contains(k) for k in mine)
+        r = await retention(c)
+        assert (r["leased_blocks"], r["sessions"]) == (3, 1)
+        other, more = blocks("other", 6)  # fills RAM again
+        for key, value in zip(other, more, strict=True):
+            await c.put(key, value)
+        assert all(ram.contains(k) for k in mine)
+        assert [await c.get(k) for k in mine] == values
+
+
+async def test_a_returning_session_whose_blocks_are_only_in_s3_gets_them_leased_in_ram(
+    sock_dir: Path, s3: CephS3
+) -> None:
+    # another daemon of the fleet stored the session's blocks; this one
+    # finds them in the bucket, promotes them and leases them as they land
+    tier = [s3.tier_config(s3.new_bucket())]
+    mine, values = blocks("agent", 3)
+    async with (
+        running_daemon(sock_dir, disk=RAM_ONLY, remote_tier_configs=tier) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        await c.put_many(mine, values, durable=True)
+    async with (
+        running_daemon(sock_dir, ram=RAM, disk=RAM_ONLY, remote_tier_configs=tier) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        reply = await c.lookup(mine, mode=LookupMode.PREFIX, wait=10.0, retention=SESSION)
+        assert reply.prefix_hits == 3
+        assert [await c.get(k) for k in mine] == values
+        await d.settle()
+        r = await retention(c)
+        assert (r["leased_blocks"], r["sessions"]) == (3, 1)

@@ -208,6 +208,16 @@ class Loads:
 
         return self._start_promotion(slot.name, key, now, load, failed)
 
+    def arriving(self, key: bytes) -> asyncio.Future[Any] | None:
+        """What ends when ``key``'s load into RAM in flight ends, if one is:
+        a disk read, or a pending write (a promotion, a client's
+        reservation); it ends however the load did."""
+        done = self._disk_loads.get(key)
+        if done is not None:
+            return done
+        res = self.c.pending.table.get(key)
+        return None if res is None else res.done
+
     def load_from_disk(self, key: bytes) -> asyncio.Future[None]:
         """Read ``key`` from the disk into RAM, once for every reader: a GET
         that finds a read of the key in flight joins it. A disk hit reads HIT

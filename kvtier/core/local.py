@@ -108,6 +108,9 @@ class LocalView:
     def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
         raise BadArgumentError("retention leases are set by local clients, not peers")
 
+    def retain_arriving(self, keys: Sequence[bytes], retention: Retention) -> None:
+        raise BadArgumentError("retention leases are set by local clients, not peers")
+
     def release_retention(self, session: bytes, namespace: bytes) -> int:
         raise BadArgumentError("retention leases are set by local clients, not peers")
 

@@ -13,6 +13,7 @@ held are counted, which is the hit ratio leases are for.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +56,23 @@ class Retainer:
         """Lease the resident ones of ``keys`` to ``retention`` (or renew it)."""
         if keys:
             self.ram.retain(keys, retention, self.now())
+
+    def on_arrival(
+        self, loads: Sequence[tuple[bytes, asyncio.Future[Any]]], retention: Retention
+    ) -> None:
+        """Lease ``loads``' keys (a chain's, in order) to ``retention`` once
+        every one of their loads into RAM has ended: the ones that landed."""
+        keys = [k for k, _ in loads]
+        left = len(loads)
+
+        def ended(_: asyncio.Future[Any]) -> None:
+            nonlocal left
+            left -= 1
+            if not left:
+                self.retain(keys, retention)
+
+        for _, load in loads:
+            load.add_done_callback(ended)
 
     def release(self, session: bytes, namespace: bytes) -> int:
         """End ``namespace``'s ``session``'s leases; how many blocks it held."""

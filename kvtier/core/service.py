@@ -258,6 +258,16 @@ class Service:
         else:
             self.retainer.retain(keys, retention)
 
+    def retain_arriving(self, keys: Sequence[bytes], retention: Retention) -> None:
+        """``retention`` for the ones of ``keys`` (a chain a leased lookup
+        asked for) on their way into RAM (read from the disk, promoted from
+        a remote tier), as they land: a session that comes back has its
+        blocks back in RAM under its lease."""
+        ram, arriving = self.ram, self.loads.arriving
+        loads = [(k, f) for k in keys if not ram.contains(k) and (f := arriving(k)) is not None]
+        if loads:
+            self.retainer.on_arrival(loads, retention)
+
     def release_retention(self, session: bytes, namespace: bytes) -> int:
         return self.retainer.release(session, namespace)
 

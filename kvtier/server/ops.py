@@ -254,8 +254,21 @@ class Ops:
             self.service.retain(req.keys, retention, lookup=True)
         reply = self.service.lookup(req, conn.eof)
         if isinstance(reply, LookupReply):
+            if retention is not None:  # (the blocks the lookup is loading into RAM)
+                self.service.retain_arriving(req.keys, retention)
             return Reply(wire.encode_lookup_reply(reply))
+        if retention is not None:
+            return Later(reply, partial(self._leased_reply, req.keys, retention), True)
         return Later(reply, _lookup_reply, cancel_on_close=True)
+
+    def _leased_reply(
+        self, keys: Sequence[bytes], retention: Retention, reply: LookupReply
+    ) -> Reply:
+        """A leased lookup that waited is answered: the lease reaches what
+        landed meanwhile and what is landing now."""
+        self.service.retain(keys, retention)
+        self.service.retain_arriving(keys, retention)
+        return _lookup_reply(reply)
 
     def get(self, conn: Connection, frame: Frame) -> Reply | Later:
         keys = self._only_keys(conn, frame, "GET")
