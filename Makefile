@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: ceph-tools bench-s3 bench-agents soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
+.PHONY: bench-ttft ceph-tools bench-s3 bench-agents soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -165,6 +165,13 @@ test-e2e: $(E2E_STAMP)
 bench-e2e: $(E2E_STAMP)
 	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier HF_HUB_OFFLINE=1 $(E2E_VENV)/bin/python -m benchmarks.e2e \
 	  --markdown docs/bench-e2e.md
+
+# Where a returning prompt's time to first token goes, next to vLLM's own
+# prefix cache (benchmarks/ttft.py); BASELINE=/other/checkout adds a same-run
+# A/B of the engine-side code.
+bench-ttft: $(E2E_STAMP)
+	KVTIER_SERVE=$(CURDIR)/$(BIN)/kvtier HF_HUB_OFFLINE=1 $(E2E_VENV)/bin/python -m benchmarks.ttft \
+	  --report benchmarks/results/$(shell date +%F)-ttft.md $(if $(BASELINE),--baseline $(BASELINE))
 
 # Every engine integration's loads and stores against memcpy of the same
 # bytes: the rows go to docs/engines.json, and a report says which fell by

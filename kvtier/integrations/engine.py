@@ -449,13 +449,17 @@ class EngineTier:
         return self._count_answer(Answer.RETRY)
 
     def flush(self) -> None:
-        """Send each request's queued keys as one LOOKUP (call once per step)."""
+        """Send each request's queued keys as one LOOKUP (call once per step);
+        while lookups or jobs are in flight, let the I/O thread run."""
         self._drain_answers()
         for request_id, req in self._requests.items():
             if req.queued:
                 keys, req.queued = req.queued, []
                 lookup = self._lookup(request_id, req.tag, keys, req.retention)
                 self._calls.add(self._submit(lookup))
+        self._calls = {f for f in self._calls if not f.done()}
+        if self._calls or any(not f.done() for f in self._jobs):
+            time.sleep(0)
 
     def request_finished(self, request_id: str) -> None:
         """Forget the request here and its reader-side state in the daemon."""

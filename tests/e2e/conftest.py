@@ -66,7 +66,17 @@ class Answer:
 class Engine:
     """A vLLM engine process (tests/e2e/engine.py) running ``prompts``."""
 
-    def __init__(self, model: Path, socket: Path | None, prompts: list[list[int]], **spec: Any):
+    def __init__(
+        self,
+        model: Path,
+        socket: Path | None,
+        prompts: list[list[int]],
+        *,
+        root: Path = ROOT,
+        **spec: Any,
+    ):
+        """``root``: the checkout whose kvtier the engine imports (benchmarks'
+        A/B); ``spec``: the engine's (tests/e2e/engine.py)."""
         # (closed in finish, or with the object: the engine reads it first)
         self.spec = tempfile.NamedTemporaryFile("w", prefix="kvt-engine-", suffix=".json")  # noqa: SIM115
         json.dump(
@@ -77,7 +87,7 @@ class Engine:
         self.spec.flush()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.e2e.engine", self.spec.name],
-            cwd=ROOT,
+            cwd=root,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL if not os.environ.get("E2E_VERBOSE") else None,

@@ -10,18 +10,23 @@ vLLM's LMCacheConnectorV1 with kvtier's LMCache connector) and the prompts
 each prompt one line of JSON goes to stdout: the generated token ids and
 vLLM's ``num_cached_tokens`` (prompt tokens it did not compute) and the
 seconds ``generate`` took, after ``MARK``. ``kv_cache_bytes``,
-``cpu_tier_bytes`` and ``max_model_len`` size the engine. With
+``cpu_tier_bytes`` and ``max_model_len`` size the engine; ``tier_options``
+are kvtier's vLLM tier's own (docs/vllm.md). With
+``"timeline": true`` each line has the prompt's
+timeline too (tests/e2e/timeline.py). With
 ``"pause_after": [i, ...]`` it says ``{"paused": i}`` after prompt ``i``
 and waits for a line on stdin before going on.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import tempfile
 import time
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -96,6 +101,7 @@ def transfer_config(spec: dict[str, Any], workdir: str) -> Any:
                     "type": "KvtierTier",
                     "module_path": "kvtier.integrations.vllm",
                     "socket_path": spec["socket"],
+                    **spec.get("tier_options", {}),
                 }
             ],
         },
@@ -124,6 +130,10 @@ def main(spec: dict[str, Any]) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    timeline: ModuleType | None = None
+    if spec.get("timeline"):  # (benchmarks/ttft.py: where the time goes)
+        timeline = importlib.import_module("tests.e2e.timeline")
+        timeline.install()
     with tempfile.TemporaryDirectory(prefix="kvt-engine-") as workdir:
         llm = make_engine(spec, workdir)
     params = SamplingParams(
@@ -132,6 +142,8 @@ def main(spec: dict[str, Any]) -> None:
     #: per prompt (its index as a string), the request's kv_transfer_params
     transfer = spec.get("kv_transfer_params", {})
     for i, ids in enumerate(spec["prompts"]):
+        if timeline is not None:
+            timeline.take()
         started = time.perf_counter()
         asked = params
         if str(i) in transfer:
@@ -144,6 +156,8 @@ def main(spec: dict[str, Any]) -> None:
             "cached": out.num_cached_tokens or 0,
             "seconds": seconds,
         }
+        if timeline is not None:
+            line["timeline"] = timeline.summary(timeline.take(), started)
         say(line)
         if i in spec.get("pause_after", ()):
             say({"paused": i})

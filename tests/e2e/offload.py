@@ -5,7 +5,8 @@ On a CPU, vLLM refuses its CPU offload (``CPU Offloading is currently only
 supported on CUDA-alike and XPU GPUs``) and its copy worker needs CUDA
 streams, events and ``swap_blocks_batch``. Both caches are host memory
 here, so :class:`CopyWorker` copies a block's bytes between vLLM's KV cache
-and the primary tier's shared region with ``index_copy_``. Everything else
+and the primary tier's shared region with one memory copy per run of
+consecutive blocks (``copy_``), as the GPU's copy engine would. Everything else
 (the scheduler, the OffloadingConnector, the tiering manager, its primary
 tier, kvtier's secondary tier) is vLLM's and kvtier's own code.
 """
@@ -19,6 +20,18 @@ import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+
+def _runs(from_ids: Sequence[int], to_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The copies as (from, to, count) runs of consecutive blocks on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(from_ids, to_ids, strict=True):
+        s, d = int(s), int(d)
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 class CopyWorker(OffloadingWorker):
@@ -39,12 +52,12 @@ class CopyWorker(OffloadingWorker):
         from_ids: Sequence[int],
         to_ids: Sequence[int],
     ) -> bool:
-        s = torch.as_tensor(from_ids, dtype=torch.long)
-        d = torch.as_tensor(to_ids, dtype=torch.long)
+        runs = _runs(from_ids, to_ids)
         nbytes = 0
         for a, b in zip(src, dst, strict=True):
-            b.index_copy_(0, d, a.index_select(0, s))
-            nbytes += a.shape[1] * len(s)
+            for s, d, n in runs:  # (one memory copy per run, as a DMA engine moves it)
+                b[d : d + n].copy_(a[s : s + n])
+            nbytes += a.shape[1] * len(from_ids)
         self.finished.append(TransferResult(job_id, True, nbytes, 0.0))
         return True
 
