@@ -31,6 +31,16 @@ def known() -> Costs:
     )
 
 
+def test_a_load_that_shared_its_source_teaches_the_sources_whole_rate() -> None:
+    """Four loads of 1 MiB in flight together, each taking 100 ms: the
+    source moved 4 MiB in that time, not 1."""
+    alone, shared = Costs(), Costs()
+    for _ in range(40):
+        alone.observe("s3", 0.1, MiB, sharing=1)
+        shared.observe("s3", 0.1, MiB, sharing=4)
+    assert shared.of("s3").throughput == pytest.approx(4 * alone.of("s3").throughput, rel=0.05)
+
+
 @pytest.mark.parametrize(
     ("sources", "budget", "cut"),
     [
@@ -222,6 +232,10 @@ async def test_a_budget_starts_no_s3_work_for_what_it_cuts(s3: ProxiedS3, remote
             reply = await c.lookup(keys, mode=LookupMode.PREFIX, budget=16 * 0.5e-3)
             assert reply.states == [State.MISS] * 16
             assert (await c.stats())["lookup_budget_cut"] == {"s3": 7 * 16}
+            # the keys' own loads in flight are not queued ahead of them: a
+            # budget that pays for loading them once (not twice) keeps them all
+            reply = await c.lookup(keys, mode=LookupMode.PREFIX, budget=16 * 16e-3)
+            assert State.MISS not in reply.states
             # a budget S3 fits keeps them all
             reply = await c.lookup(keys, mode=LookupMode.PREFIX, budget=16 * 1.0)
             assert State.MISS not in reply.states

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import FIRST_COMPLETED
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from kvtier.core.checks import check_lookup
@@ -151,7 +151,7 @@ class Answers:
                         on_disk.append(i)
             settles: list[asyncio.Future[Any] | None] = []
             if req.budget > 0:
-                self._cut(req, states, self._sources_local(keys, states, on_disk))
+                self._cut(req, states, *self._sources_local(keys, states, on_disk))
         else:
             locate = reach.locator.locate
             locations = [locate(key, now, seen) for key in keys]
@@ -166,7 +166,7 @@ class Answers:
             for slot, n in zip(slots, plan.cached, strict=True):
                 slot.cached.value += n
             if req.budget > 0:  # (before the work starts: what it cut is not loaded)
-                self._cut(req, states, self._sources(keys, locations, states, slots), plan)
+                self._cut(req, states, *self._sources(keys, locations, states, slots), plan)
             if plan.joins or plan.probe or plan.promote:
                 self._start(plan, keys, slots, now, seen)
         hits, defer, bound_at = self._after_look(req, states, on_disk, now)
@@ -221,20 +221,22 @@ class Answers:
 
     def _sources_local(
         self, keys: Sequence[bytes], states: bytearray, on_disk: list[int]
-    ) -> list[tuple[str, int] | None]:
+    ) -> tuple[list[tuple[str, int] | None], dict[str, int]]:
         """Where each HIT of a lookup that only local tiers answer loads
-        from, and its bytes."""
+        from, and its bytes; and how many of them load already, per source."""
         ram, disk = self.c.ram, self.c.disk
         from_disk = set(on_disk)
         out: list[tuple[str, int] | None] = []
+        loading = 0
         for i, (key, state) in enumerate(zip(keys, states, strict=True)):
             if state != HIT:
                 out.append(None)
             elif disk is not None and i in from_disk:
                 out.append((disk.name, disk.budget.size_of(key)))
+                loading += self.loads.arriving(key) is not None
             else:
                 out.append((ram.name, ram.budget.size_of(key)))
-        return out
+        return out, ({disk.name: loading} if disk is not None and loading else {})
 
     def _sources(
         self,
@@ -242,16 +244,18 @@ class Answers:
         locations: Sequence[Location],
         states: bytearray,
         slots: Sequence[RemoteSlot],
-    ) -> list[tuple[str, int] | None]:
+    ) -> tuple[list[tuple[str, int] | None], dict[str, int]]:
         """Where the bytes of each key that may load (HIT, PENDING, RETRY)
         come from, and how many where known: RAM and the disk their own; a
         remote hit its tier's (of that tier's mean size); a pending write
         RAM's when a client writes it, its source tier's when it is a
         promotion; a key still unknown the first tier that would be probed
         for it (or the disk, while its index is rebuilt). A key past the cut
-        then starts none of that work, and is counted by that tier."""
+        then starts none of that work, and is counted by that tier. And how
+        many of the keys load already (promotions), per source."""
         ram, disk = self.c.ram, self.c.disk
         out: list[tuple[str, int] | None] = []
+        loading: dict[str, int] = {}
         for key, loc, state in zip(keys, locations, states, strict=True):
             where = loc.where
             if state == MISS:
@@ -266,6 +270,8 @@ class Answers:
                 owner = loc.reservation.owner
                 source = owner.source if isinstance(owner, Promotion) else ram.name
                 out.append((source, loc.reservation.size))
+                if isinstance(owner, Promotion):
+                    loading[source] = loading.get(source, 0) + 1
             elif where is Where.PROBING:
                 first = min((*loc.unprobed, *(t for t, _ in loc.inflight)))
                 out.append((slots[first].name, 0))
@@ -273,25 +279,30 @@ class Answers:
                 out.append((disk.name, 0))  # (SCANNING: the disk may hold it)
             else:
                 out.append(None)
-        return out
+        return out, loading
 
     def _cut(
         self,
         req: Lookup,
         states: bytearray,
         sources: list[tuple[str, int] | None],
+        loading: Mapping[str, int],
         plan: LookupPlan | None = None,
     ) -> None:
         """Answer MISS for the keys past the prefix worth loading within
         ``req.budget`` (:func:`~kvtier.core.costs.budget_cut`), counted by the
         tier each would have loaded from; the plan's work for them is not
-        started."""
+        started. ``loading``: the keys' own loads in flight per source, which
+        are not queued ahead of them."""
+        inflight = self.loads.inflight
+        if loading:
+            inflight = {s: max(0, n - loading.get(s, 0)) for s, n in inflight.items()}
         cut = budget_cut(
             [s[0] if s is not None else None for s in sources],
             [s[1] if s is not None else 0 for s in sources],
             self.c.costs,
             req.budget,
-            self.loads.inflight,
+            inflight,
         )
         if cut == len(states):
             return

@@ -12,16 +12,19 @@ recomputing those blocks): the keys past the cut answer MISS, so the
 engine loads the head and recomputes the tail.
 
 The model: each source's blocks up to a key cost its time to first byte
-once, plus their bytes and the blocks in flight on it (each of the
-source's mean size) at its throughput; the sources' costs add up (a
+once, plus their bytes and the blocks in flight on it ahead of them
+(each of the source's mean size; a lookup's own keys already loading are
+not ahead of themselves) at its throughput; the sources' costs add up (a
 conservative bound: loads from two sources may overlap). Loading the
 first ``p`` keys saves the engine their share of the budget (``p`` times
 budget over keys) less that load time; the cut is the ``p`` that saves
 the most (0 when none saves anything). A load's time splits into the two
 estimates by size: a small load (at most ``SMALL_LOAD`` bytes) is mostly
 its time to first byte; a larger one's bytes over the time past its time
-to first byte is its throughput. Estimates are exponentially weighted
-(``ALPHA`` per load).
+to first byte, times the loads that shared the source meanwhile, is its
+throughput: what the source moves a second in all, so that loads queued
+on it drain at that rate. Estimates are exponentially weighted (``ALPHA``
+per load).
 
 Invariants: estimates stay positive and finite whatever is observed; a
 lookup without a budget is never cut; the cut is monotone (a larger budget
@@ -91,8 +94,12 @@ class Costs:
             est = self.sources[source] = Estimate(prior.ttfb, prior.throughput)
         return est
 
-    def observe(self, source: str, seconds: float, nbytes: int, blocks: int = 1) -> None:
-        """A load of ``blocks`` blocks, ``nbytes`` in all, took ``seconds``."""
+    def observe(
+        self, source: str, seconds: float, nbytes: int, blocks: int = 1, sharing: int = 1
+    ) -> None:
+        """A load of ``blocks`` blocks, ``nbytes`` in all, took ``seconds``,
+        ``sharing`` the source with that many loads in flight (itself
+        included): the source moved ``sharing`` times its bytes meanwhile."""
         if not math.isfinite(seconds) or seconds <= 0 or nbytes <= 0:
             return  # (a load that failed or found nothing teaches nothing)
         est = self.sources.get(source) or self.of(source)
@@ -104,7 +111,7 @@ class Costs:
             est.ttfb += ALPHA * (ttfb - est.ttfb)
             return
         transfer = max(seconds - est.ttfb, seconds / 10)  # (a time to first byte overestimated)
-        rate = min(max(nbytes / transfer, _MIN_RATE), _MAX_RATE)
+        rate = min(max(nbytes * max(sharing, 1) / transfer, _MIN_RATE), _MAX_RATE)
         est.throughput += ALPHA * (rate - est.throughput)
 
     def round_trip(self, source: str, seconds: float) -> None:

@@ -235,7 +235,7 @@ class Loads:
         promoted[Promoted.STARTED].value += 1
         outcome = Promoted.FAILED
         inflight = self.inflight
-        inflight[disk.name] = inflight.get(disk.name, 0) + 1
+        inflight[disk.name] = sharing = inflight.get(disk.name, 0) + 1
         began, value = time.perf_counter(), None
         try:
             async with asyncio.timeout(self.c.cfg.load_timeout):
@@ -254,7 +254,8 @@ class Loads:
         finally:
             inflight[disk.name] -= 1
             if value is not None:  # (what it cost teaches the lookups' budgets)
-                self.c.costs.observe(disk.name, time.perf_counter() - began, len(value))
+                elapsed = time.perf_counter() - began
+                self.c.costs.observe(disk.name, elapsed, len(value), sharing=sharing)
             promoted[outcome].value += 1
             if self._disk_loads.get(key) is done:
                 del self._disk_loads[key]
@@ -290,7 +291,7 @@ class Loads:
         key = res.key
         outcome = Promoted.FAILED
         inflight = self.inflight
-        inflight[source] = inflight.get(source, 0) + 1
+        inflight[source] = sharing = inflight.get(source, 0) + 1
         began, value = time.perf_counter(), None
         try:
             async with asyncio.timeout(self.c.cfg.load_timeout):
@@ -310,7 +311,8 @@ class Loads:
         finally:
             inflight[source] -= 1
             if value is not None:
-                self.c.costs.observe(source, time.perf_counter() - began, len(value))
+                elapsed = time.perf_counter() - began
+                self.c.costs.observe(source, elapsed, len(value), sharing=sharing)
             if failed is not None and outcome in (Promoted.FAILED, Promoted.ABSENT):
                 failed(outcome)
             self._promoted[source][outcome].value += 1
