@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier import Client, State
-from kvtier.core.costs import SMALL_LOAD, Costs, Estimate, budget_cut
+from kvtier.core.costs import SMALL_LOAD, Costs, Estimate, Occupancy, budget_cut
 from kvtier.model import Lookup, LookupMode
 from kvtier.tiers.memory import MemoryRemoteTier
 from kvtier.wire import CodecError, decode_lookup, encode_lookup
@@ -29,6 +29,38 @@ def known() -> Costs:
             "s3": Estimate(ttfb=20e-3, throughput=100e6),
         }
     )
+
+
+def test_a_lookups_own_loads_are_neither_queued_ahead_of_it_nor_wait_a_first_byte() -> None:
+    """S3 at 20 ms then 10.5 ms a MiB; 12 ms a block recomputed. Four blocks
+    not loading yet never pay back S3's first byte (and less so behind four
+    other loads); the same four already loading (their own four in flight)
+    are worth waiting for."""
+    s3, sizes, budget = ["s3"] * 4, [MiB] * 4, 4 * 12e-3
+    assert budget_cut(s3, sizes, known(), budget) == 0
+    assert budget_cut(s3, sizes, known(), budget, inflight={"s3": 4}) == 0
+    assert budget_cut(s3, sizes, known(), budget, {"s3": 4}, loading={"s3": 4}) == 4
+    # two of their own loading, two others' ahead of them: the queue counts again
+    assert budget_cut(s3, sizes, known(), budget, {"s3": 4}, loading={"s3": 2}) == 0
+
+
+def test_a_loads_sharing_is_the_mean_count_in_flight_while_it_ran() -> None:
+    now = [0.0]
+    occ = Occupancy(lambda: now[0])
+    a = occ.begin("s3")  # alone for 1 s, then with b for 1 s, then with b and c for 2 s
+    now[0] = 1.0
+    b = occ.begin("s3")
+    now[0] = 2.0
+    c = occ.begin("s3")
+    assert occ.inflight == {"s3": 3}
+    now[0] = 4.0
+    assert occ.end("s3", a) == (4.0, pytest.approx((1 + 2 + 3 * 2) / 4))
+    now[0] = 5.0  # b: 1 s with a, 2 s with a and c, 1 s with c
+    assert occ.end("s3", b) == (4.0, pytest.approx((2 + 3 * 2 + 2) / 4))
+    assert occ.end("s3", c) == (3.0, pytest.approx((3 * 2 + 2) / 3))
+    assert occ.inflight == {"s3": 0}
+    d = occ.begin("disk")  # another source's count is its own
+    assert occ.end("disk", d) == (0.0, 1.0)
 
 
 def test_a_load_that_shared_its_source_teaches_the_sources_whole_rate() -> None:

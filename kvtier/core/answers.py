@@ -292,17 +292,14 @@ class Answers:
         """Answer MISS for the keys past the prefix worth loading within
         ``req.budget`` (:func:`~kvtier.core.costs.budget_cut`), counted by the
         tier each would have loaded from; the plan's work for them is not
-        started. ``loading``: the keys' own loads in flight per source, which
-        are not queued ahead of them."""
-        inflight = self.loads.inflight
-        if loading:
-            inflight = {s: max(0, n - loading.get(s, 0)) for s, n in inflight.items()}
+        started. ``loading``: the keys' own loads in flight per source."""
         cut = budget_cut(
             [s[0] if s is not None else None for s in sources],
             [s[1] if s is not None else 0 for s in sources],
             self.c.costs,
             req.budget,
-            inflight,
+            self.loads.inflight,
+            loading,
         )
         if cut == len(states):
             return

@@ -12,9 +12,10 @@ recomputing those blocks): the keys past the cut answer MISS, so the
 engine loads the head and recomputes the tail.
 
 The model: each source's blocks up to a key cost its time to first byte
-once, plus their bytes and the blocks in flight on it ahead of them
-(each of the source's mean size; a lookup's own keys already loading are
-not ahead of themselves) at its throughput; the sources' costs add up (a
+once (not where the lookup's own keys are loading already: their first
+byte is on its way), plus their bytes and the blocks in flight on it
+ahead of them (each of the source's mean size; a lookup's own keys
+loading are not ahead of themselves) at its throughput; the sources' costs add up (a
 conservative bound: loads from two sources may overlap). Loading the
 first ``p`` keys saves the engine their share of the budget (``p`` times
 budget over keys) less that load time; the cut is the ``p`` that saves
@@ -35,7 +36,7 @@ nothing of kvtier.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 #: weight of each new observation in the moving estimates
@@ -95,11 +96,12 @@ class Costs:
         return est
 
     def observe(
-        self, source: str, seconds: float, nbytes: int, blocks: int = 1, sharing: int = 1
+        self, source: str, seconds: float, nbytes: int, blocks: int = 1, sharing: float = 1.0
     ) -> None:
         """A load of ``blocks`` blocks, ``nbytes`` in all, took ``seconds``,
-        ``sharing`` the source with that many loads in flight (itself
-        included): the source moved ``sharing`` times its bytes meanwhile."""
+        ``sharing`` the source with that many loads in flight on average
+        (itself included, :class:`Occupancy`): the source moved about
+        ``sharing`` times its bytes meanwhile."""
         if not math.isfinite(seconds) or seconds <= 0 or nbytes <= 0:
             return  # (a load that failed or found nothing teaches nothing)
         est = self.sources.get(source) or self.of(source)
@@ -111,7 +113,7 @@ class Costs:
             est.ttfb += ALPHA * (ttfb - est.ttfb)
             return
         transfer = max(seconds - est.ttfb, seconds / 10)  # (a time to first byte overestimated)
-        rate = min(max(nbytes * max(sharing, 1) / transfer, _MIN_RATE), _MAX_RATE)
+        rate = min(max(nbytes * max(sharing, 1.0) / transfer, _MIN_RATE), _MAX_RATE)
         est.throughput += ALPHA * (rate - est.throughput)
 
     def round_trip(self, source: str, seconds: float) -> None:
@@ -124,12 +126,50 @@ class Costs:
         est.ttfb += ALPHA * (ttfb - est.ttfb)
 
 
+class Occupancy:
+    """Loads in flight per source, and how many shared each load's time on
+    average (what :meth:`Costs.observe` calls ``sharing``): the count's
+    integral over time, read at a load's start and end.
+
+    Invariants: ``inflight[s]`` is the loads begun and not ended on ``s``;
+    a load's sharing is at least 1 (itself) and the mean of the count while
+    it ran."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        #: loads in flight per source (a new load queues behind them)
+        self.inflight: dict[str, int] = {}
+        self._area: dict[str, float] = {}
+        self._since: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        return f"<Occupancy {self.inflight}>"
+
+    def begin(self, source: str) -> tuple[float, float]:
+        """A load on ``source`` begins: its mark, for :meth:`end`."""
+        now, n = self.clock(), self.inflight.get(source, 0)
+        area = self._area.get(source, 0.0) + n * (now - self._since.get(source, now))
+        self._area[source], self._since[source], self.inflight[source] = area, now, n + 1
+        return now, area
+
+    def end(self, source: str, mark: tuple[float, float]) -> tuple[float, float]:
+        """The load of ``mark`` ended: its seconds, and the mean loads in
+        flight on ``source`` while it ran (itself included)."""
+        now, n = self.clock(), self.inflight[source]
+        area = self._area[source] + n * (now - self._since[source])
+        self._area[source], self._since[source], self.inflight[source] = area, now, n - 1
+        began, before = mark
+        seconds = now - began
+        return seconds, (area - before) / seconds if seconds > 0 else 1.0
+
+
 def budget_cut(
     sources: Sequence[str | None],
     sizes: Sequence[int],
     costs: Costs,
     budget: float,
     inflight: Mapping[str, int] | None = None,
+    loading: Mapping[str, int] | None = None,
 ) -> int:
     """How many of a lookup's keys, in order, the engine should load: the
     prefix that saves it the most time, where recomputing costs ``budget``
@@ -138,14 +178,16 @@ def budget_cut(
     (None: it would not load: it costs nothing to load, and recomputing it
     is the engine's either way), ``sizes[i]`` its bytes (0: unknown, the
     source's mean block); ``inflight``: loads in flight per source, which a
-    new one waits behind. Returns ``len(sources)`` when ``budget`` is 0
-    (none set), 0 when no prefix beats recomputing."""
+    new one waits behind; ``loading``: how many of those are the keys' own
+    (not ahead of themselves, and past their first byte's wait). Returns
+    ``len(sources)`` when ``budget`` is 0 (none set), 0 when no prefix
+    beats recomputing."""
     n = len(sources)
     if budget <= 0 or n == 0:
         return n
     per_key = budget / n
     best, best_saved = 0, 0.0
-    for i, load in enumerate(load_seconds(sources, sizes, costs, inflight)):
+    for i, load in enumerate(load_seconds(sources, sizes, costs, inflight, loading)):
         saved = (i + 1) * per_key - load
         if saved > best_saved:
             best, best_saved = i + 1, saved
@@ -157,6 +199,7 @@ def load_seconds(
     sizes: Sequence[int],
     costs: Costs,
     inflight: Mapping[str, int] | None = None,
+    loading: Mapping[str, int] | None = None,
 ) -> list[float]:
     """Per key, the seconds to load it and every key before it (the model
     above; a key with no source adds nothing)."""
@@ -170,8 +213,10 @@ def load_seconds(
             before = spent.get(source)
             if before is None:
                 spent[source] = size
-                queued = inflight.get(source, 0) if inflight else 0
-                load += est.seconds(size, queued)  # its first byte, the queue, its bytes
+                own = loading.get(source, 0) if loading else 0
+                queued = max(0, (inflight.get(source, 0) if inflight else 0) - own)
+                # its first byte (unless its loads are under way), the queue, its bytes
+                load += est.seconds(size, queued) - (est.ttfb if own else 0.0)
             else:
                 spent[source] = before + size
                 load += size / est.throughput

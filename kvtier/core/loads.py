@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtier.core.checks import check_keys
 from kvtier.core.context import Context
+from kvtier.core.costs import Occupancy
 from kvtier.core.counts import Promoted
 from kvtier.core.lookup import Location, Where
 from kvtier.core.probes import Verdict
@@ -59,8 +60,11 @@ class Loads:
         self.stores = stores
         #: reads from the disk into RAM in flight, by key: every GET of the key joins one
         self._disk_loads: dict[bytes, asyncio.Future[None]] = {}
-        #: loads in flight by source (disk reads, promotions): a new one queues behind them
-        self.inflight: dict[str, int] = {}
+        #: loads in flight by source (disk reads, promotions), and how many
+        #: shared each one's time (what a source moves in all)
+        self.occupancy = Occupancy(time.perf_counter)
+        #: loads in flight by source: a new one queues behind them
+        self.inflight = self.occupancy.inflight
         #: promotions counted by source tier and outcome, bound once
         self._promoted = {
             name: {o: c.counters.promotions.bind(name, o.value) for o in Promoted}
@@ -234,9 +238,7 @@ class Loads:
         promoted = self._promoted[disk.name]
         promoted[Promoted.STARTED].value += 1
         outcome = Promoted.FAILED
-        inflight = self.inflight
-        inflight[disk.name] = sharing = inflight.get(disk.name, 0) + 1
-        began, value = time.perf_counter(), None
+        mark, value = self.occupancy.begin(disk.name), None
         try:
             async with asyncio.timeout(self.c.cfg.load_timeout):
                 value = await disk.read(key)
@@ -252,9 +254,8 @@ class Loads:
         except Exception as exc:
             log.warning("%s: loading key %s failed: %s", disk.name, key.hex(), exc)
         finally:
-            inflight[disk.name] -= 1
+            elapsed, sharing = self.occupancy.end(disk.name, mark)
             if value is not None:  # (what it cost teaches the lookups' budgets)
-                elapsed = time.perf_counter() - began
                 self.c.costs.observe(disk.name, elapsed, len(value), sharing=sharing)
             promoted[outcome].value += 1
             if self._disk_loads.get(key) is done:
@@ -290,9 +291,7 @@ class Loads:
         ``finally`` whatever the load did."""
         key = res.key
         outcome = Promoted.FAILED
-        inflight = self.inflight
-        inflight[source] = sharing = inflight.get(source, 0) + 1
-        began, value = time.perf_counter(), None
+        mark, value = self.occupancy.begin(source), None
         try:
             async with asyncio.timeout(self.c.cfg.load_timeout):
                 value = await load()
@@ -309,9 +308,8 @@ class Loads:
         except Exception as exc:
             log.warning("%s: loading key %s failed: %s", source, key.hex(), exc)
         finally:
-            inflight[source] -= 1
+            elapsed, sharing = self.occupancy.end(source, mark)
             if value is not None:
-                elapsed = time.perf_counter() - began
                 self.c.costs.observe(source, elapsed, len(value), sharing=sharing)
             if failed is not None and outcome in (Promoted.FAILED, Promoted.ABSENT):
                 failed(outcome)
