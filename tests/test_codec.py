@@ -227,8 +227,8 @@ def test_a_large_frame_is_received_in_steps() -> None:
     several loop steps, and other connections are served between them."""
     from kvtier.model import LOOP_STEP
 
-    reader = FrameReader(max_frame=1 << 22)
-    raw = frame_bytes(Op.PUT, 1, b"m" * 300_000, b"d" * (1 << 20))
+    reader = FrameReader(max_frame=8 * LOOP_STEP)
+    raw = frame_bytes(Op.PUT, 1, b"m" * 300_000, b"d" * (3 * LOOP_STEP))
     frames: list[wire.Frame] = []
     at = steps = 0
     while at < len(raw):
@@ -239,9 +239,9 @@ def test_a_large_frame_is_received_in_steps() -> None:
         at += n
         steps += 1
         frames += reader.buffer_updated(n)
-    assert steps >= (300_000 + (1 << 20)) // LOOP_STEP
+    assert steps >= (300_000 + 3 * LOOP_STEP) // LOOP_STEP
     (frame,) = frames
-    assert bytes(frame.meta) == b"m" * 300_000 and bytes(frame.data) == b"d" * (1 << 20)
+    assert bytes(frame.meta) == b"m" * 300_000 and bytes(frame.data) == b"d" * (3 * LOOP_STEP)
 
 
 def test_reader_reports_partial_frames() -> None:
