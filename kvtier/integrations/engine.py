@@ -9,7 +9,10 @@ it already knows and asks the daemon in the background:
   ``flush()`` - once per scheduler step - sends each request's queued keys
   as one LOOKUP tagged with the request, so the daemon shares one probe per
   key across requests and steps and bounds how long the request accepts
-  PENDING (``max_pending_wait``): past it, the key answers MISS.
+  PENDING (``max_pending_wait``): past it, the key answers MISS. While
+  lookups or jobs are in flight it also gives the GIL up once, so the I/O
+  thread's next hop waits one engine step at most, not the interpreter's
+  switch interval (5 ms) behind an engine loop that never lets go.
 * ``load`` receives blocks straight into the engine's rows
   (:meth:`Client.get_many_into`); ``store`` sends from the rows without a
   copy, reserving the keys first so another engine waits for them instead of
