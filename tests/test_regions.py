@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import itertools
 import os
 import secrets
 import struct
@@ -16,12 +17,14 @@ from typing import Any
 import anyio.lowlevel
 import pytest
 import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.client.shared import hand_region
 from kvtier.core.shared.copier import Copier, Steps
-from kvtier.core.shared.regions import MAX_REGIONS, may_map
+from kvtier.core.shared.regions import MAX_REGIONS, _steps, may_map
 from kvtier.daemon import Daemon
 from kvtier.errors import (
     BadArgumentError,
@@ -75,6 +78,25 @@ SPANS = [(0, MiB), (MiB, 256 * 1024), (2 * MiB, 4096)]
 KEYS = [b"big", b"mid", b"small"]
 
 
+@given(st.lists(st.integers(1, 3 * LOOP_STEP), max_size=12))
+def test_a_copys_steps_hold_every_byte_once_in_order_and_at_most_a_loop_step(
+    sizes: list[int],
+) -> None:
+    views = [memoryview(bytearray(n)) for n in sizes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    steps = list(_steps(views, offsets, [True] * len(views)))
+    assert all(0 < sum(len(p) for p, _, _ in step) <= LOOP_STEP for step in steps)
+    pieces = [(len(p), o) for step in steps for p, o, _ in step]
+    covered = 0
+    for n, o in pieces:  # the region's bytes, in order, each once
+        assert o == covered
+        covered += n
+    assert covered == sum(sizes)
+    # a step is only cut where the next piece would not fit
+    for a, b in itertools.pairwise(steps):
+        assert sum(len(p) for p, _, _ in a) + len(b[0][0]) > LOOP_STEP
+
+
 async def test_blocks_move_between_a_region_and_ram_without_the_socket(
     daemon: Daemon, memfd: int
 ) -> None:
@@ -88,8 +110,10 @@ async def test_blocks_move_between_a_region_and_ram_without_the_socket(
         assert await c.put_region(region, KEYS, SPANS) == [PutStatus.STORED] * 3
         assert await c.put_region(region, KEYS[:1], SPANS[:1]) == [PutStatus.EXISTS]
         assert received_bytes(daemon) - before < 4096  # keys and spans, not 1.3 MiB
-        # On the loop, LOOP_STEP bytes a step at most, for the three blocks copied.
-        steps = sum(-(-n // LOOP_STEP) for _, n in SPANS)
+        # On the loop, LOOP_STEP (1 MiB) a step at most: the big block, then
+        # the other two together.
+        assert MiB == LOOP_STEP
+        steps = 2
         assert shared_stats(daemon)["copy_steps"] == (steps if on_loop else 0)
         for key, (off, n) in zip(KEYS, SPANS, strict=True):
             got = await c.get(key)
@@ -98,7 +122,7 @@ async def test_blocks_move_between_a_region_and_ram_without_the_socket(
         rooms = [(3 * MiB, MiB), (3 * MiB + MiB - 4096, 4096)]
         os.pwrite(memfd, b"\xee" * 4096, rooms[1][0])
         assert await c.get_region(region, [b"big", b"nope"], rooms) == [MiB, None]
-        steps += -(-MiB // LOOP_STEP)  # the big one, back out
+        steps += 1  # the big one, back out
         assert shared_stats(daemon)["copy_steps"] == (steps if on_loop else 0)
         assert os.pread(memfd, MiB, 3 * MiB)[: MiB - 4096] == pattern(1, MiB)[: MiB - 4096]
         st = shared_stats(daemon)

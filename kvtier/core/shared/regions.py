@@ -36,7 +36,7 @@ import mmap
 import os
 import secrets
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -247,7 +247,17 @@ class Regions:
             self.stores.abort(arriving, owner)  # (those stored ended when stored)
 
         def copy() -> Steps[list[int]]:
-            torn = []
+            torn: list[int] = []
+            if wanted is None:  # several blocks' pieces a step, streamed into the slots
+                for step in _steps(views, offsets, [s is not None for s in staged]):
+                    for piece, _, fault in step:
+                        if fault:
+                            blockcopy.fault_in(piece)
+                    _read_into(
+                        region, [p for p, _, _ in step], [o for _, o, _ in step], streamed=True
+                    )
+                    yield
+                return torn
             for i, (view, offset, slot) in enumerate(zip(views, offsets, staged, strict=True)):
                 want = None if wanted is None else wanted[i]
                 check = None if want is None else xxhash.xxh3_64()
@@ -479,6 +489,28 @@ def _check_size(region: Region, offsets: Sequence[int], lengths: Sequence[int]) 
     end = max((o + n for o, n in zip(offsets, lengths, strict=True)), default=0)
     if end > os.fstat(region.fd).st_size:
         raise OSError(f"the region ends before {end}: was it shrunk?")
+
+
+def _steps(
+    views: Sequence[memoryview], offsets: Sequence[int], faults: Sequence[bool]
+) -> Iterator[list[tuple[memoryview, int, bool]]]:
+    """A copy's steps: the blocks' pieces (each view's, with its offset in
+    the region and whether its slot is faulted in first), as many whole
+    pieces a step as fit in LOOP_STEP bytes, a block larger than that in
+    pieces of LOOP_STEP; every byte of every view in exactly one piece, in
+    order."""
+    step: list[tuple[memoryview, int, bool]] = []
+    size = 0
+    for view, offset, fault in zip(views, offsets, faults, strict=True):
+        for at in range(0, len(view), LOOP_STEP):
+            piece = view[at : at + LOOP_STEP]
+            if step and size + len(piece) > LOOP_STEP:
+                yield step
+                step, size = [], 0
+            step.append((piece, offset + at, fault))
+            size += len(piece)
+    if step:
+        yield step
 
 
 def _read_into(
