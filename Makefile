@@ -31,12 +31,9 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-# The suite runs in pytest-xdist workers, half as many again as cores: its
-# tests wait much of their time on real daemons, object stores and engine
-# processes, and a worker more keeps the cores busy meanwhile (on 2 cores,
-# 3 workers: 2:53 and 2:56 against 2:56 to 3:13 with 2); PYTEST_WORKERS=0
-# runs it in this process alone.
-PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + (n + 1) / 2 )))
+# The suite runs in one worker per core (pytest-xdist); PYTEST_WORKERS=0 runs
+# it in this process alone.
+PYTEST_WORKERS ?= auto
 unit: $(STAMP) deploy-tools ceph-tools
 	KVTIER_REQUIRE_TOOLS=1 PATH="$(CURDIR)/$(TOOLS)/usr/bin:$$PATH" $(BIN)/pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
