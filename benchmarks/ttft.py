@@ -87,7 +87,7 @@ def _counts(event: dict[str, Any]) -> bool:
 def daemon_seconds(d: EngineDaemon) -> dict[str, tuple[float, float]]:
     """The daemon's request count and seconds by operation, so far."""
     out: dict[str, list[float]] = {}
-    for line in d._scrape().splitlines():
+    for line in d.scrape().splitlines():
         name, _, value = line.rpartition(" ")
         for part, i in (("_count{", 0), ("_sum{", 1)):
             if name.startswith("kvtier_request_duration_seconds" + part):
@@ -96,17 +96,18 @@ def daemon_seconds(d: EngineDaemon) -> dict[str, tuple[float, float]]:
     return {op: (c, s) for op, (c, s) in out.items()}
 
 
-def as_baseline(baseline: Path) -> Path:
-    """``baseline``, made to run this checkout's engine harness (tests/e2e)
-    over its own kvtier, its compiled part copied in: the engine started
-    there imports kvtier from it."""
-    for so in (ROOT / "kvtier").glob("_blockcopy*.so"):
-        shutil.copy2(so, baseline / "kvtier" / so.name)
-    for harness in (ROOT / "tests" / "e2e").glob("*.py"):
-        shutil.copy2(harness, baseline / "tests" / "e2e" / harness.name)
-    for shared in ("enginedaemon.py", "__init__.py"):
-        shutil.copy2(ROOT / "tests" / shared, baseline / "tests" / shared)
-    return baseline
+def as_baseline(baseline: Path, into: Path) -> Path:
+    """A tree at ``into`` where an engine imports ``baseline``'s kvtier (its
+    compiled part from this checkout) and runs this checkout's engine
+    harness (tests/e2e); ``baseline`` itself is only read."""
+    if not into.exists():
+        shutil.copytree(baseline / "kvtier", into / "kvtier", ignore=shutil.ignore_patterns("*.so"))
+        for so in (ROOT / "kvtier").glob("_blockcopy*.so"):
+            shutil.copy2(so, into / "kvtier" / so.name)
+        shutil.copytree(ROOT / "tests" / "e2e", into / "tests" / "e2e")
+        for shared in ("enginedaemon.py", "__init__.py"):
+            shutil.copy2(ROOT / "tests" / shared, into / "tests" / shared)
+    return into
 
 
 def main() -> int:
@@ -144,7 +145,7 @@ def main() -> int:
                 order = [False, True] if args.baseline else [False]
                 for base in order if r % 2 == 0 else order[::-1]:
                     before = daemon_seconds(d)
-                    root = as_baseline(args.baseline) if base else ROOT
+                    root = as_baseline(args.baseline, tmp / "baseline") if base else ROOT
                     line = answers(model, d.socket_path, [WARM, prompt], root)[-1]
                     assert line["tokens"] == computed["tokens"] and line["cached"] == TOKENS
                     if base:

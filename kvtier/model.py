@@ -359,8 +359,8 @@ class CacheService(Protocol):
         ``lookup``: a lookup asked for them."""
 
     def retain_arriving(self, keys: Sequence[bytes], retention: Retention) -> None:
-        """The lease of a lookup of ``keys`` on the ones loading into RAM, as
-        they land."""
+        """The lease of a lookup of ``keys`` on the ones not under it yet: in
+        RAM now, or loading into RAM, as they land."""
 
     def release_retention(self, session: bytes, namespace: bytes) -> int:
         """End a session's leases; how many blocks they held."""

@@ -37,7 +37,7 @@ class EngineDaemon:
     metrics_url: str
     proc: subprocess.Popen[bytes]
 
-    def _scrape(self) -> str:
+    def scrape(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
             text: str = resp.read().decode()
             return text
@@ -45,7 +45,7 @@ class EngineDaemon:
     def metric(self, name: str, labels: str = "") -> float:
         """One sample's value (0 when absent)."""
         needle = f"{name}{{{labels}}}" if labels else name
-        for line in self._scrape().splitlines():
+        for line in self.scrape().splitlines():
             if line.startswith(needle + " "):
                 return float(line.split()[-1])
         return 0.0
@@ -54,7 +54,7 @@ class EngineDaemon:
         """Sum of a metric's samples whose labels include these."""
         wanted = [f'{k}="{v}"' for k, v in labels.items()]
         total = 0.0
-        for line in self._scrape().splitlines():
+        for line in self.scrape().splitlines():
             series, _, value = line.rpartition(" ")
             if series.split("{")[0] == name and all(w in series for w in wanted):
                 total += float(value)

@@ -182,6 +182,39 @@ async def test_the_peer_port_takes_no_lease(sock_dir: Path) -> None:
                 await c.put(b"k", b"v", retention=SESSION)
 
 
+async def test_on_the_defaults_a_session_back_from_the_disk_is_leased_in_ram_again(
+    sock_dir: Path,
+) -> None:
+    # the defaults: RAM above a disk written through, the lookup process on.
+    # The session is over, other traffic pushes its blocks out of RAM (the
+    # disk keeps them); it comes back with its lease: its blocks are read
+    # into RAM and leased as they land, and stay under more traffic.
+    low = Retention(b"agent-a", ttl=600.0, priority=30)
+    async with (
+        running_daemon(sock_dir, ram=RAM, **SETTINGS["defaults"]) as d,  # type: ignore[arg-type]
+        await Client.connect(d.socket_path) as c,
+    ):
+        ram = d.parts.service.ram
+        mine, values = blocks("agent-a", 3)
+        await c.put_many(mine, values, retention=low)
+        assert await c.unretain(low.session) == 3
+        other, others = blocks("other", 6)
+        for key, value in zip(other, others, strict=True):
+            await c.put(key, value)
+        await d.settle()
+        assert not any(ram.contains(k) for k in mine)
+        reply = await c.lookup_prefix(mine, retention=low)
+        assert reply.prefix_hits == 3
+        await d.settle()
+        assert all(ram.contains(k) for k in mine)
+        r = await retention(c)
+        assert (r["leased_blocks"], r["sessions"]) == (3, 1)
+        more, mores = blocks("more", 6)
+        for key, value in zip(more, mores, strict=True):
+            await c.put(key, value)
+        assert all(ram.contains(k) for k in mine)
+
+
 async def test_a_returning_session_gets_its_blocks_back_in_ram_leased(sock_dir: Path) -> None:
     # A keeps 3 blocks at a low priority; B's 4 at a higher one push 2 of
     # A's to the disk (RAM holds 5). B is over; A comes back: its blocks

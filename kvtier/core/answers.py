@@ -298,7 +298,7 @@ class Answers:
             [s[1] if s is not None else 0 for s in sources],
             self.c.costs,
             req.budget,
-            self.loads.inflight,
+            self.loads.occupancy.inflight,
             loading,
         )
         if cut == len(states):

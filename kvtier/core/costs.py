@@ -59,9 +59,11 @@ class Estimate:
     #: mean bytes of a block loaded from it (for blocks whose size is unknown)
     block_bytes: float = 1 << 20
 
-    def seconds(self, nbytes: float, queued: int = 0) -> float:
-        """A load of ``nbytes`` started now, behind ``queued`` loads in flight."""
-        return self.ttfb + (nbytes + queued * self.block_bytes) / self.throughput
+    def seconds(self, nbytes: float, queued: int = 0, *, first_byte: bool = True) -> float:
+        """A load of ``nbytes`` started now, behind ``queued`` loads in flight
+        (``first_byte``: it waits its first byte; not one under way)."""
+        wait = self.ttfb if first_byte else 0.0
+        return wait + (nbytes + queued * self.block_bytes) / self.throughput
 
 
 #: priors before any load is observed: local memory, a local disk (NVMe's
@@ -216,7 +218,7 @@ def load_seconds(
                 own = loading.get(source, 0) if loading else 0
                 queued = max(0, (inflight.get(source, 0) if inflight else 0) - own)
                 # its first byte (unless its loads are under way), the queue, its bytes
-                load += est.seconds(size, queued) - (est.ttfb if own else 0.0)
+                load += est.seconds(size, queued, first_byte=not own)
             else:
                 spent[source] = before + size
                 load += size / est.throughput

@@ -60,11 +60,9 @@ class Loads:
         self.stores = stores
         #: reads from the disk into RAM in flight, by key: every GET of the key joins one
         self._disk_loads: dict[bytes, asyncio.Future[None]] = {}
-        #: loads in flight by source (disk reads, promotions), and how many
-        #: shared each one's time (what a source moves in all)
+        #: loads in flight by source (disk reads, promotions: a new one
+        #: queues behind them), and how many shared each one's time
         self.occupancy = Occupancy(time.perf_counter)
-        #: loads in flight by source: a new one queues behind them
-        self.inflight = self.occupancy.inflight
         #: promotions counted by source tier and outcome, bound once
         self._promoted = {
             name: {o: c.counters.promotions.bind(name, o.value) for o in Promoted}

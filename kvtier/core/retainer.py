@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.core.counts import CoreCounters
-from kvtier.model import Retention, namespace_name
+from kvtier.model import Retention, namespace_name, namespace_of
 from kvtier.tiers.ram import RamTier
 
 
@@ -56,6 +56,11 @@ class Retainer:
         """Lease the resident ones of ``keys`` to ``retention`` (or renew it)."""
         if keys:
             self.ram.retain(keys, retention, self.now())
+
+    def holds(self, key: bytes, retention: Retention) -> bool:
+        """Whether resident ``key`` is under ``retention``'s session's lease."""
+        held = self.book.lease_of(key)
+        return held is not None and held.session == (namespace_of(key), retention.session)
 
     def on_arrival(
         self, loads: Sequence[tuple[bytes, asyncio.Future[Any]]], retention: Retention

@@ -260,11 +260,21 @@ class Service:
 
     def retain_arriving(self, keys: Sequence[bytes], retention: Retention) -> None:
         """``retention`` for the ones of ``keys`` (a chain a leased lookup
-        asked for) on their way into RAM (read from the disk, promoted from
-        a remote tier), as they land: a session that comes back has its
-        blocks back in RAM under its lease."""
-        ram, arriving = self.ram, self.loads.arriving
-        loads = [(k, f) for k in keys if not ram.contains(k) and (f := arriving(k)) is not None]
+        asked for) not under it yet: those in RAM now, and those on their
+        way into RAM (read from the disk, promoted from a remote tier) as
+        they land. A session that comes back has its blocks back in RAM
+        under its lease."""
+        ram, arriving, holds = self.ram, self.loads.arriving, self.retainer.holds
+        landed: list[bytes] = []
+        loads: list[tuple[bytes, Any]] = []
+        for key in keys:
+            if ram.contains(key):
+                if not holds(key, retention):
+                    landed.append(key)
+            elif (load := arriving(key)) is not None:
+                loads.append((key, load))
+        if landed:
+            self.retainer.retain(landed, retention)
         if loads:
             self.retainer.on_arrival(loads, retention)
 
@@ -393,7 +403,7 @@ class Service:
                 "ttfb_seconds": (e := costs.of(t.name)).ttfb,
                 "throughput_bytes": e.throughput,
                 "block_bytes": e.block_bytes,
-                "loads_in_flight": self.loads.inflight.get(t.name, 0),
+                "loads_in_flight": self.loads.occupancy.inflight.get(t.name, 0),
                 "loads": e.loads,
             }
             for t in self.tiers()

@@ -266,7 +266,6 @@ class Ops:
     ) -> Reply:
         """A leased lookup that waited is answered: the lease reaches what
         landed meanwhile and what is landing now."""
-        self.service.retain(keys, retention)
         self.service.retain_arriving(keys, retention)
         return _lookup_reply(reply)
 

@@ -189,8 +189,10 @@ class IndexJournal:
         if not self._held:
             return
         data = encode_all(self._held)
-        self._held, self._held_bytes = [], 0
-        _write_all(self._fd, data)
+        try:
+            _write_all(self._fd, data)
+        finally:  # (held counts them until written: a reader without the lock sees so)
+            self._held, self._held_bytes = [], 0
         self.journal_bytes += len(data)
         if self.fsync_each:
             os.fsync(self._fd)
