@@ -144,6 +144,12 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0, command: list[str] | None = None) -> DaemonProcess:
         """Start ``kvtier serve`` (or ``command``, in a session of its own) and
         wait for its ready line."""
+        return self.launch(command).ready(timeout)
+
+    def launch(self, command: list[str] | None = None) -> DaemonProcess:
+        """Start ``kvtier serve`` (or ``command``, in a session of its own)
+        without waiting: several daemons start side by side, then each is
+        waited for (:meth:`ready`)."""
         cmd = command or [
             sys.executable,
             "-m",
@@ -167,6 +173,11 @@ class DaemonProcess:
         )
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
+        return self
+
+    def ready(self, timeout: float = 30.0) -> DaemonProcess:
+        """Once the launched daemon has said it is ready; raises when it
+        does not within ``timeout`` seconds, or exits first."""
         if not self._ready.wait(timeout):
             self.stop(signal.SIGKILL)
             raise RuntimeError("daemon did not become ready:\n" + "\n".join(self.lines))

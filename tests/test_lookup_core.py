@@ -22,6 +22,7 @@ from kvtier.tiers.memory import MemoryRemoteTier
 from tests.helpers import running_daemon, wait_until
 
 K = b"k" * 32
+OTHER = b"o" * 32
 VALUE = b"v" * 4096
 H, M, P, R = State.HIT, State.MISS, State.PENDING, State.RETRY
 
@@ -121,6 +122,26 @@ async def test_a_departed_caller_never_cancels_the_probe(core: Core) -> None:
         assert (await b_lookup).states == [M]
         assert len(core.tier.lookup_calls) == 1
         await core.assert_idle(b)
+
+
+@pytest.mark.lookup(probe_batch_window=3600.0, probe_max_batch=2)
+async def test_a_probe_superseded_before_its_batch_left_still_ends_its_waiters(
+    core: Core,
+) -> None:
+    """A probe queued for the next batch whose key is stored here meanwhile
+    (which supersedes the probe) still goes out with its batch: a lookup
+    waiting on it answers when it ends, not when its wait passes."""
+    async with await core.client() as c, await core.client() as w:
+        assert (await c.lookup([K])).states == [R]  # K's probe, queued
+        waiting = asyncio.create_task(w.lookup([K], wait=3600.0))
+        await until_waiting(core, 1)  # (joined K's probe)
+        assert await c.put(K, VALUE) == PutStatus.STORED  # K changed here
+        assert (await c.lookup([OTHER])).states == [R]  # the batch is full: it leaves
+        async with asyncio.timeout(60):  # (a guard: it ends in milliseconds)
+            assert (await waiting).states == [H]
+        assert core.tier.lookup_calls == [[K, OTHER]]
+        assert core.counter("kvtier_probe_superseded_total", tier="mem") == 1
+        await core.assert_idle(c)
 
 
 async def test_verdict_outlives_its_callers_until_the_truth_changes(core: Core) -> None:

@@ -54,8 +54,10 @@ class Fleet:
             self.ports = [free_port() for _ in range(n)]
             self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
             try:
-                for i in range(n):
-                    self.daemons.append(self.start(i))
+                # launched side by side, then each waited for
+                self.daemons = [self.launch(i) for i in range(n)]
+                for d in self.daemons:
+                    d.ready()
                 return
             except RuntimeError as exc:
                 self.stop()
@@ -64,6 +66,9 @@ class Fleet:
                     raise
 
     def start(self, i: int) -> DaemonProcess:
+        return self.launch(i).ready()
+
+    def launch(self, i: int) -> DaemonProcess:
         members = ", ".join(f'"{a}"' for a in self.addresses)
         lookup = "\n".join(
             f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"'
@@ -78,7 +83,7 @@ class Fleet:
         )
         return DaemonProcess(
             self.dirs[i], "--config", str(config), "--ram-capacity", "64MiB"
-        ).start()
+        ).launch()
 
     def key_owned_by(self, i: int, tag: str) -> bytes:
         for n in range(10_000):

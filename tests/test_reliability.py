@@ -364,7 +364,8 @@ DISK_INDEX_PER_BLOCK = 512
 
 
 def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
-    ram, backlog, n = 4 * MIB, 4 * MIB, 20_000
+    # 20 MiB in 10,000 blocks of 2 KiB: five times RAM and backlog together
+    ram, backlog, n, size = 4 * MIB, 4 * MIB, 10_000, 2048
     proc = DaemonProcess(
         sock_dir,
         "--ram-capacity",
@@ -378,7 +379,7 @@ def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
         with BlockingClient(proc.socket_path, shared=False) as c:
             for start in range(0, n, 500):
                 keys = [i.to_bytes(32, "big") for i in range(start, start + 500)]
-                c.put_many(keys, [bytes([i % 251]) * 1024 for i in range(500)])
+                c.put_many(keys, [bytes([i % 251]) * size for i in range(500)])
                 peak = max(peak, rss_bytes(proc.pid))
             tiers = c.stats()["tiers"]
             assert tiers["ram"]["used_bytes"] <= ram

@@ -128,7 +128,7 @@ class RemoteProbes:
     def begin(self, slot: RemoteSlot, key: bytes) -> Probe:
         probe = slot.probes.begin(key, asyncio.get_running_loop())
         slot.started.value += 1
-        self._scheduler.enqueue_probe(slot.name, key)
+        self._scheduler.enqueue_probe(slot.name, probe)
         return probe
 
     def invalidate(self, key: bytes) -> None:
@@ -151,11 +151,11 @@ class RemoteProbes:
         for slot in self.slots:
             slot.probes.abandon_all()
 
-    def _dispatcher(self, slot: RemoteSlot) -> Callable[[list[bytes]], None]:
-        def dispatch(keys: list[bytes]) -> None:
-            probes = [p for p in map(slot.probes.inflight, keys) if p is not None]
-            if not probes:
-                return  # every key was invalidated before its batch left
+    def _dispatcher(self, slot: RemoteSlot) -> Callable[[list[Probe]], None]:
+        def dispatch(probes: list[Probe]) -> None:
+            # Every probe queued runs, superseded ones too (their key changed
+            # here meanwhile): lookups wait on each, and a superseded probe
+            # resolves its own future, caching nothing (ProbeMap).
             slot.batch_size.observe(len(probes))
             self._task(self._run(slot, probes))
 

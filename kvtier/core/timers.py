@@ -9,8 +9,9 @@ O(1) per cancel), so a client that reserves and aborts in a loop with long
 deadlines cannot grow it; a cancelled timer drops its callback at once.
 
 :class:`Scheduler` is the acting half: one long-lived task that owns every
-timer. It fires per-key write deadlines, flushes probe batches (keys that
-arrive within one ``batch_window`` go to the backend in one call per tier)
+timer. It fires per-key write deadlines, flushes probe batches (probes
+that arrive within one ``batch_window`` go to the backend in one call per
+tier; each probe queued is dispatched once, whatever became of its key)
 and runs periodic sweeps. Timer callbacks are synchronous and short;
 anything that does I/O is spawned as a task by the callback's owner. The
 loop never blocks: it waits on one future, woken by the earliest deadline
@@ -29,7 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
+
+#: a probe as its prober knows it (the scheduler only queues it)
+T = TypeVar("T")
 
 #: cancelled entries tolerated in the heap before it is compacted
 COMPACT_MIN = 1024
@@ -105,11 +109,11 @@ log = logging.getLogger("kvtier.scheduler")
 
 
 class _Batch:
-    __slots__ = ("dispatch", "keys", "timer")
+    __slots__ = ("dispatch", "probes", "timer")
 
-    def __init__(self, dispatch: Callable[[list[bytes]], None]) -> None:
+    def __init__(self, dispatch: Callable[[list[Any]], None]) -> None:
         self.dispatch = dispatch
-        self.keys: list[bytes] = []
+        self.probes: list[Any] = []
         self.timer: Timer | None = None
 
 
@@ -138,7 +142,7 @@ class Scheduler:
         self._periodic = 0
 
     def __repr__(self) -> str:
-        queued = sum(len(b.keys) for b in self._batches.values())
+        queued = sum(len(b.probes) for b in self._batches.values())
         return f"<Scheduler {self._timers!r} periodic={self._periodic} queued_probes={queued}>"
 
     @property
@@ -176,25 +180,26 @@ class Scheduler:
 
     # -- probe batching
 
-    def add_prober(self, name: str, dispatch: Callable[[list[bytes]], None]) -> None:
-        """``dispatch(keys)`` is called with each batch of ``name``'s probes."""
+    def add_prober(self, name: str, dispatch: Callable[[list[T]], None]) -> None:
+        """``dispatch(probes)`` is called with each batch of ``name``'s probes."""
         self._batches[name] = _Batch(dispatch)
 
-    def enqueue_probe(self, name: str, key: bytes) -> None:
+    def enqueue_probe(self, name: str, probe: T) -> None:
+        """Queue ``probe`` for ``name``'s next batch: it is dispatched once."""
         batch = self._batches[name]
-        batch.keys.append(key)
-        if len(batch.keys) >= self.max_batch:
+        batch.probes.append(probe)
+        if len(batch.probes) >= self.max_batch:
             self.cancel(batch.timer)
             self._flush(batch)
         elif batch.timer is None:
             batch.timer = self.call_at(self.now() + self.batch_window, partial(self._flush, batch))
 
     def _flush(self, batch: _Batch) -> None:
-        """Send ``batch``'s keys (its window timer has fired, or been cancelled)."""
+        """Send ``batch``'s probes (its window timer has fired, or been cancelled)."""
         batch.timer = None
-        keys, batch.keys = batch.keys, []
-        if keys:
-            batch.dispatch(keys)
+        probes, batch.probes = batch.probes, []
+        if probes:
+            batch.dispatch(probes)
 
     # -- the loop
 
