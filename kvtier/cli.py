@@ -13,16 +13,18 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier import loops
 from kvtier._version import __version__
 from kvtier.client import Client
-from kvtier.config import Config, load_config, render_toml
 from kvtier.defaults import DEFAULT_TIMEOUT
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.model import LookupMode, Retention, State
 from kvtier.tiers.policy import POLICIES
+
+if TYPE_CHECKING:
+    from kvtier.config import Config
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISS = 0, 1, 2, 3
 
@@ -59,6 +61,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _config(args: argparse.Namespace) -> Config:
+    # (pydantic is imported by the commands that read a config file only: a
+    # put, get or ping given its --socket starts in half the time)
+    from kvtier.config import load_config
+
     return load_config(getattr(args, "config", None), _overrides(args))
 
 
@@ -479,6 +485,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
+    from kvtier.config import load_config, render_toml
+
     config = load_config(args.path or getattr(args, "config", None))
     sys.stdout.write(render_toml(config))
     print(f"# ram capacity in effect: {config.ram.capacity_bytes()} bytes", file=sys.stderr)

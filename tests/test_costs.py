@@ -256,7 +256,10 @@ async def test_a_budget_starts_no_s3_work_for_what_it_cuts(s3: ProxiedS3, remote
         # at S3): the keys in flight cost what S3 costs.
         s3.proxy.hold("GET")
         try:
-            first = await c.lookup(keys, mode=LookupMode.PREFIX, wait=5.0)
+            for _ in range(200):  # until the probes have answered (each waits 50 ms at most)
+                first = await c.lookup(keys, mode=LookupMode.PREFIX, wait=0.05)
+                if State.RETRY not in first.states:
+                    break
             if remote_hit == "promote":
                 assert set(first.states) == {State.PENDING}
             else:
