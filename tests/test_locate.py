@@ -7,14 +7,14 @@ the RAM and disk indexes; nothing here starts a probe, a promotion or I/O.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
 
 from kvtier.core.lookup import ABSENT, AT_DISK, AT_RAM, Locator, Where
 from kvtier.core.probes import ProbeMap, Verdict
-from kvtier.core.writes import Promotion, ReservationTable
+from kvtier.core.writes import End, Promotion, ReservationTable
 from kvtier.model import ConnId
 
 K = b"key"
@@ -165,3 +165,21 @@ def test_locate_changes_nothing(world: World) -> None:
     world.locator().locate(K, NOW)
     assert (repr(world.pending), [repr(p) for p in world.probes]) == before
     assert repr(world.locator()) == "<Locator disk=True pending=0 remotes=2>"
+
+
+async def test_pending_changes_held_back_are_told_once_in_order_by_the_outermost_block() -> None:
+    table = ReservationTable()
+    told: list[Sequence[tuple[bytes, bool]]] = []
+    table.watch(told.append)
+    loop, owner = asyncio.get_running_loop(), ConnId(1)
+    a = table.add(b"a", owner, 1.0, 0, 0.0, loop)
+    assert told == [((b"a", True),)]  # outside a block: at once
+    told.clear()
+    with table.held_back():
+        b = table.add(b"b", owner, 1.0, 0, 0.0, loop)
+        with table.held_back():
+            table.end(a, End.COMPLETED)
+        assert told == []  # (the inner block tells nothing)
+        table.end(b, End.ABORTED)
+        assert not table.end(b, End.ABORTED)  # (ended once, told once)
+    assert told == [[(b"b", True), (b"a", False), (b"b", False)]]

@@ -178,6 +178,32 @@ def test_holdings_feed_every_change_of_the_local_tiers_indexes_in_its_step() -> 
     assert written[-1] == (FeedOp.GONE, b"a")
 
 
+@pytest.mark.parametrize("n", [1, 8])
+async def test_a_reserved_batch_is_never_missing_at_any_point_of_the_feed(
+    tmp_path: Path, n: int
+) -> None:
+    """Keys reserved, then stored (one PUT, or a batch of eight): replayed
+    record by record, the feed shows each key PENDING, then HIT, and never
+    MISS in between, whatever point of it the lookup process has read."""
+    async with running_daemon(tmp_path, disk={"enabled": False}) as daemon:
+        written: list[tuple[FeedOp, bytes]] = []
+        daemon.service.holdings.feed(written.extend, None)
+        keys = [b"batch-%d" % i for i in range(n)]
+        async with await Client.connect(daemon.socket_path) as c:
+            await c.reserve(keys, [4096] * n, deadline=30.0)
+            await c.put_many(keys, [bytes(4096)] * n)
+        daemon.service.holdings.stop_feed()
+    replica, seen = Replica(remotes=False), {k: [MISS] for k in keys}
+    for record in written:
+        replica.apply([record])
+        reply = replica.answer(Lookup(keys))
+        assert reply is not None
+        for key, state in zip(keys, reply.raw_states, strict=True):
+            if state != seen[key][-1]:
+                seen[key].append(state)
+    assert all(states == [MISS, PENDING, HIT] for states in seen.values()), seen
+
+
 def test_the_feed_ring_hands_over_every_record_in_order_and_refuses_to_overtake() -> None:
     mem = memoryview(mmap.mmap(-1, RING_HEADER + 256))
     writer, reader = FeedRing(mem), FeedRing(mem)

@@ -121,9 +121,9 @@ class Holdings:
         if self.events.subscriptions:
             self.events.emit_many(_GONE_EVENTS.get(why, EventKind.EVICTED), last)
 
-    def _pending(self, key: bytes, now: bool) -> None:
+    def _pending(self, changes: Sequence[tuple[bytes, bool]]) -> None:
         if self._write is not None:
-            self._write([(FeedOp.PENDING if now else FeedOp.SETTLED, key)])
+            self._write([(FeedOp.PENDING if now else FeedOp.SETTLED, k) for k, now in changes])
 
     # -- the lookup process's feed
 

@@ -92,7 +92,9 @@ class Stores:
         # chain's tail, never its head)
         statuses: list[PutStatus] = []
         try:
-            with self.c.ram.budget.tail_first():
+            # The batch's blocks are told held before its reservations end
+            # (a reader of the feed never sees them neither held nor pending).
+            with self.c.pending.table.held_back(), self.c.ram.budget.tail_first():
                 for i in reversed(range(len(keys))):
                     statuses.append(self.store(keys[i], values[i], source, copy, colds[i], False))
         finally:  # (what RAM took flows down, even when a later block fails)
@@ -387,21 +389,26 @@ class Stores:
         now = self.c.now()
         deadline = self.c.cfg.pending_deadline
         locate, pending = self.c.locator.locate, self.c.pending
-        for key in keys:
-            if key not in pending.table and locate(key, now).where is Where.ABSENT:
-                pending.reserve(key, owner, deadline, 0, now)
-                self.c.counters.reservations.inc("granted")
+        granted = 0
+        with pending.table.held_back():
+            for key in keys:
+                if key not in pending.table and locate(key, now).where is Where.ABSENT:
+                    pending.reserve(key, owner, deadline, 0, now)
+                    granted += 1
+        if granted:
+            self.c.counters.reservations.inc("granted", n=granted)
 
     def abort(self, keys: Sequence[bytes], owner: ConnId) -> list[bool]:
         """End ``owner``'s reservations of ``keys``; other writers' are untouched."""
         check_keys(self.c.limits, keys)
         out = []
         table = self.c.pending.table
-        for key in keys:
-            res = table.get(key)
-            out.append(
-                res is not None and res.owner == owner and self.c.pending.end(res, End.ABORTED)
-            )
+        with table.held_back():
+            for key in keys:
+                res = table.get(key)
+                out.append(
+                    res is not None and res.owner == owner and self.c.pending.end(res, End.ABORTED)
+                )
         return out
 
     def connection_closed(self, owner: ConnId) -> None:

@@ -8,7 +8,10 @@ write deadline and a ``done`` future that waiters await. Invariants:
 * ``done`` is resolved however the reservation ends (completed by a store,
   aborted, owner gone, deadline passed), so nothing is pending forever;
 * only the reservation that holds a key's entry can end it (a stale handle
-  ends nothing).
+  ends nothing);
+* the watcher hears every change of a key's pending state once, in the
+  order they were made: at once, or, within :meth:`ReservationTable.held_back`,
+  all together when the outermost block ends.
 
 The table only decides and records; the service frees space, arms timers,
 counts and logs. Imports only the shared records.
@@ -17,8 +20,9 @@ counts and logs. Imports only the shared records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +70,11 @@ class ReservationTable:
         self.get: Callable[[bytes], Reservation | None] = self._by_key.get
         #: keys reserved by each client connection (promotions are not indexed)
         self._by_owner: dict[ConnId, set[bytes]] = {}
-        #: while watched (:meth:`watch`): told of each key's change of pending
-        #: state (the key, and whether it is pending now)
-        self._watcher: Callable[[bytes, bool], None] | None = None
+        #: while watched (:meth:`watch`): told of keys' changes of pending
+        #: state (each key, and whether it is pending now)
+        self._watcher: Callable[[Sequence[tuple[bytes, bool]]], None] | None = None
+        #: the changes held back for the watcher (:meth:`held_back`), or None
+        self._held: list[tuple[bytes, bool]] | None = None
 
     def __repr__(self) -> str:
         watched = " watched" if self._watcher is not None else ""
@@ -76,9 +82,32 @@ class ReservationTable:
             f"<ReservationTable pending={len(self._by_key)} owners={len(self._by_owner)}{watched}>"
         )
 
-    def watch(self, watcher: Callable[[bytes, bool], None]) -> None:
+    def watch(self, watcher: Callable[[Sequence[tuple[bytes, bool]]], None]) -> None:
         """Tell ``watcher`` of every key's change of pending state from now on."""
         self._watcher = watcher
+
+    @contextlib.contextmanager
+    def held_back(self) -> Iterator[None]:
+        """The changes made within are told to the watcher all at once, in
+        their order, when the outermost such block ends (a batch's: one
+        word for many keys, and after whatever the block's caller tells
+        first, such as the batch's blocks now held)."""
+        if self._held is not None:
+            yield  # (nested: the outermost block tells)
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held and self._watcher is not None:
+                self._watcher(held)
+
+    def _changed(self, key: bytes, pending: bool) -> None:
+        if self._held is not None:
+            self._held.append((key, pending))
+        elif self._watcher is not None:
+            self._watcher(((key, pending),))
 
     def unwatch(self) -> None:
         self._watcher = None
@@ -104,7 +133,7 @@ class ReservationTable:
         if isinstance(owner, ConnId):
             self._by_owner.setdefault(owner, set()).add(key)
         if self._watcher is not None:
-            self._watcher(key, True)
+            self._changed(key, True)
         return res
 
     def end(self, res: Reservation, how: End) -> bool:
@@ -119,7 +148,7 @@ class ReservationTable:
                 if not keys:
                     del self._by_owner[res.owner]
         if self._watcher is not None:
-            self._watcher(res.key, False)
+            self._changed(res.key, False)
         if not res.done.done():
             res.done.set_result(how)
         return True
