@@ -194,6 +194,7 @@ def build(config: Config, *, remote_tiers: Sequence[Tier | RemoteSpec] | None = 
                 config.disk.policy, disk_bytes, disk_quotas if shared_tiers else None
             ),
             sealer=Sealer(keys, max_block_bytes=int(sc.max_block_bytes)),
+            retained_share=config.ram.retained_share,
         )
     if remote_tiers is None:
         remotes = [

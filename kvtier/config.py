@@ -148,9 +148,10 @@ class RamConfig(Section):
     #: eviction policy: "harc" (ARC with a long frequency history, see
     #: docs/eviction.md), "lru", "arc", "s3fifo"
     policy: Literal["harc", "lru", "arc", "s3fifo"] = "harc"
-    #: the share of RAM (of a namespace's ram_max, where it has one) that
-    #: blocks under retention leases may hold; past it a namespace's
-    #: lowest-priority, oldest leases end (docs/retention.md). 0: no leases
+    #: the share of RAM (of a namespace's ram_max, where it has one), and
+    #: of the disk (of its disk_max), that blocks under retention leases
+    #: may hold; past it a namespace's lowest-priority, oldest leases there
+    #: end (docs/retention.md). 0: no leases
     retained_share: float = Field(default=0.8, ge=0.0, le=1.0)
 
     def capacity_bytes(self) -> int:

@@ -12,7 +12,7 @@ from kvtier.model import Retention, namespace_prefix
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import LRUPolicy, make_policy
 from kvtier.tiers.ram import RamTier
-from kvtier.tiers.retention import Retaining, RetentionBook
+from kvtier.tiers.retention import Arrivals, Retaining, RetentionBook
 from kvtier.tiers.shares import Quota, Shares
 
 SIZE = 10
@@ -237,3 +237,27 @@ def test_touches_put_a_chains_head_last_in_the_order() -> None:
     ram.touch_later(chain, 4)
     ram.put(k(10), b"x" * SIZE)  # applies the touches
     assert list(ram.budget._policy.candidates()) == [k(9), *chain[::-1], k(10)]
+
+
+def test_a_lease_heard_late_moves_its_session_end_later_only() -> None:
+    book = RetentionBook()
+    wrapper = Retaining(LRUPolicy(), book)
+    for key in (b"a", b"b"):
+        wrapper.admit(key)
+    book.grant([b"a"], [1], [wrapper], Retention(b"s", 100.0, 50), now=10.0)  # ends at 110
+    # a word said at 0 (ends at 100), heard once b landed: b joins, the end stays
+    book.grant([b"b"], [1], [wrapper], Retention(b"s", 100.0, 50), now=0.0, later_only=True)
+    assert book.expire(105.0) == 0
+    assert book.expire(110.0) == 2
+
+
+def test_leases_for_blocks_on_their_way_are_kept_bounded_and_end_with_their_time() -> None:
+    arrivals = Arrivals(most=2)
+    lease = Retention(b"s", 60.0, 70)
+    arrivals.add([b"a", b"b", b"c"], lease, now=0.0)
+    assert len(arrivals) == 2 and arrivals.take(b"a") is None  # (the oldest went)
+    assert arrivals.take(b"b") == (lease, 0.0)
+    assert arrivals.take(b"b") is None  # (taken once)
+    arrivals.add([b"d"], Retention(b"s", 10.0, 70), now=5.0)
+    arrivals.expire(15.0)  # d's time has passed, c's not
+    assert arrivals.take(b"d") is None and arrivals.take(b"c") == (lease, 0.0)

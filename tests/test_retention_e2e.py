@@ -268,3 +268,45 @@ async def test_a_returning_session_whose_blocks_are_only_in_s3_gets_them_leased_
         await d.settle()
         r = await retention(c)
         assert (r["leased_blocks"], r["sessions"]) == (3, 1)
+
+
+#: a disk of about ten blocks below the RAM of five
+SMALL_DISK = {"capacity": "2MiB"}
+
+
+@pytest.mark.parametrize("leased", [True, False], ids=["leased", "not-leased"])
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+async def test_the_disk_keeps_a_leased_session_while_other_traffic_fills_it(
+    sock_dir: Path, policy: str, leased: bool
+) -> None:
+    """The disk orders leases as RAM does: a session's blocks stay on it
+    while unleased traffic fills it several times over; without the lease
+    they are the first to go. Written through (the default), and written
+    back (the session's blocks then reach the disk once RAM lets them go,
+    all of RAM being leasable, and are leased there as they land)."""
+    ram = RAM if policy == "write-through" else ALL_LEASED
+    async with (
+        running_daemon(sock_dir, ram=ram, disk={**SMALL_DISK, "write_policy": policy}) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        disk = d.parts.service.disk
+        assert disk is not None
+        mine, values = blocks("agent", 8 if policy == "write-back" else 3)
+        await c.put_many(mine, values, retention=SESSION if leased else None)
+        await d.settle()
+        on_disk = [k for k in mine if disk.contains(k)]
+        assert on_disk  # (written through, or sent down by RAM)
+        other, others = blocks("other", 30)
+        for key, value in zip(other, others, strict=True):  # the disk, three times over
+            await c.put(key, value)
+            await d.settle()
+        r = await retention(c)
+        if leased:
+            assert all(disk.contains(k) for k in on_disk)
+            # (RAM may have sent more of them down meanwhile: leased too)
+            assert r["disk"]["leased_blocks"] == sum(disk.contains(k) for k in mine)
+            assert r["disk"]["evicted"] == 0
+            assert [await c.get(k) for k in on_disk] == [values[mine.index(k)] for k in on_disk]
+        else:
+            assert not any(disk.contains(k) for k in on_disk)
+            assert r["disk"]["leased_blocks"] == 0

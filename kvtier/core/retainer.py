@@ -3,9 +3,11 @@ expiry on the daemon's clock, and what they are worth.
 
 The pure half is :mod:`kvtier.tiers.retention` (the book and the eviction
 order). Here a LOOKUP, PUT or commit that carries a lease grants or renews
-it on the resident blocks it names, a release ends a session's leases, and
-the daemon's sweep ends the leases whose time has passed (so a lease may
-outlive its ttl by at most one ``sweep_interval``). A lookup of a session
+it on the blocks it names in RAM and on the disk (each local tier keeps
+its own book, and the disk leases a block whose write is on its way as
+it lands), a release ends a session's leases, and the daemon's sweep ends
+the leases whose time has passed (so a lease may outlive its ttl by at
+most one ``sweep_interval``). A lookup of a session
 that still holds a lease on its chain's head is a *return within the
 lease*: the blocks it asked and the leading run of them the local tiers
 held are counted, which is the hit ratio leases are for.
@@ -19,6 +21,7 @@ from typing import Any
 
 from kvtier.core.counts import CoreCounters
 from kvtier.model import Retention, namespace_name, namespace_of
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.ram import RamTier
 
 
@@ -29,8 +32,10 @@ class Retainer:
         now: Callable[[], float],
         counters: CoreCounters,
         held_locally: Callable[[bytes], bool],
+        disk: DiskTier | None = None,
     ) -> None:
         self.ram = ram
+        self.disk = disk
         self.book = ram.retention
         self.now = now
         self.counters = counters
@@ -53,9 +58,13 @@ class Retainer:
         self.retain(keys, retention)
 
     def retain(self, keys: Sequence[bytes], retention: Retention) -> None:
-        """Lease the resident ones of ``keys`` to ``retention`` (or renew it)."""
+        """Lease ``keys`` to ``retention`` (or renew it): those in RAM, and
+        those on the disk or on their way to it."""
         if keys:
-            self.ram.retain(keys, retention, self.now())
+            now = self.now()
+            self.ram.retain(keys, retention, now)
+            if self.disk is not None:
+                self.disk.retain(keys, retention, now)
 
     def holds(self, key: bytes, retention: Retention) -> bool:
         """Whether resident ``key`` is under ``retention``'s session's lease."""
@@ -80,11 +89,16 @@ class Retainer:
             load.add_done_callback(ended)
 
     def release(self, session: bytes, namespace: bytes) -> int:
-        """End ``namespace``'s ``session``'s leases; how many blocks it held."""
+        """End ``namespace``'s ``session``'s leases; how many blocks RAM held."""
+        if self.disk is not None:
+            self.disk.release_session(session, namespace)
         return self.ram.release_session(session, namespace)
 
     def expire(self) -> None:
-        self.ram.expire_leases(self.now())
+        now = self.now()
+        self.ram.expire_leases(now)
+        if self.disk is not None:
+            self.disk.expire_leases(now)
 
     def stats(self) -> dict[str, Any]:
         c = self.book.counts
@@ -105,4 +119,17 @@ class Retainer:
             "broken": int(self.counters.retention_broken.value),
             "returns_asked": int(self.counters.retention_return_asked.value),
             "returns_held": int(self.counters.retention_return_held.value),
+            "disk": None if self.disk is None else _disk_stats(self.disk),
         }
+
+
+def _disk_stats(disk: DiskTier) -> dict[str, Any]:
+    """The disk's leases: what it holds under them, and what it let go."""
+    book = disk.retention
+    return {
+        "leased_blocks": len(book),
+        "leased_bytes": {namespace_name(ns): n for ns, n in book.leased_bytes.items()},
+        "awaiting_writes": len(disk.arriving_leases),
+        "evicted": book.counts.evicted,
+        "capped": book.counts.capped,
+    }

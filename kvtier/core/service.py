@@ -199,7 +199,7 @@ class Service:
         self.connection_closed = stores.connection_closed
         self.unpin, self.release, self.looked_up = loads.unpin, answers.release, answers.looked_up
         #: retention leases (docs/retention.md)
-        self.retainer = Retainer(ram, now, counters, self.holds)
+        self.retainer = Retainer(ram, now, counters, self.holds, disk)
 
     def __repr__(self) -> str:
         return (

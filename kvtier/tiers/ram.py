@@ -89,9 +89,8 @@ from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer, Retention
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
-from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, NoRoom
-from kvtier.tiers.retention import Retaining, RetentionBook
-from kvtier.tiers.shares import Shares
+from kvtier.tiers.policy import EvictionPolicy, NoRoom
+from kvtier.tiers.retention import RetentionBook, retaining
 
 log = logging.getLogger("kvtier.ram")
 
@@ -153,11 +152,7 @@ class RamTier(LocalTier):
         self.retention = RetentionBook(self._retention_cap)
         #: the share of the tier (or of a namespace's max) leases may hold
         self.retained_share = retained_share
-        if isinstance(policy, Shares):
-            policy.wrap(lambda p: Retaining(p, self.retention))
-        else:
-            policy = Retaining(policy if policy is not None else LRUPolicy(), self.retention)
-        self.budget = Budget(capacity, policy)
+        self.budget = Budget(capacity, retaining(policy, self.retention))
         self._values: dict[bytes, Buffer] = {}
         #: reads' and lookups' hits not yet shown to the eviction policy (see
         #: touch_later)

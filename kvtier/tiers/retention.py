@@ -33,7 +33,10 @@ leased order (never also in the wrapped policy); a namespace's leased
 bytes are the sum of its leased keys' sizes and at most its cap after
 every grant; ``expire(now)`` ends exactly the leases whose end is at or
 before ``now``; every key a lease ends is handed back to the policy that
-held it, once. Imports the shared records only.
+held it, once. A tier that holds a block before a lease can reach it
+(its write on the way) keeps the lease for its arrival
+(:class:`Arrivals`). Imports the shared records, the policies and the
+shares.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.model import Retention, namespace_of
-from kvtier.tiers.policy import EvictionPolicy
+from kvtier.tiers.policy import EvictionPolicy, LRUPolicy
+from kvtier.tiers.shares import Shares
 
 #: a namespace whose leases nothing caps
 UNCAPPED = 1 << 62
@@ -152,12 +156,15 @@ class RetentionBook:
         owners: Sequence[Retaining],
         retention: Retention,
         now: float,
+        *,
+        later_only: bool = False,
     ) -> None:
         """Lease resident ``keys`` (a batch in chain order, each with its
         size and the wrapper whose order holds it) to ``retention``'s
         session (of the first key's namespace), whose lease now ends at
-        ``now + ttl`` (its latest word stands), or renew them. Then caps
-        each namespace whose leased bytes passed its cap."""
+        ``now + ttl`` (its latest word stands; ``later_only``: a word
+        said earlier, heard late, moves the end later only), or renew
+        them. Then caps each namespace whose leased bytes passed its cap."""
         if not keys:
             return
         ns = namespace_of(keys[0])
@@ -167,6 +174,8 @@ class RetentionBook:
         if sess is None:
             sess = self._sessions[slot] = Session(ends, set())
             heapq.heappush(self._ends, (ends, slot))
+        elif later_only and ends <= sess.ends:
+            pass
         elif sess.ends != ends:
             sess.ends = ends
             heapq.heappush(self._ends, (ends, slot))
@@ -412,3 +421,45 @@ class Retaining:
             del self._leased[priority]
             if not self._leased:  # (the last lease: a lease() after adds one again)
                 self._through(True)
+
+
+def retaining(policy: EvictionPolicy[bytes] | None, book: RetentionBook) -> EvictionPolicy[bytes]:
+    """``policy`` (LRU when None; each namespace's, when it is a tier's
+    shares) wrapped in a :class:`Retaining` of ``book``."""
+    if isinstance(policy, Shares):
+        policy.wrap(lambda p: Retaining(p, book))
+        return policy
+    return Retaining(policy if policy is not None else LRUPolicy(), book)
+
+
+class Arrivals:
+    """Leases given for keys a tier does not hold yet (a write to it on its
+    way): each key's latest, by when it was given, granted as the key
+    lands (:meth:`take`), dropped once it would have ended (:meth:`expire`),
+    and at most ``most`` of them (the oldest go first)."""
+
+    def __init__(self, most: int = 1 << 16) -> None:
+        self.most = most
+        self._waiting: OrderedDict[bytes, tuple[Retention, float]] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<Arrivals waiting={len(self._waiting)}>"
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, keys: Iterable[bytes], retention: Retention, now: float) -> None:
+        waiting = self._waiting
+        for key in keys:
+            waiting[key] = (retention, now)
+            waiting.move_to_end(key)
+        while len(waiting) > self.most:
+            waiting.popitem(last=False)
+
+    def take(self, key: bytes) -> tuple[Retention, float] | None:
+        return self._waiting.pop(key, None)
+
+    def expire(self, now: float) -> None:
+        gone = [k for k, (r, at) in self._waiting.items() if at + r.ttl <= now]
+        for key in gone:
+            del self._waiting[key]

@@ -37,7 +37,7 @@ whole block write (open, write, fsync, rename) is one hop to a thread
 instead of one per call, and the pool bounds how many blocks hit the disk
 at once.
 
-Imports the tiers' base, budget and policy; never the core or metrics.
+Imports the tiers' base, budget, policy and retention; never the core or metrics.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Literal
 
 from kvtier import collector
 from kvtier.errors import TierError, ValueTooLargeError
-from kvtier.model import Buffer
+from kvtier.model import Buffer, Retention
 from kvtier.tiers.base import DiskStats, LocalTier
 from kvtier.tiers.budget import Budget, Gone
 from kvtier.tiers.disk.format import CorruptBlock, block_path, by_bucket, file_size
@@ -71,6 +71,7 @@ from kvtier.tiers.disk.journal import Op, Record
 from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, GROUP_SECONDS, IndexJournal, Loaded
 from kvtier.tiers.disk.owedfile import OwedFile
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
+from kvtier.tiers.retention import Arrivals, Retaining, RetentionBook, retaining
 from kvtier.tiers.sealing import TORN, Sealer, SealError
 
 log = logging.getLogger("kvtier.disk")
@@ -97,12 +98,20 @@ class DiskTier(LocalTier):
         policy: EvictionPolicy[bytes] | None = None,
         compact_after: int = COMPACT_AFTER_BYTES,
         sealer: Sealer | None = None,
+        retained_share: float = 0.8,
     ) -> None:
         self.root = Path(root)
         #: seals the blocks of namespaces with a key, and admits every block read
         self.sealer = sealer if sealer is not None else Sealer()
+        #: retention leases on the blocks here (docs/retention.md): kept
+        #: before unleased ones when the disk makes room; in memory only
+        self.retention = RetentionBook(self._retention_cap)
+        #: the share of the disk (or of a namespace's max) leases may hold
+        self.retained_share = retained_share
+        #: leases given for blocks whose write here is on its way
+        self.arriving_leases = Arrivals()
         #: the index: key -> file size, pins, eviction order; ``held`` is bytes being written
-        self.budget = Budget(capacity, policy)
+        self.budget = Budget(capacity, retaining(policy, self.retention))
         self.fsync = fsync
         #: the disk's I/O threads: every blocking file operation runs here
         self.executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-disk")
@@ -310,7 +319,7 @@ class DiskTier(LocalTier):
         return done
 
     async def _shrink_to_capacity(self) -> None:
-        victims = self.budget.evict_for(0)  # until indexed plus in-flight bytes fit
+        victims = self._evict(0)  # until indexed plus in-flight bytes fit
         await asyncio.get_running_loop().run_in_executor(self.executor, self._unlink, victims)
         self._journalled()
 
@@ -372,7 +381,51 @@ class DiskTier(LocalTier):
     def _evict(self, need: int, key: bytes | None = None) -> list[bytes]:
         """Remove victims from the index (making room for ``key``'s namespace,
         when known); returns their keys, whose files to unlink."""
-        return self.budget.evict_for(need, key)
+        victims = self.budget.evict_for(need, key)
+        self.retention.evicted_leased.clear()  # (counted by the book; nothing below)
+        return victims
+
+    # -- retention
+
+    def retain(self, keys: Sequence[bytes], retention: Retention, now: float) -> int:
+        """Lease the ``keys`` held here to ``retention`` (or renew their
+        lease), and the others as their writes land; returns how many were held."""
+        budget = self.budget
+        held = [k for k in keys if k in budget]
+        if len(held) < len(keys):
+            self.arriving_leases.add((k for k in keys if k not in budget), retention, now)
+        if held:
+            owners = [budget.policy_of(k) for k in held]
+            sizes = [budget.size_of(k) for k in held]
+            self.retention.grant(held, sizes, owners, retention, now)  # type: ignore[arg-type]
+        return len(held)
+
+    def release_session(self, session: bytes, namespace: bytes) -> int:
+        """End ``namespace``'s ``session``'s lease here."""
+        return self.retention.release(session, namespace)
+
+    def expire_leases(self, now: float) -> int:
+        """End the leases here whose time passed."""
+        self.arriving_leases.expire(now)
+        return self.retention.expire(now)
+
+    def _lease_landed(self, key: bytes) -> None:
+        """``key``'s write landed: the lease given while it was on its way."""
+        waiting = self.arriving_leases.take(key)
+        if waiting is not None and key in self.budget:
+            retention, at = waiting
+            budget = self.budget
+            owner = budget.policy_of(key)
+            assert isinstance(owner, Retaining)
+            self.retention.grant(
+                [key], [budget.size_of(key)], [owner], retention, at, later_only=True
+            )
+
+    def _retention_cap(self, ns: bytes) -> int:
+        shares = self.budget.shares
+        quota = shares.quota(ns).max if shares is not None else None
+        whole = self.budget.capacity if quota is None else min(quota, self.budget.capacity)
+        return int(whole * self.retained_share)
 
     # -- reads
 
@@ -530,6 +583,8 @@ class DiskTier(LocalTier):
             if deleted:
                 return
             self.budget.unpin(key)
+            if self.arriving_leases:
+                self._lease_landed(key)
             if self.budget.shares is not None:
                 # Writes of one namespace in flight together each found room
                 # within its max; the last to land makes it true again.
