@@ -15,8 +15,10 @@ from kvtier import wire
 from kvtier.client.aio import Client
 from kvtier.errors import BadArgumentError, ForbiddenError, KvtierError
 from kvtier.model import LookupMode, Retention
+from kvtier.tiers.rendezvous import owner
 from tests.ceph import CephS3
-from tests.helpers import running_daemon
+from tests.helpers import running_daemon, wait_until
+from tests.ports import free_port
 
 BLOCK = 200_000  # five fit in the 1 MiB of RAM below
 RAM = {"capacity": "1MiB"}
@@ -171,15 +173,47 @@ async def test_a_bad_lease_is_refused_and_the_connection_goes_on(
         assert (await retention(c))["leased_blocks"] == 0
 
 
-async def test_the_peer_port_takes_no_lease(sock_dir: Path) -> None:
+async def test_the_peer_port_takes_a_retain_and_no_other_lease(sock_dir: Path) -> None:
     peer = {"listen": "127.0.0.1:0", "members": ["127.0.0.1:9"], "token": "t"}
     async with running_daemon(sock_dir, ram=RAM, disk=RAM_ONLY, peer=peer) as d:
         assert d.peer_port is not None
         async with await Client.connect_tcp("127.0.0.1", d.peer_port, token=b"t") as c:
-            with pytest.raises(ForbiddenError, match="RETAIN is not allowed on the peer port"):
-                await c.retain([b"k"], SESSION)
+            await c.put(b"k", b"v")
+            await c.retain([b"k"], SESSION)  # a peer's session, on what it pushed
+            assert d.service.retainer.stats()["leased_blocks"] == 1
             with pytest.raises(BadArgumentError, match="local clients"):  # (a lease on a PUT)
-                await c.put(b"k", b"v", retention=SESSION)
+                await c.put(b"k2", b"v", retention=SESSION)
+            with pytest.raises(BadArgumentError, match="local clients"):  # (on a lookup)
+                await c.lookup_prefix([b"k"], retention=SESSION)
+            with pytest.raises(ForbiddenError, match="UNRETAIN is not allowed on the peer port"):
+                await c.unretain(SESSION.session)
+
+
+async def test_a_sessions_lease_reaches_the_peer_that_owns_its_blocks(sock_dir: Path) -> None:
+    """Blocks stored on A that B owns are pushed to B; the session's lease
+    goes with them, so B keeps them before its unleased blocks, whichever
+    of the push and the lease lands first."""
+    a_dir, b_dir = sock_dir / "a", sock_dir / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    here, there = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    members = [m.encode() for m in (here, there)]
+    peer = {"members": [here, there], "token": "t"}
+    theirs = [k for k in (b"blk-%d" % i for i in range(200)) if owner(k, members) == members[1]]
+    mine, values = theirs[:3], [bytes([i + 1]) * BLOCK for i in range(3)]
+    async with (
+        running_daemon(b_dir, ram=RAM, disk=RAM_ONLY, peer={**peer, "listen": there}) as b,
+        running_daemon(a_dir, ram=RAM, disk=RAM_ONLY, peer={**peer, "listen": here}) as a,
+        await Client.connect(a.socket_path) as c,
+        await Client.connect(b.socket_path) as on_b,
+    ):
+        await c.put_many(mine, values, retention=SESSION)
+        await wait_until(lambda: b.service.retainer.stats()["leased_blocks"] == 3)
+        assert b.service.retainer.stats()["sessions"] == 1
+        other, others = blocks("other", 6)
+        for key, value in zip(other, others, strict=True):  # fills B's RAM twice over
+            await on_b.put(key, value)
+        assert [await on_b.get(k) for k in mine] == values
 
 
 async def test_on_the_defaults_a_session_back_from_the_disk_is_leased_in_ram_again(

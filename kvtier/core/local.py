@@ -22,6 +22,7 @@ from typing import Any
 from kvtier.core.answers import Answers
 from kvtier.core.loads import Loads
 from kvtier.core.probing import Reach
+from kvtier.core.retainer import Retainer
 from kvtier.core.stores import Stores
 from kvtier.errors import BadArgumentError, ForbiddenError
 from kvtier.model import (
@@ -50,8 +51,11 @@ class LocalView:
         limits: Limits,
         *,
         source: str,
+        retainer: Retainer | None = None,
     ) -> None:
         self._answers, self._loads, self._stores = answers, loads, stores
+        #: where a peer's leases go (None: refused)
+        self._retainer = retainer
         #: the local tiers' locator, and no remote tier
         self._reach = reach
         #: the name a pushed block is stored under as its source (the peer tier's)
@@ -106,7 +110,11 @@ class LocalView:
         raise ForbiddenError("peers have no request tags here")
 
     def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
-        raise BadArgumentError("retention leases are set by local clients, not peers")
+        """A peer's session lease (its RETAIN) on the blocks it pushed here,
+        and those its pushes are bringing; other verbs carry none."""
+        if self._retainer is None or lookup:
+            raise BadArgumentError("retention leases are set by local clients, not peers")
+        self._retainer.retain(keys, retention, peer=True)
 
     def retain_arriving(self, keys: Sequence[bytes], retention: Retention) -> None:
         raise BadArgumentError("retention leases are set by local clients, not peers")
@@ -142,8 +150,9 @@ class SealedView(LocalView):
         *,
         source: str,
         sealer: Sealer,
+        retainer: Retainer | None = None,
     ) -> None:
-        super().__init__(answers, loads, stores, reach, limits, source=source)
+        super().__init__(answers, loads, stores, reach, limits, source=source, retainer=retainer)
         self.sealer = sealer
 
     def __repr__(self) -> str:

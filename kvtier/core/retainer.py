@@ -33,9 +33,13 @@ class Retainer:
         counters: CoreCounters,
         held_locally: Callable[[bytes], bool],
         disk: DiskTier | None = None,
+        forward: Callable[[Sequence[bytes], Retention], None] | None = None,
     ) -> None:
         self.ram = ram
         self.disk = disk
+        #: hands a local session's lease on to the remote tiers that keep
+        #: leases (peers: their copies of its blocks), in the background
+        self._forward = forward
         self.book = ram.retention
         self.now = now
         self.counters = counters
@@ -57,14 +61,18 @@ class Retainer:
             self.counters.retention_return_held.value += held
         self.retain(keys, retention)
 
-    def retain(self, keys: Sequence[bytes], retention: Retention) -> None:
+    def retain(self, keys: Sequence[bytes], retention: Retention, *, peer: bool = False) -> None:
         """Lease ``keys`` to ``retention`` (or renew it): those in RAM, and
-        those on the disk or on their way to it."""
+        those on the disk or on their way to it; a local session's lease
+        goes on to the peers too. ``peer``: a peer's lease on the blocks
+        its pushes bring here (leased in RAM as they land; never sent on)."""
         if keys:
             now = self.now()
-            self.ram.retain(keys, retention, now)
+            self.ram.retain(keys, retention, now, arrive=peer)
             if self.disk is not None:
                 self.disk.retain(keys, retention, now)
+            if self._forward is not None and not peer:
+                self._forward(keys, retention)
 
     def holds(self, key: bytes, retention: Retention) -> bool:
         """Whether resident ``key`` is under ``retention``'s session's lease."""

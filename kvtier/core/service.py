@@ -199,7 +199,13 @@ class Service:
         self.connection_closed = stores.connection_closed
         self.unpin, self.release, self.looked_up = loads.unpin, answers.release, answers.looked_up
         #: retention leases (docs/retention.md)
-        self.retainer = Retainer(ram, now, counters, self.holds, disk)
+        leasing = [spec.tier for spec in remotes if spec.tier.keeps_leases]
+
+        def forward(keys: Sequence[bytes], retention: Retention) -> None:
+            for tier in leasing:
+                self.life.task(tier.retain_copies(list(keys), retention))
+
+        self.retainer = Retainer(ram, now, counters, self.holds, disk, forward if leasing else None)
 
     def __repr__(self) -> str:
         return (
@@ -211,7 +217,7 @@ class Service:
         """The service as a peer daemon sees it: its pushes stored as from
         ``source``, its blocks travelling through ``sealer``."""
         parts = (self.answers, self.loads, self.stores, self.local_reach, self.limits)
-        return SealedView(*parts, source=source, sealer=sealer)
+        return SealedView(*parts, source=source, sealer=sealer, retainer=self.retainer)
 
     # ------------------------------------------------------------ lifecycle
 

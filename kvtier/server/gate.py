@@ -7,9 +7,10 @@ counted by reason, answered with one FORBIDDEN error and closed before
 anything of the frame is acted on. The token is compared in constant time
 and never logged or shown in a repr.
 
-Once in, a peer may only run :attr:`PeerGate.ops`: HELLO, PING, LOOKUP, GET
-and PUT (and DELETE when enabled). Never STATS, RESERVE, ABORT or RELEASE:
-a peer is not a client of this node's engines. Pure; imports the wire only.
+Once in, a peer may only run :attr:`PeerGate.ops`: HELLO, PING, LOOKUP, GET,
+PUT and RETAIN (a session's lease on the blocks it pushed; and DELETE when
+enabled). Never STATS, RESERVE, ABORT or RELEASE: a peer is not a client
+of this node's engines. Pure; imports the wire only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import hmac
 from kvtier import wire
 from kvtier.wire import Frame, Op
 
-PEER_OPS = frozenset({Op.HELLO, Op.PING, Op.LOOKUP, Op.GET, Op.PUT})
+PEER_OPS = frozenset({Op.HELLO, Op.PING, Op.LOOKUP, Op.GET, Op.PUT, Op.RETAIN})
 
 
 class Refusal(enum.Enum):

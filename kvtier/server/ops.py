@@ -637,8 +637,10 @@ class Ops:
         return Reply(wire.encode_u64(n))
 
     def _retention(self, frame: Frame, required: bool = False) -> tuple[Retention | None, Buffer]:
-        """The lease a FLAG_RETAIN request carries, and the rest of its meta."""
-        if self.access is None and (required or frame.header.flags & wire.FLAG_RETAIN):
+        """The lease a FLAG_RETAIN request carries, and the rest of its meta
+        (on the peer port, a RETAIN's only: the service decides)."""
+        peer_port = self.access is None
+        if peer_port and not required and frame.header.flags & wire.FLAG_RETAIN:
             raise BadArgumentError("retention leases are set by local clients, not peers")
         if not frame.header.flags & wire.FLAG_RETAIN:
             if required:

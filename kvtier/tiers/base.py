@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import xxhash
 
-from kvtier.model import Buffer
+from kvtier.model import Buffer, Retention
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.hedger import Hedger
 
@@ -139,6 +139,16 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> TierStats:
         """A snapshot of the tier's occupancy."""
+
+    #: whether :meth:`retain_copies` carries a lease anywhere (a tier of other
+    #: daemons: they order their copies of a session's blocks by it)
+    keeps_leases: bool = False
+
+    async def retain_copies(  # noqa: B027 - a tier that orders no leases
+        self, keys: Sequence[bytes], retention: Retention
+    ) -> None:
+        """Lease this tier's copies of ``keys`` to ``retention``'s session
+        (best effort; a tier that orders no leases does nothing)."""
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Acquire resources (clients, pools); called once at startup."""

@@ -44,7 +44,7 @@ from kvtier.client.aio import Client
 from kvtier.client.redial import Redial
 from kvtier.counters import LATENCY_BUCKETS, Counts, Histograms
 from kvtier.errors import KvtierError, TierError
-from kvtier.model import Buffer, LookupMode, State
+from kvtier.model import Buffer, LookupMode, Retention, State
 from kvtier.tiers.base import PeerStats, Tier
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.hedger import Hedger
@@ -203,6 +203,12 @@ class Peer:
         values: list[Buffer | None] = await self.call("get", get)
         self._counters.bytes.inc(self.address, "in", n=sum(len(v) for v in values if v))
         return values
+
+    async def retain(self, keys: list[bytes], retention: Retention) -> None:
+        async def lease(c: Client) -> None:
+            await c.retain(keys, retention)
+
+        await self.call("retain", lease)
 
     async def store(self, keys: list[bytes], values: list[Buffer]) -> None:
         async def put(c: Client) -> None:
@@ -428,6 +434,26 @@ class PeerTier(Tier):
                 raise error
         if errors and len(errors) == len(results):
             raise errors[0]  # reached no owner: the push failed
+
+    keeps_leases = True
+
+    async def retain_copies(self, keys: Sequence[bytes], retention: Retention) -> None:
+        """A local session's lease, to each key's other owners: they lease
+        the copies they hold, and those their pushes are bringing, as they
+        land. Best effort: an owner that fails is logged, never raised."""
+        groups: dict[Peer, list[bytes]] = {}
+        for key in keys:
+            for peer in self.picker.owners(key, self.replicas):
+                groups.setdefault(peer, []).append(key)
+        results = await asyncio.gather(
+            *(peer.retain(mine, retention) for peer, mine in groups.items()),
+            return_exceptions=True,
+        )
+        for peer, result in zip(groups, results, strict=True):
+            if isinstance(result, Exception):
+                log.debug("%s: lease at %s failed: %s", self.name, peer.address, result)
+            elif isinstance(result, BaseException):
+                raise result
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)  # blocks on peers are theirs to evict

@@ -90,7 +90,7 @@ from kvtier.model import Buffer, Retention
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
-from kvtier.tiers.retention import RetentionBook, retaining
+from kvtier.tiers.retention import Arrivals, RetentionBook, retaining
 
 log = logging.getLogger("kvtier.ram")
 
@@ -152,6 +152,8 @@ class RamTier(LocalTier):
         self.retention = RetentionBook(self._retention_cap)
         #: the share of the tier (or of a namespace's max) leases may hold
         self.retained_share = retained_share
+        #: leases given for blocks on their way here (retain's ``arrive``)
+        self.arriving_leases = Arrivals()
         self.budget = Budget(capacity, retaining(policy, self.retention))
         self._values: dict[bytes, Buffer] = {}
         #: reads' and lookups' hits not yet shown to the eviction policy (see
@@ -316,13 +318,20 @@ class RamTier(LocalTier):
 
     # -- retention
 
-    def retain(self, keys: Sequence[bytes], retention: Retention, now: float) -> int:
+    def retain(
+        self, keys: Sequence[bytes], retention: Retention, now: float, *, arrive: bool = False
+    ) -> int:
         """Lease the resident ones of ``keys`` (a chain, head first) to
-        ``retention``, or renew their lease; returns how many were resident."""
+        ``retention``, or renew their lease; returns how many were resident.
+        ``arrive``: the others are leased as they land (a peer's lease on
+        blocks its push is bringing here)."""
         if self._touches:
             self._apply_touches()
         policy_of, size_of = self.budget.policy_of, self.budget.size_of
         held = [k for k in keys if k in self._values]
+        if arrive and len(held) < len(keys):
+            values = self._values
+            self.arriving_leases.add((k for k in keys if k not in values), retention, now)
         owners = [policy_of(k) for k in held]
         self.retention.grant(held, [size_of(k) for k in held], owners, retention, now)  # type: ignore[arg-type]
         return len(held)
@@ -338,6 +347,7 @@ class RamTier(LocalTier):
         """End the leases whose time passed, as :meth:`release_session` does."""
         if self._touches:
             self._apply_touches()
+        self.arriving_leases.expire(now)
         return self.retention.expire(now)
 
     def _retention_cap(self, ns: bytes) -> int:
@@ -357,7 +367,21 @@ class RamTier(LocalTier):
         the value's memory is not the caller's to give (a view of a buffer
         about to be reused), so the tier keeps a copy. ``cold``: the writer
         expects no reuse (a TAIL hint): admitted first in the eviction order.
+        A lease given for ``key`` before it was here is granted as it lands.
         """
+        stored, evicted = self._put(key, value, copy, cold)
+        if stored and self.arriving_leases:
+            waiting = self.arriving_leases.take(key)
+            if waiting is not None:
+                retention, at = waiting
+                owner = self.budget.policy_of(key)
+                size = self.budget.size_of(key)
+                self.retention.grant([key], [size], [owner], retention, at, later_only=True)  # type: ignore[list-item]
+        return stored, evicted
+
+    def _put(
+        self, key: bytes, value: Buffer, copy: bool, cold: bool
+    ) -> tuple[bool, list[tuple[bytes, Buffer]]]:
         if self._touches:
             self._apply_touches()
         if key in self._values:
