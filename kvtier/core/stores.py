@@ -129,6 +129,8 @@ class Stores:
             raise
         if res is not None:
             self.c.pending.end(res, End.COMPLETED)
+        if stored and self.c.ram.arriving_leases.waiting:  # (a peer's lease came first)
+            self.c.ram.lease_landed(key)
         self.evicted(evicted)
         # A client's block flows down by each tier's policy; a promoted one is
         # kept on the local disk when it came from a remote tier, else nowhere.

@@ -350,6 +350,14 @@ class RamTier(LocalTier):
         self.arriving_leases.expire(now)
         return self.retention.expire(now)
 
+    def lease_landed(self, key: bytes) -> None:
+        """``key`` was just stored: the lease given for it on its way, if any."""
+        waiting = self.arriving_leases.take(key)
+        if waiting is not None and key in self._values:
+            retention, at = waiting
+            owner, size = self.budget.policy_of(key), self.budget.size_of(key)
+            self.retention.grant([key], [size], [owner], retention, at, later_only=True)  # type: ignore[list-item]
+
     def _retention_cap(self, ns: bytes) -> int:
         shares = self.budget.shares
         quota = shares.quota(ns).max if shares is not None else None
@@ -367,21 +375,7 @@ class RamTier(LocalTier):
         the value's memory is not the caller's to give (a view of a buffer
         about to be reused), so the tier keeps a copy. ``cold``: the writer
         expects no reuse (a TAIL hint): admitted first in the eviction order.
-        A lease given for ``key`` before it was here is granted as it lands.
         """
-        stored, evicted = self._put(key, value, copy, cold)
-        if stored and self.arriving_leases:
-            waiting = self.arriving_leases.take(key)
-            if waiting is not None:
-                retention, at = waiting
-                owner = self.budget.policy_of(key)
-                size = self.budget.size_of(key)
-                self.retention.grant([key], [size], [owner], retention, at, later_only=True)  # type: ignore[list-item]
-        return stored, evicted
-
-    def _put(
-        self, key: bytes, value: Buffer, copy: bool, cold: bool
-    ) -> tuple[bool, list[tuple[bytes, Buffer]]]:
         if self._touches:
             self._apply_touches()
         if key in self._values:

@@ -440,16 +440,17 @@ class Arrivals:
 
     def __init__(self, most: int = 1 << 16) -> None:
         self.most = most
-        self._waiting: OrderedDict[bytes, tuple[Retention, float]] = OrderedDict()
+        #: each key's lease and when it was given, the oldest first
+        self.waiting: OrderedDict[bytes, tuple[Retention, float]] = OrderedDict()
 
     def __repr__(self) -> str:
-        return f"<Arrivals waiting={len(self._waiting)}>"
+        return f"<Arrivals waiting={len(self.waiting)}>"
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self.waiting)
 
     def add(self, keys: Iterable[bytes], retention: Retention, now: float) -> None:
-        waiting = self._waiting
+        waiting = self.waiting
         for key in keys:
             waiting[key] = (retention, now)
             waiting.move_to_end(key)
@@ -457,9 +458,9 @@ class Arrivals:
             waiting.popitem(last=False)
 
     def take(self, key: bytes) -> tuple[Retention, float] | None:
-        return self._waiting.pop(key, None)
+        return self.waiting.pop(key, None)
 
     def expire(self, now: float) -> None:
-        gone = [k for k, (r, at) in self._waiting.items() if at + r.ttl <= now]
+        gone = [k for k, (r, at) in self.waiting.items() if at + r.ttl <= now]
         for key in gone:
-            del self._waiting[key]
+            del self.waiting[key]

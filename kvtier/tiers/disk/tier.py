@@ -583,7 +583,7 @@ class DiskTier(LocalTier):
             if deleted:
                 return
             self.budget.unpin(key)
-            if self.arriving_leases:
+            if self.arriving_leases.waiting:
                 self._lease_landed(key)
             if self.budget.shares is not None:
                 # Writes of one namespace in flight together each found room
