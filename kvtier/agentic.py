@@ -17,11 +17,12 @@ sessions' mean length); each request arrives at its session's start plus
 its ``t``.
 
 The hints an engine (its agent harness) would send, per request
-(:func:`retention_hints`): the session's id; a tool call or the end of a
-turn (from ``stop``) as the priority; and a time to keep (TTL) from the
+(:func:`retention_hints`): the session's id; a time to keep (TTL) from the
 pause before the session's next request, rounded up to one of the lengths
-harnesses choose between (1 minute, 5 minutes, an hour); a session's last
-request, whose pause nobody knows, gets its stop's default.
+harnesses choose between (1 minute, 5 minutes, an hour), a session's last
+request, whose pause nobody knows, getting its stop's default; and a
+priority from when the session is expected back: the shorter its TTL, the
+higher, and at one TTL a tool call (``stop``) above the end of a turn.
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ from kvtier.model import Retention
 TTL_STEPS = (60.0, 300.0, 3600.0)
 #: the TTL of a session's last request, by its stop
 LAST_TTL = {"tool_use": 300.0, "end_turn": 3600.0}
-#: the priority of a request that ended in a tool call (the session comes
-#: back in seconds) and of one that ended its turn (minutes, or never)
-TOOL_CALL_PRIORITY = 70
-END_OF_TURN_PRIORITY = 30
+#: the priority of a request's lease by its TTL: a session expected back
+#: sooner is kept before one expected later (Belady's order, as far as the
+#: harness can tell it)
+PRIORITY_BY_TTL = {60.0: 80, 300.0: 60, 3600.0: 20}
+#: a request that ended in a tool call (the session comes back when the
+#: tool has run) is kept before one that ended its turn, at the same TTL
+TOOL_CALL_BONUS = 5
 #: a session is busy while its last request is at most this old (seconds)
 BUSY_WINDOW = 300.0
 
@@ -103,7 +107,7 @@ def retention_hints(turns: Sequence[Turn]) -> list[Retention]:
             ttl = LAST_TTL["tool_use" if tool else "end_turn"]
         else:
             ttl = next((s for s in TTL_STEPS if turn.pause <= s), TTL_STEPS[-1])
-        priority = TOOL_CALL_PRIORITY if tool else END_OF_TURN_PRIORITY
+        priority = PRIORITY_BY_TTL[ttl] + (TOOL_CALL_BONUS if tool else 0)
         out.append(Retention(b"s%d" % turn.session, ttl, priority))
     return out
 

@@ -144,7 +144,8 @@ class _Collector(Collector):
             "kvtier_retention_blocks",
             "Blocks by what happened to their retention lease: granted, renewed, released "
             "(the session ended it), expired (its ttl passed), capped (its namespace's "
-            "leased bytes passed the cap: an ordinary block now), evicted (RAM's room was "
+            "leased bytes passed the cap: an ordinary block now), superseded (its session's "
+            "whole prompt no longer named it), evicted (RAM's room was "
             "needed by leased blocks alone; kept below where a tier takes it), broken "
             "(evicted, and no tier kept it)",
             labels=["event"],
@@ -155,6 +156,7 @@ class _Collector(Collector):
             ("released", "released"),
             ("expired", "expired"),
             ("capped", "capped"),
+            ("superseded", "superseded"),
             ("evicted", "evicted_from_ram"),
             ("broken", "broken"),
         ):

@@ -256,6 +256,10 @@ class Lookup:
     #: keys past the prefix whose loads save the most time against that
     #: answer MISS (docs/lookup.md, "A lookup with a budget"); 0: no budget
     budget: float = 0.0
+    #: the keys are a session's whole prompt, from its first block (PREFIX
+    #: mode, with a lease): the session's leased blocks outside it are of
+    #: an earlier prompt it left, and lose their lease (docs/retention.md)
+    whole: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -354,9 +358,16 @@ class CacheService(Protocol):
 
     def release(self, tag: bytes) -> bool: ...
 
-    def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
+    def retain(
+        self,
+        keys: Sequence[bytes],
+        retention: Retention,
+        lookup: bool = False,
+        whole: bool = False,
+    ) -> None:
         """A retention lease on the resident ones of ``keys`` (a chain);
-        ``lookup``: a lookup asked for them."""
+        ``lookup``: a lookup asked for them; ``whole``: they are the
+        session's whole prompt (its blocks outside them lose their lease)."""
 
     def retain_arriving(self, keys: Sequence[bytes], retention: Retention) -> None:
         """The lease of a lookup of ``keys`` on the ones not under it yet: in

@@ -213,7 +213,8 @@ def replay(
     the daemon admits a batch). ``tails``: per chain, whether its new last
     block is put with the TAIL hint; ``retentions``: per chain, the lease its
     engine sends with both (None: none), at ``times`` (seconds; the lease
-    clock)."""
+    clock), its lookup naming the session's whole prompt (``whole``: the
+    session's leases on a prompt it left end)."""
     label, blocks = capacity
     ram = RamTier(blocks * block_size, make_policy(policy), retained_share=retained_share)
     value = memoryview(bytes(block_size))  # every block shares one buffer
@@ -238,10 +239,12 @@ def replay(
         elif chain:
             heads.add(chain[0])
         touch_later(keys, run)
-        if lease is not None and run:  # the lookup renews what the session said last
+        if lease is not None:  # the lookup renews what the session said last
             said = leases.get(lease.session)
-            if said is not None:
+            if said is not None and run:
                 ram.retain(keys[:run], said, now)
+            if said is not None:  # (it names the whole prompt: a prompt left ends)
+                ram.supersede(lease.session, keys)
         _store_rest(ram, keys, run, value, len(keys) - 1 if tails is not None and tails[n] else -1)
         if lease is not None:  # the store says how long, and how much it matters
             ram.retain(keys, lease, now)
@@ -453,6 +456,10 @@ def replay_ttft(
         ram_found = sum(1 for s in sources if s == "ram")
         from_ram += ram_found
         from_lower += found - ram_found
+        if lease is not None:  # (its lookup names the whole prompt: a prompt left ends)
+            for tier in (ram, below):
+                if tier is not None:
+                    tier.supersede(lease.session, keys)
         _serve(ram, keys, value)
         if below is not None:  # (written through)
             _serve(below, keys, value)

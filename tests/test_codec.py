@@ -67,6 +67,8 @@ def test_truncated_key_lists_raise(raw: bytes) -> None:
 def test_lookup_round_trip() -> None:
     req = Lookup([b"k1", b"k2"], LookupMode.SLIDING_WINDOW, 4, 0.5, 2.0, b"req-7")
     assert wire.decode_lookup(wire.encode_lookup(req)) == req
+    whole = Lookup([b"k1"], LookupMode.PREFIX, peek=True, budget=0.25, whole=True)
+    assert wire.decode_lookup(wire.encode_lookup(whole)) == whole
 
 
 def test_reserve_round_trip() -> None:

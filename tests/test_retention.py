@@ -152,7 +152,7 @@ def test_a_deleted_leased_block_leaves_the_book() -> None:
 
 
 def test_the_book_and_a_model_agree_under_random_operations() -> None:
-    """Random puts, deletes, leases, renewals, releases and expiries: after
+    """Random puts, deletes, leases, renewals, whole prompts, releases and expiries: after
     each, the book's leases, sessions and bytes, and every key's place (the
     leased order or the wrapped policy, never both, every resident key in
     one), against what the module's docstring promises."""
@@ -174,6 +174,9 @@ def test_the_book_and_a_model_agree_under_random_operations() -> None:
                 session = b"s%d" % rng.randrange(4)
                 keys = [k(rng.randrange(46), ns) for _ in range(rng.randint(1, 5))]
                 ram.retain(keys, lease(session, rng.choice([2.0, 5.0]), rng.randrange(101)), now)
+            elif op < 0.85:
+                keys = [k(rng.randrange(46), ns) for _ in range(rng.randint(1, 8))]
+                ram.supersede(b"s%d" % rng.randrange(4), keys)
             elif op < 0.9:
                 ram.release_session(b"s%d" % rng.randrange(4), ns)
             else:
@@ -261,3 +264,19 @@ def test_leases_for_blocks_on_their_way_are_kept_bounded_and_end_with_their_time
     arrivals.add([b"d"], Retention(b"s", 10.0, 70), now=5.0)
     arrivals.expire(15.0)  # d's time has passed, c's not
     assert arrivals.take(b"d") is None and arrivals.take(b"c") == (lease, 0.0)
+
+
+def test_a_sessions_whole_prompt_ends_its_leases_on_a_prompt_it_left() -> None:
+    ram = tier(8)
+    left, kept = [k(0), k(1), k(2)], [k(0), k(5)]  # (it compacted: one block stays)
+    put(ram, left)
+    ram.retain(left, lease(b"s"), now=0.0)
+    put(ram, [k(9)])
+    ram.retain([k(9)], lease(b"other"), now=0.0)  # another session's lease stays
+    put(ram, [k(5)])
+    assert ram.supersede(b"s", kept) == 2  # k1 and k2: no longer its prompt
+    assert ram.retention.counts.superseded == 2
+    assert set(ram.retention.lease_of(key) is not None for key in (k(0), k(9))) == {True}
+    # they are ordinary blocks, first to go (a chain's tail first)
+    assert [key for key, _ in ram.make_room([k(20)], [b"x" * SIZE * 5])] == [k(2), k(1)]
+    assert ram.supersede(b"nobody", kept) == 0 and ram.supersede(b"s", []) == 0

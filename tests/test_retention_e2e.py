@@ -344,3 +344,33 @@ async def test_the_disk_keeps_a_leased_session_while_other_traffic_fills_it(
         else:
             assert not any(disk.contains(k) for k in on_disk)
             assert r["disk"]["leased_blocks"] == 0
+
+
+async def test_a_lookup_of_the_sessions_whole_prompt_ends_its_leases_on_a_prompt_it_left(
+    sock_dir: Path,
+) -> None:
+    async with (
+        running_daemon(sock_dir, ram=RAM, disk=RAM_ONLY) as d,
+        await Client.connect(d.socket_path) as c,
+    ):
+        old, values = blocks("agent", 3)
+        await c.put_many(old, values, retention=SESSION)
+        # a lookup of part of a prompt (an engine asking past what it holds) ends nothing
+        await c.lookup_prefix(old[1:], retention=SESSION)
+        assert (await retention(c))["superseded"] == 0
+        new = [old[0], b"agent-compacted"]  # the session compacted its context
+        await c.lookup_prefix(new, retention=SESSION, whole=True)
+        r = await retention(c)
+        assert (r["superseded"], r["leased_blocks"], r["sessions"]) == (2, 1, 1)
+        superseded = d.metrics.registry.get_sample_value(
+            "kvtier_retention_blocks_total", {"event": "superseded"}
+        )
+        assert superseded == 2
+        other, others = blocks("other", 4)  # RAM holds five: two must go
+        for key, value in zip(other, others, strict=True):
+            await c.put(key, value)
+        assert await c.get(old[0]) == values[0]  # still the session's
+        assert [await c.get(k) for k in old[1:]] == [None, None]  # the prompt it left went first
+        assert [await c.get(k) for k in other] == others
+        with pytest.raises(ValueError, match="PREFIX mode, with a lease"):
+            await c.lookup(new, whole=True)

@@ -135,15 +135,18 @@ def test_the_hints_an_engine_would_send(tmp_path: Path) -> None:
     for turn, lease in zip(turns, hints, strict=True):
         assert lease.session == b"s%d" % turn.session
         tool = turn.stop == "tool_use"
-        assert lease.priority == (
-            agentic.TOOL_CALL_PRIORITY if tool else agentic.END_OF_TURN_PRIORITY
-        )
+        bonus = agentic.TOOL_CALL_BONUS if tool else 0
+        assert lease.priority == agentic.PRIORITY_BY_TTL[lease.ttl] + bonus
         if turn.pause is None:  # a session's last request: its stop's default
             assert lease.ttl == agentic.LAST_TTL[turn.stop]
         else:  # the pause, rounded up to a step a harness picks from
             assert lease.ttl >= min(turn.pause, agentic.TTL_STEPS[-1])
             assert lease.ttl in agentic.TTL_STEPS
     assert sum(h.ttl == 60.0 for h in hints) and sum(h.ttl == 3600.0 for h in hints)
+    # sooner back, kept first: a tool call's one-minute lease above any
+    # five-minute one, and an end of turn's hour below every other
+    order = sorted({(h.ttl, h.priority) for h in hints}, key=lambda tp: -tp[1])
+    assert [ttl for ttl, _ in order] == sorted(ttl for ttl, _ in order)
 
 
 def test_the_busy_prompt_is_the_mean_prompt_of_the_sessions_busy_at_each_arrival() -> None:

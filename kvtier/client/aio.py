@@ -463,6 +463,7 @@ class Client:
         peek: bool = False,
         budget: float = 0.0,
         retention: Retention | None = None,
+        whole: bool = False,
         timeout: Timeout = ...,
     ) -> LookupReply:
         """Per-key states of ``keys`` and the usable prefix (``prefix_hits``, ``defer``).
@@ -473,14 +474,26 @@ class Client:
         keys past the prefix whose loads save the engine the most time
         answer MISS (docs/lookup.md). ``retention``: the session's lease,
         renewed on the blocks it finds (docs/retention.md); such a lookup
-        is the daemon's to answer, never the lookup process's."""
+        is the daemon's to answer, never the lookup process's. ``whole``
+        (with a lease, in PREFIX mode): ``keys`` are the session's whole
+        prompt from its first block, so its leases on blocks outside them
+        (a prompt it left) end."""
+        if whole and (retention is None or mode is not LookupMode.PREFIX):
+            raise ValueError("whole names a leased session's prompt: PREFIX mode, with a lease")
         if retention is not None:
-            meta = wire.encode_retention(retention) + wire.encode_lookup(
-                Lookup(
-                    list(keys), mode, window, wait, max_pending_wait, request_tag, 0, peek, budget
-                ),
-                self._prefix,
+            req = Lookup(
+                list(keys),
+                mode,
+                window,
+                wait,
+                max_pending_wait,
+                request_tag,
+                0,
+                peek,
+                budget,
+                whole,
             )
+            meta = wire.encode_retention(retention) + wire.encode_lookup(req, self._prefix)
             frame = await self._call(Op.LOOKUP, meta, flags=FLAG_RETAIN, timeout=timeout)
             return wire.decode_lookup_reply(frame.meta)
         meta = wire.encode_lookup(
@@ -527,9 +540,12 @@ class Client:
         keys: Sequence[bytes],
         *,
         retention: Retention | None = None,
+        whole: bool = False,
         timeout: Timeout = ...,
     ) -> LookupReply:
-        return await self.lookup(keys, mode=LookupMode.PREFIX, retention=retention, timeout=timeout)
+        return await self.lookup(
+            keys, mode=LookupMode.PREFIX, retention=retention, whole=whole, timeout=timeout
+        )
 
     async def retain(
         self, keys: Sequence[bytes], retention: Retention, *, timeout: Timeout = ...

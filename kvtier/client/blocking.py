@@ -232,6 +232,7 @@ class BlockingClient:
         peek: bool = False,
         budget: float = 0.0,
         retention: Retention | None = None,
+        whole: bool = False,
         timeout: Timeout = ...,
     ) -> LookupReply:
         return self._run(
@@ -245,6 +246,7 @@ class BlockingClient:
                 peek=peek,
                 budget=budget,
                 retention=retention,
+                whole=whole,
                 timeout=timeout,
             )
         )
@@ -254,9 +256,12 @@ class BlockingClient:
         keys: Sequence[bytes],
         *,
         retention: Retention | None = None,
+        whole: bool = False,
         timeout: Timeout = ...,
     ) -> LookupReply:
-        return self._run(self._client.lookup_prefix(keys, retention=retention, timeout=timeout))
+        return self._run(
+            self._client.lookup_prefix(keys, retention=retention, whole=whole, timeout=timeout)
+        )
 
     def retain(
         self, keys: Sequence[bytes], retention: Retention, *, timeout: Timeout = ...

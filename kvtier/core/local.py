@@ -109,7 +109,13 @@ class LocalView:
     def release(self, tag: bytes) -> bool:
         raise ForbiddenError("peers have no request tags here")
 
-    def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
+    def retain(
+        self,
+        keys: Sequence[bytes],
+        retention: Retention,
+        lookup: bool = False,
+        whole: bool = False,
+    ) -> None:
         """A peer's session lease (its RETAIN) on the blocks it pushed here,
         and those its pushes are bringing; other verbs carry none."""
         if self._retainer is None or lookup:

@@ -48,9 +48,11 @@ class Retainer:
     def __repr__(self) -> str:
         return f"<Retainer {self.book!r}>"
 
-    def looked_up(self, keys: Sequence[bytes], retention: Retention) -> None:
+    def looked_up(self, keys: Sequence[bytes], retention: Retention, whole: bool = False) -> None:
         """A lookup of ``keys`` (a chain) with ``retention``: a return within
-        the lease is counted, then the lease renewed on the resident keys."""
+        the lease is counted, then the lease renewed on the resident keys.
+        ``whole``: they are the session's whole prompt, so its leases on
+        blocks outside them (a prompt it left) end, in RAM and on the disk."""
         if keys and self.book.holds(retention.session, keys[:1]):
             held = 0
             for key in keys:
@@ -60,6 +62,10 @@ class Retainer:
             self.counters.retention_return_asked.value += len(keys)
             self.counters.retention_return_held.value += held
         self.retain(keys, retention)
+        if whole:
+            self.ram.supersede(retention.session, keys)
+            if self.disk is not None:
+                self.disk.supersede(retention.session, keys)
 
     def retain(self, keys: Sequence[bytes], retention: Retention, *, peer: bool = False) -> None:
         """Lease ``keys`` to ``retention`` (or renew it): those in RAM, and
@@ -123,6 +129,7 @@ class Retainer:
             "released": c.released,
             "expired": c.expired,
             "capped": c.capped,
+            "superseded": c.superseded,
             "evicted_from_ram": c.evicted,
             "broken": int(self.counters.retention_broken.value),
             "returns_asked": int(self.counters.retention_return_asked.value),

@@ -256,11 +256,18 @@ class Service:
 
     # ------------------------------------------------------------ RETENTION
 
-    def retain(self, keys: Sequence[bytes], retention: Retention, lookup: bool = False) -> None:
+    def retain(
+        self,
+        keys: Sequence[bytes],
+        retention: Retention,
+        lookup: bool = False,
+        whole: bool = False,
+    ) -> None:
         """``retention`` for the resident ones of ``keys`` (a chain); ``lookup``:
-        a lookup asked for them (a return within the lease is counted)."""
+        a lookup asked for them (a return within the lease is counted);
+        ``whole``: the session's whole prompt (its other leases end)."""
         if lookup:
-            self.retainer.looked_up(keys, retention)
+            self.retainer.looked_up(keys, retention, whole)
         else:
             self.retainer.retain(keys, retention)
 

@@ -27,6 +27,7 @@ from kvtier.model import (
     EventSource,
     Leased,
     Lookup,
+    LookupMode,
     LookupReply,
     PutStatus,
     Retention,
@@ -251,7 +252,8 @@ class Ops:
         if conn.namespace and req.request_tag:  # tags are a namespace's own too
             req = scoped_tag(req, namespace_prefix(conn.namespace))
         if retention is not None:  # (renewed before the answer touches them)
-            self.service.retain(req.keys, retention, lookup=True)
+            whole = req.whole and req.mode is LookupMode.PREFIX
+            self.service.retain(req.keys, retention, lookup=True, whole=whole)
         reply = self.service.lookup(req, conn.eof)
         if isinstance(reply, LookupReply):
             if retention is not None:  # (the blocks the lookup is loading into RAM)

@@ -343,6 +343,13 @@ class RamTier(LocalTier):
             self._apply_touches()
         return self.retention.release(session, namespace)
 
+    def supersede(self, session: bytes, keys: Sequence[bytes]) -> int:
+        """``keys`` are ``session``'s whole prompt: its other leases here end
+        (after the reads it made are in the order)."""
+        if self._touches:
+            self._apply_touches()
+        return self.retention.supersede(session, keys)
+
     def expire_leases(self, now: float) -> int:
         """End the leases whose time passed, as :meth:`release_session` does."""
         if self._touches:

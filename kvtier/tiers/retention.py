@@ -93,6 +93,8 @@ class RetentionCounts:
     capped: int = 0
     #: evicted while leased (the tier's room was needed by leased blocks alone)
     evicted: int = 0
+    #: ended because their session's whole prompt no longer named them
+    superseded: int = 0
 
 
 class RetentionBook:
@@ -222,6 +224,26 @@ class RetentionBook:
                 ended += [self._end(key) for key in sess.keys]
         self._hand_back(ended, cold=True)
         self.counts.expired += len(ended)
+        return len(ended)
+
+    def supersede(self, session: bytes, keys: Sequence[bytes]) -> int:
+        """``keys`` (of one namespace) are ``session``'s whole prompt now:
+        its leases on blocks outside them end (an earlier prompt's, which it
+        left), each block at the cold end; returns how many ended."""
+        if not keys:
+            return 0
+        sess = self._sessions.get((namespace_of(keys[0]), session))
+        if sess is None:
+            return 0
+        keep = set(keys)
+        left = [k for k in sess.keys if k not in keep]
+        if not left:
+            return 0
+        for key in left:
+            self._forget((namespace_of(keys[0]), session), key)
+        ended = [self._end(key) for key in left]
+        self._hand_back(ended, cold=True)
+        self.counts.superseded += len(ended)
         return len(ended)
 
     def release(self, session: bytes, namespace: bytes = b"") -> int:

@@ -41,6 +41,7 @@ _KEYS_HEAD = struct.Struct("<IH")  # count, uniform key length (0: a lengths arr
 _LOOKUP_HEAD = struct.Struct("<BBHdd")  # mode, flags, window, wait, max_pending_wait
 LOOKUP_PEEK = 0x01  # LOOKUP flag: a look that is not a read (Lookup.peek)
 LOOKUP_BUDGET = 0x02  # LOOKUP flag: a budget in seconds (f64) follows the head (Lookup.budget)
+LOOKUP_WHOLE = 0x04  # LOOKUP flag: the keys are a session's whole prompt (Lookup.whole)
 _LOOKUP_REPLY_HEAD = struct.Struct("<IB3xI")  # prefix hits, defer, count
 
 #: Formats never depend on a request's size: arrays of u16/u32 go through
@@ -308,7 +309,11 @@ def encode_lookup(req: Lookup, prefix: bytes = b"") -> bytes:
     tag = req.request_tag
     if len(tag) > 255:
         raise CodecError("request tag longer than 255 bytes")
-    flags = (LOOKUP_PEEK if req.peek else 0) | (LOOKUP_BUDGET if req.budget > 0 else 0)
+    flags = (
+        (LOOKUP_PEEK if req.peek else 0)
+        | (LOOKUP_BUDGET if req.budget > 0 else 0)
+        | (LOOKUP_WHOLE if req.whole else 0)
+    )
     head = _LOOKUP_HEAD.pack(int(req.mode), flags, req.window, req.wait, req.max_pending_wait)
     if req.budget > 0:
         head += _F64.pack(req.budget)
@@ -325,7 +330,7 @@ def decode_lookup(
         lookup_mode = LookupMode(mode)
     except ValueError as exc:
         raise CodecError(f"unknown lookup mode {mode}") from exc
-    if flags & ~(LOOKUP_PEEK | LOOKUP_BUDGET):
+    if flags & ~(LOOKUP_PEEK | LOOKUP_BUDGET | LOOKUP_WHOLE):
         raise CodecError(f"unknown LOOKUP flags 0x{flags:02x}")
     offset = _LOOKUP_HEAD.size
     budget = 0.0
@@ -353,6 +358,7 @@ def decode_lookup(
         key_len,
         bool(flags & LOOKUP_PEEK),
         budget,
+        bool(flags & LOOKUP_WHOLE),
     )
 
 

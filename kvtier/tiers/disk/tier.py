@@ -404,6 +404,10 @@ class DiskTier(LocalTier):
         """End ``namespace``'s ``session``'s lease here."""
         return self.retention.release(session, namespace)
 
+    def supersede(self, session: bytes, keys: Sequence[bytes]) -> int:
+        """``keys`` are ``session``'s whole prompt: its other leases here end."""
+        return self.retention.supersede(session, keys)
+
     def expire_leases(self, now: float) -> int:
         """End the leases here whose time passed."""
         self.arriving_leases.expire(now)
