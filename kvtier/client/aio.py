@@ -480,35 +480,22 @@ class Client:
         (a prompt it left) end."""
         if whole and (retention is None or mode is not LookupMode.PREFIX):
             raise ValueError("whole names a leased session's prompt: PREFIX mode, with a lease")
+        req = Lookup(
+            list(keys),
+            mode,
+            window,
+            wait,
+            max_pending_wait,
+            request_tag,
+            peek=peek,
+            budget=budget,
+            whole=whole,
+        )
         if retention is not None:
-            req = Lookup(
-                list(keys),
-                mode,
-                window,
-                wait,
-                max_pending_wait,
-                request_tag,
-                0,
-                peek,
-                budget,
-                whole,
-            )
             meta = wire.encode_retention(retention) + wire.encode_lookup(req, self._prefix)
             frame = await self._call(Op.LOOKUP, meta, flags=FLAG_RETAIN, timeout=timeout)
             return wire.decode_lookup_reply(frame.meta)
-        meta = wire.encode_lookup(
-            Lookup(
-                list(keys),
-                mode,
-                window,
-                wait,
-                max_pending_wait,
-                request_tag,
-                peek=peek,
-                budget=budget,
-            ),
-            self._prefix,
-        )
+        meta = wire.encode_lookup(req, self._prefix)
         # Requests of this client still in flight to the daemon come first,
         # as on one connection: the lookup then goes there too.
         if not self._protocol.pending:
