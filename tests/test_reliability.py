@@ -364,8 +364,8 @@ DISK_INDEX_PER_BLOCK = 512
 
 
 def test_small_blocks_stream_through_in_bounded_memory(sock_dir: Path) -> None:
-    # 20 MiB in 10,000 blocks of 2 KiB: five times RAM and backlog together
-    ram, backlog, n, size = 4 * MIB, 4 * MIB, 10_000, 2048
+    # 20 MiB in 5,000 blocks of 4 KiB: more than twice RAM and backlog together
+    ram, backlog, n, size = 4 * MIB, 4 * MIB, 5_000, 4096
     proc = DaemonProcess(
         sock_dir,
         "--ram-capacity",
