@@ -202,6 +202,8 @@ class Service:
         leasing = [spec.tier for spec in remotes if spec.tier.keeps_leases]
 
         def forward(keys: Sequence[bytes], retention: Retention) -> None:
+            if self.life.closing:
+                return  # (the peers' leases end by their time)
             for tier in leasing:
                 self.life.task(tier.retain_copies(list(keys), retention))
 
