@@ -178,14 +178,16 @@ def test_holdings_feed_every_change_of_the_local_tiers_indexes_in_its_step() -> 
     assert written[-1] == (FeedOp.GONE, b"a")
 
 
+@pytest.mark.parametrize("disk", [True, False], ids=["defaults", "ram-only"])
 @pytest.mark.parametrize("n", [1, 8])
 async def test_a_reserved_batch_is_never_missing_at_any_point_of_the_feed(
-    tmp_path: Path, n: int
+    tmp_path: Path, n: int, disk: bool
 ) -> None:
     """Keys reserved, then stored (one PUT, or a batch of eight): replayed
     record by record, the feed shows each key PENDING, then HIT, and never
-    MISS in between, whatever point of it the lookup process has read."""
-    async with running_daemon(tmp_path, disk={"enabled": False}) as daemon:
+    MISS in between, whatever point of it the lookup process has read. On
+    the defaults (a disk written through) and on RAM alone."""
+    async with running_daemon(tmp_path, disk={"enabled": disk}) as daemon:
         written: list[tuple[FeedOp, bytes]] = []
         daemon.service.holdings.feed(written.extend, None)
         keys = [b"batch-%d" % i for i in range(n)]

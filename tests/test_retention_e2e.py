@@ -189,10 +189,15 @@ async def test_the_peer_port_takes_a_retain_and_no_other_lease(sock_dir: Path) -
                 await c.unretain(SESSION.session)
 
 
-async def test_a_sessions_lease_reaches_the_peer_that_owns_its_blocks(sock_dir: Path) -> None:
+@pytest.mark.parametrize("setting", ["defaults", "ram-only"])
+async def test_a_sessions_lease_reaches_the_peer_that_owns_its_blocks(
+    sock_dir: Path, setting: str
+) -> None:
     """Blocks stored on A that B owns are pushed to B; the session's lease
     goes with them, so B keeps them before its unleased blocks, whichever
-    of the push and the lease lands first."""
+    of the push and the lease lands first. On the defaults (each daemon's
+    disk written through) and on RAM alone."""
+    disk = RAM_ONLY if setting == "ram-only" else {"enabled": True}
     a_dir, b_dir = sock_dir / "a", sock_dir / "b"
     a_dir.mkdir()
     b_dir.mkdir()
@@ -202,8 +207,8 @@ async def test_a_sessions_lease_reaches_the_peer_that_owns_its_blocks(sock_dir: 
     theirs = [k for k in (b"blk-%d" % i for i in range(200)) if owner(k, members) == members[1]]
     mine, values = theirs[:3], [bytes([i + 1]) * BLOCK for i in range(3)]
     async with (
-        running_daemon(b_dir, ram=RAM, disk=RAM_ONLY, peer={**peer, "listen": there}) as b,
-        running_daemon(a_dir, ram=RAM, disk=RAM_ONLY, peer={**peer, "listen": here}) as a,
+        running_daemon(b_dir, ram=RAM, disk=disk, peer={**peer, "listen": there}) as b,
+        running_daemon(a_dir, ram=RAM, disk=disk, peer={**peer, "listen": here}) as a,
         await Client.connect(a.socket_path) as c,
         await Client.connect(b.socket_path) as on_b,
     ):
@@ -213,6 +218,7 @@ async def test_a_sessions_lease_reaches_the_peer_that_owns_its_blocks(sock_dir: 
         other, others = blocks("other", 6)
         for key, value in zip(other, others, strict=True):  # fills B's RAM twice over
             await on_b.put(key, value)
+        assert all(b.service.ram.contains(k) for k in mine)
         assert [await on_b.get(k) for k in mine] == values
 
 
@@ -346,15 +352,23 @@ async def test_the_disk_keeps_a_leased_session_while_other_traffic_fills_it(
             assert r["disk"]["leased_blocks"] == 0
 
 
+@pytest.mark.parametrize("setting", ["defaults", "ram-only"])
 async def test_a_lookup_of_the_sessions_whole_prompt_ends_its_leases_on_a_prompt_it_left(
-    sock_dir: Path,
+    sock_dir: Path, setting: str
 ) -> None:
+    """On the defaults (a disk written through: it ends the leases there
+    too) and on RAM alone (the blocks it left are then gone)."""
+    on_disk = setting == "defaults"
     async with (
-        running_daemon(sock_dir, ram=RAM, disk=RAM_ONLY) as d,
+        running_daemon(sock_dir, ram=RAM, disk={"enabled": on_disk}) as d,
         await Client.connect(d.socket_path) as c,
     ):
+        ram = d.parts.service.ram
         old, values = blocks("agent", 3)
         await c.put_many(old, values, retention=SESSION)
+        await d.settle()  # (written through, leased on the disk as they land)
+        if on_disk:
+            assert (await retention(c))["disk"]["leased_blocks"] == 3
         # a lookup of part of a prompt (an engine asking past what it holds) ends nothing
         await c.lookup_prefix(old[1:], retention=SESSION)
         assert (await retention(c))["superseded"] == 0
@@ -362,6 +376,8 @@ async def test_a_lookup_of_the_sessions_whole_prompt_ends_its_leases_on_a_prompt
         await c.lookup_prefix(new, retention=SESSION, whole=True)
         r = await retention(c)
         assert (r["superseded"], r["leased_blocks"], r["sessions"]) == (2, 1, 1)
+        if on_disk:
+            assert r["disk"]["leased_blocks"] == 1
         superseded = d.metrics.registry.get_sample_value(
             "kvtier_retention_blocks_total", {"event": "superseded"}
         )
@@ -369,8 +385,11 @@ async def test_a_lookup_of_the_sessions_whole_prompt_ends_its_leases_on_a_prompt
         other, others = blocks("other", 4)  # RAM holds five: two must go
         for key, value in zip(other, others, strict=True):
             await c.put(key, value)
-        assert await c.get(old[0]) == values[0]  # still the session's
-        assert [await c.get(k) for k in old[1:]] == [None, None]  # the prompt it left went first
-        assert [await c.get(k) for k in other] == others
+        assert ram.contains(old[0])  # still the session's
+        assert not any(ram.contains(k) for k in old[1:])  # the prompt it left went first
+        assert all(ram.contains(k) for k in other)
+        # (on RAM alone they are gone; with the disk below, read from there)
+        expected = values[1:] if on_disk else [None, None]
+        assert [await c.get(k) for k in old[1:]] == expected
         with pytest.raises(ValueError, match="PREFIX mode, with a lease"):
             await c.lookup(new, whole=True)

@@ -90,7 +90,7 @@ from kvtier.model import Buffer, Retention
 from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
-from kvtier.tiers.retention import Arrivals, RetentionBook, retaining
+from kvtier.tiers.retention import Arrivals, RetentionBook, grant_held, leased_cap, retaining
 
 log = logging.getLogger("kvtier.ram")
 
@@ -327,13 +327,11 @@ class RamTier(LocalTier):
         blocks its push is bringing here)."""
         if self._touches:
             self._apply_touches()
-        policy_of, size_of = self.budget.policy_of, self.budget.size_of
-        held = [k for k in keys if k in self._values]
+        values = self._values
+        held = [k for k in keys if k in values]
         if arrive and len(held) < len(keys):
-            values = self._values
             self.arriving_leases.add((k for k in keys if k not in values), retention, now)
-        owners = [policy_of(k) for k in held]
-        self.retention.grant(held, [size_of(k) for k in held], owners, retention, now)  # type: ignore[arg-type]
+        grant_held(self.retention, self.budget, held, retention, now)
         return len(held)
 
     def release_session(self, session: bytes, namespace: bytes) -> int:
@@ -359,17 +357,10 @@ class RamTier(LocalTier):
 
     def lease_landed(self, key: bytes) -> None:
         """``key`` was just stored: the lease given for it on its way, if any."""
-        waiting = self.arriving_leases.take(key)
-        if waiting is not None and key in self._values:
-            retention, at = waiting
-            owner, size = self.budget.policy_of(key), self.budget.size_of(key)
-            self.retention.grant([key], [size], [owner], retention, at, later_only=True)  # type: ignore[list-item]
+        self.arriving_leases.land(key, self.retention, self.budget)
 
     def _retention_cap(self, ns: bytes) -> int:
-        shares = self.budget.shares
-        quota = shares.quota(ns).max if shares is not None else None
-        whole = self.budget.capacity if quota is None else min(quota, self.budget.capacity)
-        return int(whole * self.retained_share)
+        return leased_cap(self.budget, self.retained_share, ns)
 
     # -- writes
 

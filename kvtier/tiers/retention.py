@@ -35,8 +35,8 @@ every grant; ``expire(now)`` ends exactly the leases whose end is at or
 before ``now``; every key a lease ends is handed back to the policy that
 held it, once. A tier that holds a block before a lease can reach it
 (its write on the way) keeps the lease for its arrival
-(:class:`Arrivals`). Imports the shared records, the policies and the
-shares.
+(:class:`Arrivals`). Imports the shared records, the policies, the
+shares and the budget.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.model import Retention, namespace_of
+from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import EvictionPolicy, LRUPolicy
 from kvtier.tiers.shares import Shares
 
@@ -445,6 +446,32 @@ class Retaining:
                 self._through(True)
 
 
+def grant_held(
+    book: RetentionBook,
+    budget: Budget,
+    held: Sequence[bytes],
+    retention: Retention,
+    now: float,
+    *,
+    later_only: bool = False,
+) -> None:
+    """:meth:`RetentionBook.grant` of ``held`` (keys ``budget`` holds, a
+    chain in order), each with its size and the wrapper that orders it."""
+    if held:
+        owners = [budget.policy_of(k) for k in held]
+        sizes = [budget.size_of(k) for k in held]
+        book.grant(held, sizes, owners, retention, now, later_only=later_only)  # type: ignore[arg-type]
+
+
+def leased_cap(budget: Budget, share: float, ns: bytes) -> int:
+    """The most bytes namespace ``ns`` may hold leased in ``budget``'s tier:
+    ``share`` of the tier, or of the namespace's max where it has one."""
+    shares = budget.shares
+    quota = shares.quota(ns).max if shares is not None else None
+    whole = budget.capacity if quota is None else min(quota, budget.capacity)
+    return int(whole * share)
+
+
 def retaining(policy: EvictionPolicy[bytes] | None, book: RetentionBook) -> EvictionPolicy[bytes]:
     """``policy`` (LRU when None; each namespace's, when it is a tier's
     shares) wrapped in a :class:`Retaining` of ``book``."""
@@ -481,6 +508,14 @@ class Arrivals:
 
     def take(self, key: bytes) -> tuple[Retention, float] | None:
         return self.waiting.pop(key, None)
+
+    def land(self, key: bytes, book: RetentionBook, budget: Budget) -> None:
+        """``key`` landed in ``budget``'s tier: the lease given for it on its
+        way, if any (said earlier, so it moves its session's end later only)."""
+        waiting = self.waiting.pop(key, None)
+        if waiting is not None and key in budget:
+            retention, at = waiting
+            grant_held(book, budget, [key], retention, at, later_only=True)
 
     def expire(self, now: float) -> None:
         gone = [k for k, (r, at) in self.waiting.items() if at + r.ttl <= now]

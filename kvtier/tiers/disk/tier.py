@@ -71,7 +71,7 @@ from kvtier.tiers.disk.journal import Op, Record
 from kvtier.tiers.disk.journaling import COMPACT_AFTER_BYTES, GROUP_SECONDS, IndexJournal, Loaded
 from kvtier.tiers.disk.owedfile import OwedFile
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
-from kvtier.tiers.retention import Arrivals, Retaining, RetentionBook, retaining
+from kvtier.tiers.retention import Arrivals, RetentionBook, grant_held, leased_cap, retaining
 from kvtier.tiers.sealing import TORN, Sealer, SealError
 
 log = logging.getLogger("kvtier.disk")
@@ -394,10 +394,7 @@ class DiskTier(LocalTier):
         held = [k for k in keys if k in budget]
         if len(held) < len(keys):
             self.arriving_leases.add((k for k in keys if k not in budget), retention, now)
-        if held:
-            owners = [budget.policy_of(k) for k in held]
-            sizes = [budget.size_of(k) for k in held]
-            self.retention.grant(held, sizes, owners, retention, now)  # type: ignore[arg-type]
+        grant_held(self.retention, budget, held, retention, now)
         return len(held)
 
     def release_session(self, session: bytes, namespace: bytes) -> int:
@@ -413,23 +410,8 @@ class DiskTier(LocalTier):
         self.arriving_leases.expire(now)
         return self.retention.expire(now)
 
-    def _lease_landed(self, key: bytes) -> None:
-        """``key``'s write landed: the lease given while it was on its way."""
-        waiting = self.arriving_leases.take(key)
-        if waiting is not None and key in self.budget:
-            retention, at = waiting
-            budget = self.budget
-            owner = budget.policy_of(key)
-            assert isinstance(owner, Retaining)
-            self.retention.grant(
-                [key], [budget.size_of(key)], [owner], retention, at, later_only=True
-            )
-
     def _retention_cap(self, ns: bytes) -> int:
-        shares = self.budget.shares
-        quota = shares.quota(ns).max if shares is not None else None
-        whole = self.budget.capacity if quota is None else min(quota, self.budget.capacity)
-        return int(whole * self.retained_share)
+        return leased_cap(self.budget, self.retained_share, ns)
 
     # -- reads
 
@@ -588,7 +570,7 @@ class DiskTier(LocalTier):
                 return
             self.budget.unpin(key)
             if self.arriving_leases.waiting:
-                self._lease_landed(key)
+                self.arriving_leases.land(key, self.retention, self.budget)
             if self.budget.shares is not None:
                 # Writes of one namespace in flight together each found room
                 # within its max; the last to land makes it true again.
