@@ -303,3 +303,24 @@ async def test_a_durable_put_written_in_place_is_on_disk_when_it_returns(
         assert d.disk.contains(b"big")
         d.ram.remove(b"big")  # only the disk has it now
         assert bytes(await c.get(b"big") or b"") == block
+
+
+@pytest.mark.parametrize("fsync", ["batch", "always", "none"])
+async def test_a_bucket_is_made_by_its_first_block_and_kept(tmp_path: Path, fsync: Any) -> None:
+    """A fresh disk makes no fan-out directory up front; a block's write
+    makes its own, and the next start reads the block from it."""
+    first = DiskTier(tmp_path / "data", 1 << 20, fsync=fsync)
+    first.prepare()
+    await first.load_index()
+    await first.rebuild_index()
+    assert [p.name for p in (tmp_path / "data").iterdir() if len(p.name) == 2] == []
+    await first.write(b"k", b"v" * 100, durable=True)
+    await first.write(b"k2", b"w" * 100)  # (a second block, the same way)
+    assert first.path_of(b"k").is_file()
+    await first.close()
+    second = DiskTier(tmp_path / "data", 1 << 20, fsync=fsync)
+    second.prepare()
+    await second.load_index()
+    await second.rebuild_index()
+    assert bytes(await second.read(b"k") or b"") == b"v" * 100
+    await second.close()

@@ -202,6 +202,7 @@ async def test_the_pass_over_the_files_adds_unknown_files_and_drops_lost_entries
     await stray.rebuild_index()
     await stray.write(b"unjournalled", b"u" * 700)
     await stray.close()
+    first.path_of(b"unjournalled").parent.mkdir(exist_ok=True)  # (its bucket, if new)
     os.rename(stray.path_of(b"unjournalled"), first.path_of(b"unjournalled"))
 
     second = DiskTier(root, 10 * MiB, fsync="batch")

@@ -53,7 +53,12 @@ def write_block(
     unlink_all(victims)
     header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(key), len(value), block_checksum(key, value))
     tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileNotFoundError:  # the bucket's first block: its directory is made now
+        path.parent.mkdir(exist_ok=True)
+        fsync_dir(path.parent.parent)  # (the bucket outlives a crash, whatever the fsync policy)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             written = os.writev(fd, [header, key, value])

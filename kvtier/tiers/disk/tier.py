@@ -169,13 +169,13 @@ class DiskTier(LocalTier):
     # -- start: the index is rebuilt while the daemon already serves
 
     def prepare(self) -> None:
-        """Create the directory tree and hold it (:func:`lock_directory`:
-        synchronous; called once at startup)."""
+        """Create the directory and hold it (:func:`lock_directory`:
+        synchronous; called once at startup). Its 256 fan-out directories
+        are made as their first block is written (:func:`write_block`): on
+        a fresh disk, making them all would take a start 100 ms."""
         self.root.mkdir(parents=True, exist_ok=True)
         if self._lock is None:
             self._lock = lock_directory(self.root)
-        for i in range(256):
-            (self.root / f"{i:02x}").mkdir(exist_ok=True)
         self._scanned = asyncio.get_running_loop().create_future()
 
     async def load_index(self) -> Loaded:
