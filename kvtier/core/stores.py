@@ -29,6 +29,7 @@ from kvtier.core.context import Context
 from kvtier.core.lookup import Where
 from kvtier.core.propagation import Propagation, Writer
 from kvtier.core.writes import End
+from kvtier.core.writing import Deadline
 from kvtier.errors import (
     BadArgumentError,
     KvtierError,
@@ -354,6 +355,7 @@ class Stores:
         now = self.c.now()
         statuses: list[ReserveStatus] = []
         locate = self.c.locator.locate
+        batch = Deadline()  # (one timer for the request's keys)
         for key, size in zip(req.keys, req.sizes, strict=True):
             where = locate(key, now).where
             if where is Where.RAM or where is Where.DISK or where is Where.REMOTE:
@@ -377,9 +379,11 @@ class Stores:
                     size, evicted = 0, []
                     self.c.counters.reservations.inc("without_room")
                 self.evicted(evicted)  # announced, and written back where the policy says
-            self.c.pending.reserve(key, owner, deadline, size, now)
-            self.c.counters.reservations.inc("granted")
+            self.c.pending.reserve(key, owner, deadline, size, now, batch)
             statuses.append(ReserveStatus.GRANTED)
+        granted = statuses.count(ReserveStatus.GRANTED)
+        if granted:
+            self.c.counters.reservations.inc("granted", n=granted)
         return statuses
 
     def reserve_arriving(self, keys: Sequence[bytes], owner: ConnId) -> None:
@@ -391,11 +395,12 @@ class Stores:
         now = self.c.now()
         deadline = self.c.cfg.pending_deadline
         locate, pending = self.c.locator.locate, self.c.pending
+        batch = Deadline()  # (one timer for the request's keys)
         granted = 0
         with pending.table.held_back():
             for key in keys:
                 if key not in pending.table and locate(key, now).where is Where.ABSENT:
-                    pending.reserve(key, owner, deadline, 0, now)
+                    pending.reserve(key, owner, deadline, 0, now, batch)
                     granted += 1
         if granted:
             self.c.counters.reservations.inc("granted", n=granted)

@@ -12,12 +12,30 @@ import asyncio
 import logging
 
 from kvtier.core.counts import CoreCounters
-from kvtier.core.timers import Scheduler
+from kvtier.core.timers import Scheduler, Timer
 from kvtier.core.writes import End, Owner, Reservation, ReservationTable
 from kvtier.model import ConnId
 from kvtier.tiers.ram import HeldKind, RamTier
 
 log = logging.getLogger("kvtier.service")
+
+
+class Deadline:
+    """One deadline timer for a batch's reservations, all of one deadline (a
+    store's keys): armed with the first, cancelled once the last has ended,
+    so a batch pays for one timer, not one a key. At the deadline, each of
+    them still pending expires as if it had its own."""
+
+    __slots__ = ("left", "members", "timer")
+
+    def __init__(self) -> None:
+        self.timer: Timer | None = None
+        #: the batch's reservations, and how many of them have not ended
+        self.members: list[Reservation] = []
+        self.left = 0
+
+    def __repr__(self) -> str:
+        return f"<Deadline {self.left}/{len(self.members)} pending>"
 
 
 class PendingWrites:
@@ -27,9 +45,11 @@ class PendingWrites:
     It arms one scheduler timer per pending key and gives back the RAM a
     reservation holds. Invariants (the second seed lesson):
 
-    * every reservation it creates has a deadline timer; however it ends, the
-      timer is cancelled, the RAM held for it is given back and its waiters
-      are woken (``done`` resolved) - nothing is pending forever;
+    * every reservation it creates has a deadline timer, its own or its
+      batch's (a :class:`Deadline`); however it ends, its own timer is
+      cancelled (a batch's once the last of its reservations has ended), the
+      RAM held for it is given back and its waiters are woken (``done``
+      resolved) - nothing is pending forever;
     * at the deadline the write is aborted, counted
       (``pending_deadline_expired``) and logged with the key and the writer;
       a promotion's task is cancelled with it;
@@ -51,11 +71,26 @@ class PendingWrites:
         return f"<PendingWrites {self.table!r} timers={self._scheduler.timer_count}>"
 
     def reserve(
-        self, key: bytes, owner: Owner, deadline: float, size: int, now: float
+        self,
+        key: bytes,
+        owner: Owner,
+        deadline: float,
+        size: int,
+        now: float,
+        batch: Deadline | None = None,
     ) -> Reservation:
-        """A pending write of ``key`` for ``deadline`` seconds, holding ``size`` bytes of RAM."""
+        """A pending write of ``key`` for ``deadline`` seconds, holding ``size``
+        bytes of RAM; timed by ``batch``'s one timer where given (each of a
+        batch's reservations is made with the same ``deadline`` and ``now``)."""
         res = self.table.add(key, owner, now + deadline, size, now, asyncio.get_running_loop())
-        res.timer = self._scheduler.call_at(res.deadline, lambda: self._expire(res))
+        if batch is None:
+            res.timer = self._scheduler.call_at(res.deadline, lambda: self._expire(res))
+            return res
+        if batch.timer is None:
+            batch.timer = self._scheduler.call_at(res.deadline, lambda: self._expire_all(batch))
+        batch.members.append(res)
+        batch.left += 1
+        res.timer = batch
         return res
 
     def hold(self, res: Reservation, size: int) -> None:
@@ -97,7 +132,14 @@ class PendingWrites:
         """End ``res`` (resolving its waiters); False if it had already ended."""
         if not self.table.end(res, how):
             return False
-        self._scheduler.cancel(res.timer)
+        timer = res.timer
+        if isinstance(timer, Deadline):
+            timer.left -= 1
+            if not timer.left:  # the batch's last
+                self._scheduler.cancel(timer.timer)
+                timer.members.clear()
+        else:
+            self._scheduler.cancel(timer)
         if res.size:
             self._ram.release(res.size)
         if isinstance(res.owner, ConnId):
@@ -113,6 +155,10 @@ class PendingWrites:
     def end_all(self) -> None:
         for res in self.table.all():
             self.end(res, End.ABORTED)
+
+    def _expire_all(self, batch: Deadline) -> None:
+        for res in list(batch.members):
+            self._expire(res)
 
     def _expire(self, res: Reservation) -> None:
         if not self.end(res, End.EXPIRED):

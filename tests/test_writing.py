@@ -1,0 +1,87 @@
+"""Pending writes in motion (kvtier.core.writing): deadlines, one a key or one a batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.core.counts import CoreCounters
+from kvtier.core.timers import Scheduler
+from kvtier.core.writes import End
+from kvtier.core.writing import Deadline, PendingWrites
+from kvtier.model import ConnId
+from kvtier.tiers.ram import RamTier
+
+OWNER = ConnId(7)
+
+
+def pending() -> tuple[PendingWrites, Scheduler, CoreCounters]:
+    sched = Scheduler(batch_window=0.0, max_batch=8, clock=lambda: 0.0)
+    counters = CoreCounters()
+    return PendingWrites(RamTier(1 << 20), sched, counters), sched, counters
+
+
+async def test_a_batch_pays_one_timer_cancelled_when_its_last_reservation_ends() -> None:
+    writes, sched, _ = pending()
+    batch = Deadline()
+    held = [writes.reserve(bytes([i]), OWNER, 30.0, 0, 100.0, batch) for i in range(16)]
+    assert sched.deadline_count == 1  # not 16
+    for res in held[:-1]:
+        assert writes.end(res, End.COMPLETED)
+        assert sched.deadline_count == 1  # the rest still have their deadline
+    assert repr(batch) == "<Deadline 1/16 pending>"
+    assert writes.end(held[-1], End.COMPLETED)
+    assert sched.deadline_count == 0 and len(writes.table) == 0
+    assert not writes.end(held[0], End.ABORTED)  # (ended once)
+    alone = writes.reserve(b"alone", OWNER, 30.0, 0, 100.0)  # without a batch: its own
+    assert sched.deadline_count == 1
+    writes.end(alone, End.ABORTED)
+    assert sched.deadline_count == 0
+
+
+async def test_at_a_batchs_deadline_each_reservation_still_pending_expires_and_wakes() -> None:
+    writes, sched, counters = pending()
+    batch = Deadline()
+    held = [writes.reserve(bytes([i]), OWNER, 30.0, 0, 100.0, batch) for i in range(6)]
+    waiting = [res.done for res in held]  # waiters' futures, made as they ask
+    for res in held[:2]:
+        writes.end(res, End.COMPLETED)
+    assert sched.run_due(129.9) == 0
+    assert sched.run_due(130.0) == 1  # the batch's one timer
+    assert [f.result() for f in waiting] == [End.COMPLETED] * 2 + [End.EXPIRED] * 4
+    assert counters.pending_deadline_expired.value == 4
+    assert len(writes.table) == 0 and sched.deadline_count == 0
+    assert sched.run_due(1e9) == 0  # nothing left armed
+
+
+async def test_done_asked_after_the_end_is_resolved_with_how_it_ended() -> None:
+    writes, _, _ = pending()
+    res = writes.reserve(b"k", OWNER, 30.0, 0, 100.0, Deadline())
+    writes.end(res, End.ABORTED)
+    assert res.done.done() and res.done.result() is End.ABORTED
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_every_reservation_ends_once_and_leaves_no_timer_whatever_the_order(
+    seed: int,
+) -> None:
+    """Random batches and single reservations, ended in a random order, some
+    by their deadlines: each waiter wakes once, and nothing stays armed."""
+    rng = random.Random(seed)
+    writes, sched, _ = pending()
+    now, live = 0.0, []
+    for n in range(40):
+        batch = Deadline() if rng.random() < 0.7 else None
+        for i in range(rng.randrange(1, 6)):
+            live.append(
+                writes.reserve(f"{n}-{i}".encode(), OWNER, rng.choice([1.0, 5.0]), 0, now, batch)
+            )
+        now += rng.random()
+        for res in rng.sample(live, k=len(live) // 3):
+            writes.end(res, rng.choice([End.COMPLETED, End.ABORTED]))
+        sched.run_due(now)
+        assert sched.deadline_count <= len(writes.table)
+    sched.run_due(now + 10.0)
+    assert len(writes.table) == 0 and sched.deadline_count == 0
+    assert all(res.done.done() for res in live)
