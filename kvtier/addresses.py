@@ -81,6 +81,19 @@ class MappedFile:
             entry = f"/proc/self/map_files/{self.start:x}-{self.end:x}"
             return os.open(entry, os.O_RDONLY | os.O_CLOEXEC)
 
+    def spans_at(
+        self, address: int, starts: Sequence[int], length: int
+    ) -> list[tuple[int, int]] | None:
+        """The (file offset, ``length``) of the bytes at each of ``address`` +
+        ``starts``, or None if one lies outside: rows of one buffer, found
+        at once rather than one address at a time."""
+        if not starts:
+            return []
+        if not (self.start <= address + min(starts) and address + max(starts) + length <= self.end):
+            return None
+        base = address - self.start + self.offset
+        return [(base + at, length) for at in starts]
+
     def spans(self, bufs: Sequence[Buffer]) -> list[tuple[int, int]] | None:
         """Each buffer's (file offset, length), or None if one lies outside."""
         out = []

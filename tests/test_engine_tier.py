@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import BlockingClient
+from kvtier import BlockingClient, addresses
 from kvtier.client import Client
-from kvtier.integrations.engine import Answer, DaemonLink, EngineTier, block_key, engine_namespace
+from kvtier.integrations.engine import (
+    Answer,
+    DaemonLink,
+    EngineTier,
+    Rows,
+    block_key,
+    engine_namespace,
+)
 from tests.helpers import DaemonProcess, metric_value
 
 BLOCK = 64 * 1024
@@ -50,12 +57,20 @@ def region(n: int) -> tuple[bytearray, list[memoryview]]:
     return buf, [memoryview(buf)[i * BLOCK : (i + 1) * BLOCK] for i in range(n)]
 
 
-def test_store_then_load_into_rows_byte_for_byte(tier: EngineTier) -> None:
+@pytest.mark.parametrize("given", ["views", "rows"])
+def test_store_then_load_into_rows_byte_for_byte(tier: EngineTier, given: str) -> None:
     keys = [b"k%d" % i for i in range(4)]
     src, rows = region(4)
     for i, row in enumerate(rows):
         row[:] = block(i)
-    tier.store(1, keys, rows)
+    # process memory, not a shared file: over the socket either way
+    tier.store(
+        1,
+        keys,
+        rows
+        if given == "views"
+        else Rows(memoryview(src), [0, BLOCK, 2 * BLOCK, 3 * BLOCK], BLOCK),
+    )
     tier.drain()
     assert [(d.job_id, d.ok, d.bytes) for d in tier.finished()] == [(1, True, 4 * BLOCK)]
 
@@ -182,8 +197,9 @@ def test_the_daemon_link_bounds_every_call_and_names_blocks_apart(proc: DaemonPr
 # -- stores the daemon reads from the engine's shared file itself (a region)
 
 
+@pytest.mark.parametrize("given", ["views", "rows"])
 def test_store_jobs_from_a_shared_file_arrive_byte_for_byte(
-    proc: DaemonProcess, tmp_path: Path
+    proc: DaemonProcess, tmp_path: Path, given: str
 ) -> None:
     n, jobs = 12, 4
     path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{tmp_path.name}"
@@ -198,7 +214,14 @@ def test_store_jobs_from_a_shared_file_arrive_byte_for_byte(
         keys = [b"s%d" % i for i in range(n)]
         per = n // jobs
         for j in range(jobs):  # several in flight at once
-            tier.store(j, keys[j * per : (j + 1) * per], rows[j * per : (j + 1) * per])
+            if given == "views":
+                tier.store(j, keys[j * per : (j + 1) * per], rows[j * per : (j + 1) * per])
+                continue
+            # the job's rows as an engine names them: places in its pool, in any order
+            order = list(reversed(range(j * per, (j + 1) * per)))
+            places = Rows(memoryview(mem), [i * BLOCK for i in order], BLOCK)
+            tier.store(j, [keys[i] for i in order], places)
+            del places
         tier.drain()
         assert sorted((d.job_id, d.ok) for d in tier.finished()) == [(j, True) for j in range(jobs)]
         tier.load(9, keys, rows[n:])
@@ -237,3 +260,18 @@ def test_a_lookup_carries_the_engine_budget_and_slow_loads_answer_miss(
         cheap.close()
     with pytest.raises(ValueError, match="finite number of seconds"):
         EngineTier(proc.socket_path, recompute_seconds_per_block=float("nan"))
+
+
+def test_rows_places_in_a_mapped_file_are_found_at_once_or_not_at_all() -> None:
+    file = addresses.MappedFile("/dev/shm/pool", start=0x10000, end=0x20000, offset=0x4000)
+    assert file.spans_at(0x10000, [0x2000, 0x0, 0x1000], 0x1000) == [
+        (0x6000, 0x1000),
+        (0x4000, 0x1000),
+        (0x5000, 0x1000),
+    ]
+    assert file.spans_at(0x10000, [], 0x1000) == []
+    assert file.spans_at(0x10000, [0xF000], 0x1001) is None  # ends past the mapping
+    assert file.spans_at(0xF000, [0x0, 0x1000], 0x1000) is None  # starts before it
+    rows = Rows(memoryview(bytearray(4 * BLOCK)), [3 * BLOCK, BLOCK], BLOCK)
+    assert (len(rows), rows.nbytes, repr(rows)) == (2, 2 * BLOCK, f"<Rows 2 x {BLOCK} bytes>")
+    assert [len(v) for v in rows.views()] == [BLOCK, BLOCK]

@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.integrations.dialects import from_vllm
-from kvtier.integrations.engine import Answer, EngineTier, RemovalWatch, engine_namespace
+from kvtier.integrations.engine import Answer, EngineTier, RemovalWatch, Rows, engine_namespace
 from kvtier.model import Retention
 
 log = logging.getLogger("kvtier.vllm")
@@ -174,9 +174,11 @@ class KvtierTier(SecondaryTierManager):
     def __repr__(self) -> str:
         return f"<KvtierTier jobs={len(self._jobs)} {self._engine!r}>"
 
-    def _rows(self, job: TransferJob) -> list[memoryview]:
+    def _rows(self, job: TransferJob) -> Rows:
         size = self.block_size_bytes
-        return [self._flat[int(c) * size : (int(c) + 1) * size] for c in job.chunk_ids]
+        ids = job.chunk_ids
+        chunks = ids.tolist() if hasattr(ids, "tolist") else [int(c) for c in ids]
+        return Rows(self._flat, [c * size for c in chunks], size)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         lease = _lease_of(req_context)
@@ -191,7 +193,7 @@ class KvtierTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._jobs[job_metadata.job_id] = job_metadata
         keys = [bytes(k) for k in job_metadata.keys]
-        self._engine.load(job_metadata.job_id, keys, self._rows(job_metadata))
+        self._engine.load(job_metadata.job_id, keys, self._rows(job_metadata).views())
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
