@@ -558,7 +558,7 @@ async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_ans
                 commit = wire.Commit(b"h", half, MiB // 2, 0, True, True, unchecked=True)
                 await a.request(Op.COMMIT, wire.encode_commit(commit))
                 assert shared.stats().in_place_prepared == 1
-                (ready,) = shared.in_place._prepared.values()
+                ((ready,),) = shared.in_place._prepared.values()
                 assert len(ready) == MiB // 2
                 assert bytes(await a.get(b"h") or b"") == block(30, MiB // 2)
             finally:
@@ -666,6 +666,62 @@ async def main():
 
 asyncio.run(main())
 """
+
+
+async def test_a_batch_of_commits_hands_out_rooms_all_made_after_the_last_answer(
+    daemon: Daemon,
+) -> None:
+    """A COMMIT_MANY renews each of its rooms: the rooms it hands out were
+    made after the answer to the connection's last batch (one for each block
+    that batch stored), so only the first batch's answer waits for the
+    evictions that make rooms; they stay within a connection's count."""
+    shared = daemon.shared
+    assert shared is not None
+    sent = daemon.server.counters.sent_bytes
+    made: list[float] = []  # bytes sent when each room was made
+    stores = daemon.service.stores
+    stage_room = stores.stage_room
+
+    def recording(length: int, namespace: bytes) -> memoryview | None:
+        made.append(sent.value)
+        return stage_room(length, namespace)
+
+    n = COMMITS_A_REQUEST
+    reply = wire.framing.HEADER_SIZE + n * wire.COMMIT_REPLY_SIZE
+    stores.stage_room = recording  # type: ignore[method-assign]
+    try:
+        async with await Client.connect(daemon.socket_path) as a:
+            rooms = [await _stage_in_place(a) for _ in range(n)]
+            mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
+            try:
+                for batch in range(3):
+                    keys = [b"m%d-%d" % (batch, i) for i in range(n)]
+                    for i, room in enumerate(rooms):
+                        mapped.arena[room : room + MiB] = block(40 + batch * n + i)
+                    commits = [
+                        wire.Commit(k, r, MiB, 0, True, True, unchecked=True)
+                        for k, r in zip(keys, rooms, strict=True)
+                    ]
+                    made.clear()
+                    before = sent.value
+                    frame = await a.request(Op.COMMIT_MANY, wire.encode_commit_many(commits))
+                    answers = wire.decode_commit_many_reply(frame.meta, n)
+                    assert [status for status, _ in answers] == [PutStatus.STORED] * n
+                    after = [before + reply] * n  # one made for each block, after the answer
+                    assert made == ([before] * n if batch == 0 else []) + after
+                    assert shared.stats().in_place_prepared == n
+                    rooms = [room for _, room in answers if room is not None]
+                    assert len(rooms) == n
+                    for i, key in enumerate(keys):
+                        assert bytes(await a.get(key) or b"") == block(40 + batch * n + i)
+                assert shared.stats().in_place_rooms <= MAX_IN_PLACE_ROOMS
+            finally:
+                mapped.release()
+    finally:
+        stores.stage_room = stage_room  # type: ignore[method-assign]
+    for conn in list(daemon.server.connections):
+        await conn.done.wait()
+    assert shared.stats().in_place_prepared == 0  # freed with the connection
 
 
 async def test_a_writer_killed_mid_store_leaves_no_slot_behind(daemon: Daemon) -> None:

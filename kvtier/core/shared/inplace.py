@@ -4,17 +4,17 @@ A client of the daemon's own user (:func:`may_write_in_place`) asks for a
 room that is a staged RAM slot, writes a block there through its writable
 mapping of the arena, and commits it under a key: the slot becomes the
 block (no copy), and the reply carries the next room, made after the
-answer to the connection's last commit so that the answer waits for no
-eviction.
+answer to the connection's last commit (one for each block it stored) so
+that the answer waits for no eviction.
 
 Invariants: an in-place room is freed only by its commit (it becomes the
 block, or a refused one is freed), an UNSTAGE, or once its connection
 closed: at once when the writer's process is gone, else after a short
 quarantine (a writer thread may still be finishing a copy into it); a
-connection holds at most ``MAX_IN_PLACE_ROOMS``, and at most one room
-made ahead, which was never handed out, is freed at once when the
-connection goes, and is given back whenever RAM needs its room (it is a
-:class:`~kvtier.tiers.ram.Keeper`). A commit hands its writer the next
+connection holds at most ``MAX_IN_PLACE_ROOMS``, and at most as many rooms
+made ahead, all of one length, which were never handed out, are freed at
+once when the connection goes, and are given back whenever RAM needs their
+room (it is a :class:`~kvtier.tiers.ram.Keeper`). A commit hands its writer the next
 room only while the rooms handed out and made ahead hold at most
 1/``ROOMS_SHARE`` of RAM: past it, the writer asks for a room when it
 has a block for it. Imports the core's checks and stores, the RAM tier and
@@ -95,10 +95,11 @@ class InPlaceRooms:
         self._places_of: dict[ConnId, int] = {}
         #: the slot bytes of the rooms handed out
         self._room_bytes = 0
-        #: the room each connection's next COMMIT hands out, made once the
-        #: answer to its last one had left (at most one a connection, never
-        #: handed out yet, so freed at once when the connection goes)
-        self._prepared: dict[ConnId, memoryview] = {}
+        #: the rooms each connection's next COMMITs hand out, made once the
+        #: answer to its last one had left (at most MAX_IN_PLACE_ROOMS a
+        #: connection, of one length, never handed out yet, so freed at once
+        #: when the connection goes)
+        self._prepared: dict[ConnId, list[memoryview]] = {}
         #: rooms of closed connections: a writer process may still be in the
         #: middle of a copy into one, so each is freed at its deadline
         self._quarantine: list[Place] = []
@@ -118,7 +119,8 @@ class InPlaceRooms:
 
     @property
     def prepared(self) -> int:
-        return len(self._prepared)
+        """Rooms made ahead for connections' next commits, held now."""
+        return sum(map(len, self._prepared.values()))
 
     @property
     def quarantined(self) -> int:
@@ -131,10 +133,9 @@ class InPlaceRooms:
     # -- the room it holds (a Keeper of the RAM tier)
 
     def held(self) -> dict[HeldKind, int]:
-        size = self.slots.block_size
         return {
             HeldKind.ROOMS: self._room_bytes,
-            HeldKind.READY: sum(size(len(v)) for v in self._prepared.values()),
+            HeldKind.READY: self._ready_bytes(),
             HeldKind.QUARANTINED: sum(r.slot.size for r in self._quarantine),
         }
 
@@ -142,19 +143,26 @@ class InPlaceRooms:
 
     def reclaim(self, need: int) -> int:
         """Give back the rooms made ahead (never handed out)."""
-        freed = 0
+        freed = self._ready_bytes()
         for owner in list(self._prepared):
-            view = self._prepared.pop(owner)
-            freed += self.slots.block_size(len(view))
-            self.stores.drop_staged(view)
+            self._drop_prepared(owner)
         return freed
+
+    def _ready_bytes(self) -> int:
+        size = self.slots.block_size
+        return sum(len(views) * size(len(views[0])) for views in self._prepared.values())
+
+    def _drop_prepared(self, owner: ConnId) -> None:
+        """``owner``'s rooms made ahead, never handed out: freed at once."""
+        for view in self._prepared.pop(owner, ()):
+            self.stores.drop_staged(view)
 
     def _may_renew(self, length: int) -> bool:
         """Whether a commit may hand out (or make ahead) another room of
         ``length`` bytes: rooms out and ahead stay within their share of RAM."""
         size = self.slots.block_size
-        ready = sum(size(len(v)) for v in self._prepared.values())
-        return self._room_bytes + ready + size(length) <= self.ram.capacity // ROOMS_SHARE
+        total = self._room_bytes + self._ready_bytes() + size(length)
+        return total <= self.ram.capacity // ROOMS_SHARE
 
     def place(self, owner: ConnId, length: int, namespace: bytes) -> int:
         """A RAM slot of ``length`` bytes for ``owner`` to write in place, made
@@ -186,14 +194,31 @@ class InPlaceRooms:
         return slot.offset
 
     def _prepare(self, owner: ConnId, length: int, namespace: bytes) -> None:
-        """Make the room ``owner``'s next COMMIT of ``length`` bytes hands
-        out, after the answer to this one has left: that answer did not wait
-        for the eviction that makes it. None to be had: none prepared."""
-        if owner in self._prepared or not self._may_renew(length):
-            return  # (one a connection, within the share)
+        """Make a room one of ``owner``'s next COMMITs of ``length`` bytes
+        hands out, after the answer to this one has left: that answer did
+        not wait for the eviction that makes it. None to be had: none prepared."""
+        ready = self._prepared.get(owner)
+        if ready is not None and (len(ready) >= MAX_IN_PLACE_ROOMS or len(ready[0]) != length):
+            return  # (as many as a connection may hold, of one length)
+        if not self._may_renew(length):
+            return  # (within the share)
         view = self.stores.stage_room(length, namespace)
         if view is not None:
-            self._prepared[owner] = view
+            self._prepared.setdefault(owner, []).append(view)
+
+    def _take_prepared(self, owner: ConnId, length: int) -> memoryview | None:
+        """One of ``owner``'s rooms made ahead, if they hold ``length`` bytes
+        (else they are freed: the writer's blocks changed length)."""
+        ready = self._prepared.get(owner)
+        if ready is None:
+            return None
+        if len(ready[0]) != length or not self.enabled:
+            self._drop_prepared(owner)
+            return None
+        view = ready.pop()
+        if not ready:
+            del self._prepared[owner]
+        return view
 
     def commit(
         self,
@@ -266,12 +291,10 @@ class InPlaceRooms:
         # blocks of one length, one after the other); else it is made now,
         # before the block is stored, and evicts as it would after (the
         # block's slot counts against RAM already).
-        ready = self._prepared.pop(owner, None)
-        if ready is not None and len(ready) == length and self.enabled:
+        ready = self._take_prepared(owner, length)
+        if ready is not None:
             renewed: int | None = self._hand_out(owner, ready, room.namespace)
         else:
-            if ready is not None:
-                stores.drop_staged(ready)
             renewed = next_room()
         if renewed is None:
             return Copied([PutStatus.STORED], store, [key]), None
@@ -342,9 +365,7 @@ class InPlaceRooms:
         """``owner`` closed: the room made ahead goes at once, and so do the
         rooms it had when its process is gone (``writer_gone``: nothing can
         write them any more); else they wait out the quarantine."""
-        ready = self._prepared.pop(owner, None)
-        if ready is not None:  # never handed out: no writer can be in it
-            self.stores.drop_staged(ready)
+        self._drop_prepared(owner)  # never handed out: no writer can be in them
         if writer_gone and self._quarantine:  # (quarantined at its EOF, say)
             gone = [r for r in self._quarantine if r.owner == owner]
             self._quarantine = [r for r in self._quarantine if r.owner != owner]
@@ -373,7 +394,7 @@ class InPlaceRooms:
         for offset in list(self._places):
             self._quarantine.append(self._unplace(offset))
         for owner in list(self._prepared):
-            self.stores.drop_staged(self._prepared.pop(owner))
+            self._drop_prepared(owner)
         for room in self._quarantine:
             self.stores.drop_staged(room.view)
         self._quarantine = []
