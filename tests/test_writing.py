@@ -55,13 +55,6 @@ async def test_at_a_batchs_deadline_each_reservation_still_pending_expires_and_w
     assert sched.run_due(1e9) == 0  # nothing left armed
 
 
-async def test_done_asked_after_the_end_is_resolved_with_how_it_ended() -> None:
-    writes, _, _ = pending()
-    res = writes.reserve(b"k", OWNER, 30.0, 0, 100.0, Deadline())
-    writes.end(res, End.ABORTED)
-    assert res.done.done() and res.done.result() is End.ABORTED
-
-
 @pytest.mark.parametrize("seed", range(5))
 async def test_every_reservation_ends_once_and_leaves_no_timer_whatever_the_order(
     seed: int,

@@ -2,13 +2,11 @@
 
 A key with a :class:`Reservation` reads PENDING. Each reservation has a
 typed owner (a client connection, or a promotion from a named tier), a
-write deadline and a ``done`` future that waiters await, made when the
-first of them asks for it (most writes end before anyone waits). Invariants:
+write deadline and a ``done`` future that waiters await. Invariants:
 
 * a key has at most one pending write;
 * ``done`` is resolved however the reservation ends (completed by a store,
-  aborted, owner gone, deadline passed), so nothing is pending forever; asked
-  for after the end, it is already resolved, with how it ended;
+  aborted, owner gone, deadline passed), so nothing is pending forever;
 * only the reservation that holds a key's entry can end it (a stale handle
   ends nothing);
 * the watcher hears every change of a key's pending state once, in the
@@ -59,24 +57,9 @@ class Reservation:
     deadline: float
     size: int  # bytes of RAM held for the block (0: none)
     started: float
+    done: asyncio.Future[End] = field(repr=False)
     timer: Any = field(default=None, repr=False)  # the scheduler's deadline timer
     task: asyncio.Task[Any] | None = field(default=None, repr=False)  # a promotion's task
-    #: the loop its waiters wait on
-    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
-    #: how it ended (None while pending)
-    ended: End | None = None
-    #: its waiters' future, once one asked for it (:attr:`done`)
-    _waiters: asyncio.Future[End] | None = field(default=None, repr=False)
-
-    @property
-    def done(self) -> asyncio.Future[End]:
-        """Resolved with how the write ended; made on the first ask."""
-        if self._waiters is None:
-            loop = self.loop or asyncio.get_running_loop()
-            self._waiters = loop.create_future()
-            if self.ended is not None:
-                self._waiters.set_result(self.ended)
-        return self._waiters
 
 
 class ReservationTable:
@@ -145,7 +128,7 @@ class ReservationTable:
         loop: asyncio.AbstractEventLoop,
     ) -> Reservation:
         assert key not in self._by_key, "a key has at most one pending write"
-        res = Reservation(key, owner, deadline, size, now, loop=loop)
+        res = Reservation(key, owner, deadline, size, now, loop.create_future())
         self._by_key[key] = res
         if isinstance(owner, ConnId):
             self._by_owner.setdefault(owner, set()).add(key)
@@ -166,10 +149,8 @@ class ReservationTable:
                     del self._by_owner[res.owner]
         if self._watcher is not None:
             self._changed(res.key, False)
-        res.ended = how
-        waiters = res._waiters
-        if waiters is not None and not waiters.done():
-            waiters.set_result(how)
+        if not res.done.done():
+            res.done.set_result(how)
         return True
 
     def owned_by(self, owner: ConnId) -> list[Reservation]:
