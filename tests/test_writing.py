@@ -34,6 +34,9 @@ async def test_a_batch_pays_one_timer_cancelled_when_its_last_reservation_ends()
     assert writes.end(held[-1], End.COMPLETED)
     assert sched.deadline_count == 0 and len(writes.table) == 0
     assert not writes.end(held[0], End.ABORTED)  # (ended once)
+    late = writes.reserve(b"late", OWNER, 30.0, 0, 100.0, batch)  # after the batch's last ended
+    assert sched.deadline_count == 1  # armed again
+    assert sched.run_due(130.0) == 1 and late.done.result() is End.EXPIRED
     alone = writes.reserve(b"alone", OWNER, 30.0, 0, 100.0)  # without a batch: its own
     assert sched.deadline_count == 1
     writes.end(alone, End.ABORTED)

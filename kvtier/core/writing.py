@@ -22,9 +22,10 @@ log = logging.getLogger("kvtier.service")
 
 class Deadline:
     """One deadline timer for a batch's reservations, all of one deadline (a
-    store's keys): armed with the first, cancelled once the last has ended,
-    so a batch pays for one timer, not one a key. At the deadline, each of
-    them still pending expires as if it had its own."""
+    store's keys): armed with the first, cancelled once the last has ended
+    (armed again for one made after that), so a batch pays for one timer,
+    not one a key. At the deadline, each of them still pending expires as
+    if it had its own."""
 
     __slots__ = ("left", "members", "timer")
 
@@ -86,7 +87,7 @@ class PendingWrites:
         if batch is None:
             res.timer = self._scheduler.call_at(res.deadline, lambda: self._expire(res))
             return res
-        if batch.timer is None:
+        if not batch.left:  # its first, or all before it have ended (their timer with them)
             batch.timer = self._scheduler.call_at(res.deadline, lambda: self._expire_all(batch))
         batch.members.append(res)
         batch.left += 1
