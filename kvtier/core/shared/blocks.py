@@ -61,8 +61,8 @@ class SharedStats:
     #: connections waiting out their quarantine before they are freed
     in_place_rooms: int
     in_place_quarantined: int
-    #: rooms made ahead for connections writing in place (the next one each
-    #: will ask for)
+    #: rooms made ahead for connections writing in place (one for each block
+    #: of a connection's last commit, the next ones it will be handed)
     in_place_prepared: int
     #: blocks committed where their writer wrote them (no copy)
     in_place_commits: int
