@@ -4,6 +4,11 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
+# Python caches compiled modules (__pycache__/, ignored by git) even where the
+# environment says not to: otherwise every test worker, daemon and lookup
+# process the suite starts compiles kvtier again.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: bench-ttft ceph-tools bench-s3 bench-agents soak-rooms soak-restart bench-restart bench-encryption bench-budget bench-hedging test-e2e bench-e2e bench-ab soak-lookups run test test-vllm test-lmcache test-sglang bench-vllm bench-lmcache bench-sglang bench-engines lint typecheck imports unit bench bench-deps soak soak-fleet clean deploy-tools
 
 $(BIN)/python:
