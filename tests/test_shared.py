@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import types
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -505,6 +506,26 @@ async def test_an_in_place_commit_is_answered_before_its_block_is_filed(daemon: 
                 mapped.release()
 
 
+@contextlib.contextmanager
+def rooms_made(daemon: Daemon) -> Iterator[list[float]]:
+    """While within: the daemon's bytes sent so far each time it made a room
+    (an eviction, then a slot): which answers had left before it."""
+    sent = daemon.server.counters.sent_bytes
+    made: list[float] = []
+    stores = daemon.service.stores
+    stage_room = stores.stage_room
+
+    def recording(length: int, namespace: bytes) -> memoryview | None:
+        made.append(sent.value)
+        return stage_room(length, namespace)
+
+    stores.stage_room = recording  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        stores.stage_room = stage_room  # type: ignore[method-assign]
+
+
 async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_answer(
     daemon: Daemon,
 ) -> None:
@@ -517,17 +538,8 @@ async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_ans
     shared = daemon.shared
     assert shared is not None
     sent = daemon.server.counters.sent_bytes
-    made: list[float] = []  # bytes sent when each room was made
-    stores = daemon.service.stores
-    stage_room = stores.stage_room
-
-    def recording(length: int, namespace: bytes) -> memoryview | None:
-        made.append(sent.value)
-        return stage_room(length, namespace)
-
-    stores.stage_room = recording  # type: ignore[method-assign]
     reply = wire.framing.HEADER_SIZE + 9  # a COMMIT's answer with a room
-    try:
+    with rooms_made(daemon) as made:
         async with await Client.connect(daemon.socket_path) as a:
             offset = await _stage_in_place(a)
             mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
@@ -563,8 +575,6 @@ async def test_the_room_an_in_place_commit_hands_out_was_made_after_the_last_ans
                 assert bytes(await a.get(b"h") or b"") == block(30, MiB // 2)
             finally:
                 mapped.release()
-    finally:
-        stores.stage_room = stage_room  # type: ignore[method-assign]
     for conn in list(daemon.server.connections):
         await conn.done.wait()  # the daemon has seen the writer go
     assert shared.stats().in_place_prepared == 0
@@ -678,18 +688,9 @@ async def test_a_batch_of_commits_hands_out_rooms_all_made_after_the_last_answer
     shared = daemon.shared
     assert shared is not None
     sent = daemon.server.counters.sent_bytes
-    made: list[float] = []  # bytes sent when each room was made
-    stores = daemon.service.stores
-    stage_room = stores.stage_room
-
-    def recording(length: int, namespace: bytes) -> memoryview | None:
-        made.append(sent.value)
-        return stage_room(length, namespace)
-
     n = COMMITS_A_REQUEST
     reply = wire.framing.HEADER_SIZE + n * wire.COMMIT_REPLY_SIZE
-    stores.stage_room = recording  # type: ignore[method-assign]
-    try:
+    with rooms_made(daemon) as made:
         async with await Client.connect(daemon.socket_path) as a:
             rooms = [await _stage_in_place(a) for _ in range(n)]
             mapped = await asyncio.to_thread(attach, f"{daemon.socket_path}.shm", 1.0)
@@ -717,8 +718,6 @@ async def test_a_batch_of_commits_hands_out_rooms_all_made_after_the_last_answer
                 assert shared.stats().in_place_rooms <= MAX_IN_PLACE_ROOMS
             finally:
                 mapped.release()
-    finally:
-        stores.stage_room = stage_room  # type: ignore[method-assign]
     for conn in list(daemon.server.connections):
         await conn.done.wait()
     assert shared.stats().in_place_prepared == 0  # freed with the connection

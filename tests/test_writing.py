@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from kvtier.client.aio import Client
 from kvtier.core.counts import CoreCounters
 from kvtier.core.timers import Scheduler
 from kvtier.core.writes import End
 from kvtier.core.writing import Deadline, PendingWrites
-from kvtier.model import ConnId
+from kvtier.model import ConnId, LookupMode, ReserveStatus, State
 from kvtier.tiers.ram import RamTier
+from tests.helpers import running_daemon
 
 OWNER = ConnId(7)
 
@@ -81,3 +84,26 @@ async def test_every_reservation_ends_once_and_leaves_no_timer_whatever_the_orde
     sched.run_due(now + 10.0)
     assert len(writes.table) == 0 and sched.deadline_count == 0
     assert all(res.done.done() for res in live)
+
+
+async def test_a_reserves_keys_share_one_deadline_and_expire_at_it_on_the_defaults(
+    sock_dir: Path,
+) -> None:
+    """A daemon on its defaults: a RESERVE's keys read PENDING under one
+    timer; a reader waiting on them is answered when their deadline passes,
+    each counted expired, and nothing stays armed."""
+    async with (
+        running_daemon(sock_dir) as d,
+        await Client.connect(d.socket_path) as writer,
+        await Client.connect(d.socket_path) as reader,
+    ):
+        before = d.scheduler.deadline_count
+        keys = [b"a", b"b", b"c"]
+        assert await writer.reserve(keys, deadline=0.3) == [ReserveStatus.GRANTED] * 3
+        assert d.scheduler.deadline_count == before + 1  # one for the three
+        assert (await reader.lookup(keys)).states == [State.PENDING] * 3
+        reply = await reader.lookup(keys, mode=LookupMode.PREFIX, wait=30.0)  # until they end
+        assert (reply.states, reply.prefix_hits) == ([State.MISS] * 3, 0)
+        sample = d.metrics.registry.get_sample_value
+        assert sample("kvtier_pending_deadline_expired_total") == 3
+        assert d.scheduler.deadline_count == before

@@ -668,10 +668,8 @@ class EngineTier:
         """The rows' (offset, length) in the shared file they live in, or None."""
         if not self._regions or not len(rows):
             return None
-        if isinstance(rows, Rows):
-            address = addresses.address_of(rows.buffer)[0]
-        else:
-            address = addresses.address_of(rows[0])[0]
+        first = rows.buffer if isinstance(rows, Rows) else rows[0]
+        address = addresses.address_of(first)[0]
         if self._file is None:
             found = addresses.mapped_file(address)
             if found is None:
