@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
-from kvtier.tiers.policy import LRUPolicy
+from kvtier.tiers.policy import LRUPolicy, make_policy
 from kvtier.tiers.ram import _MAX_DEFERRED_KEYS, Arena, RamTier
 
 
@@ -60,6 +60,34 @@ def test_a_batch_read_counts_as_recent_at_the_next_eviction(write: str) -> None:
         evicted = ram.reserve(page, b"d")
     assert [k for k, _ in evicted] == [b"c"]  # b and a were read after it
     assert ram.contains(b"a") and ram.contains(b"b")
+
+
+@pytest.mark.parametrize("policy", ["lru", "harc"])
+def test_a_prompts_head_stays_more_recent_than_the_blocks_stored_after_its_lookup(
+    policy: str,
+) -> None:
+    """A lookup's hits are shown to the policy after the writes of the blocks
+    it missed: under pressure a chain loses its new tail first, then its
+    hits tail first, and never keeps a block behind a missing one. The
+    hits wait unevicted meanwhile, even at the cold end."""
+    ram = RamTier(8 * 10, make_policy(policy))
+    turn1 = [b"h0", b"h1", b"h2"]
+    for key in reversed(turn1):  # (a batch is admitted tail first)
+        ram.put(key, b"x" * 10)
+    for key in (b"o0", b"o1", b"o2", b"o3", b"o4"):  # another session's, later
+        ram.put(key, b"x" * 10)
+    turn2 = [*turn1, b"n0", b"n1", b"n2"]
+    ram.touch_later(turn2, 3)  # the session returns: its head is the coldest now
+    evicted = ram.make_room(turn2[3:], [b"x" * 10] * 3)
+    assert [k for k, _ in evicted] == [b"o0", b"o1", b"o2"]  # not the hits
+    for key in reversed(turn2[3:]):
+        ram.put(key, b"x" * 10)
+    ram.touch_later([b"o3", b"o4", b"m"], 2)  # the other session's next turn
+    # ... whose write shows the first one's hits, and evicts its last block
+    gone = [k for k, _ in ram.put(b"m", b"x" * 10)[1]]
+    for i in range(6):
+        gone += [k for k, _ in ram.put(b"z%d" % i, b"x" * 10)[1]]
+    assert gone[:6] == [b"n2", b"n1", b"n0", b"h2", b"h1", b"h0"]
 
 
 def test_reads_without_a_write_keep_their_deferred_touches_bounded() -> None:

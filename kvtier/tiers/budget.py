@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from kvtier.tiers.policy import EvictionPolicy, LRUPolicy, plan_eviction
@@ -210,26 +210,32 @@ class Budget:
 
     # -- room
 
-    def evict_for(self, need: int, key: bytes | None = None) -> list[bytes]:
+    def evict_for(
+        self, need: int, key: bytes | None = None, spared: Collection[bytes] = ()
+    ) -> list[bytes]:
         """Remove the victims that make ``need`` bytes (of ``key``, when known:
-        its namespace's quota applies) fit; returns them in order.
+        its namespace's quota applies) fit; returns them in order. Neither a
+        pinned key nor one of ``spared`` goes.
 
         Raises :class:`~kvtier.tiers.policy.NoRoom` (nothing removed) when
-        evicting every unpinned key would not be enough.
+        evicting every other key would not be enough.
         """
         shares = self.shares
         if need <= self.free and (shares is None or shares.fits(key, need)):
             return []
         sizes, pins = self._sizes, self._pins
+        kept: Callable[[bytes], bool] = pins.__contains__
+        if spared:
+            kept = lambda k: k in pins or k in spared  # noqa: E731
         if shares is not None:
-            victims = shares.plan(key, need, self.free, pins.__contains__)
+            victims = shares.plan(key, need, self.free, kept)
         else:
             victims = plan_eviction(
                 need,
                 self.free,
                 self._policy.candidates(),
                 size_of=sizes.__getitem__,
-                pinned=pins.__contains__,
+                pinned=kept,
             )
         policy = self._policy
         for victim in victims:

@@ -78,10 +78,8 @@ import logging
 import mmap
 import os
 import time
-from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, islice
 from typing import Protocol
 
 from kvtier import blockcopy
@@ -91,6 +89,7 @@ from kvtier.tiers.base import LocalTier, RamStats
 from kvtier.tiers.budget import Budget
 from kvtier.tiers.policy import EvictionPolicy, NoRoom
 from kvtier.tiers.retention import Arrivals, RetentionBook, grant_held, leased_cap, retaining
+from kvtier.tiers.touches import DeferredTouches
 
 log = logging.getLogger("kvtier.ram")
 
@@ -158,9 +157,7 @@ class RamTier(LocalTier):
         self._values: dict[bytes, Buffer] = {}
         #: reads' and lookups' hits not yet shown to the eviction policy (see
         #: touch_later)
-        self._touches: deque[tuple[Sequence[bytes], int]] = deque()
-        #: the keys they name
-        self._deferred = 0
+        self._reads = DeferredTouches(_MAX_DEFERRED_TOUCHES, _MAX_DEFERRED_KEYS)
         #: the shared arena's views and their holders; None: every block in the heap
         self.slots = Slots(arena) if arena is not None else None
         #: values below this size stay in the heap even with an arena
@@ -181,7 +178,7 @@ class RamTier(LocalTier):
         return (
             f"<RamTier used={b.used}/{b.capacity} reserved={b.held} blocks={len(b)} "
             f"pinned={b.pinned_count} evictions={b.evictions} "
-            f"deferred_touches={self._deferred}{shared}>"
+            f"deferred_touches={self._reads.pending}{shared}>"
         )
 
     def __len__(self) -> int:
@@ -203,35 +200,26 @@ class RamTier(LocalTier):
     # -- reads
 
     def touch_later(self, keys: Sequence[bytes], count: int) -> None:
-        """A lookup answered HIT for ``keys[:count]``, or a read pinned them:
-        refresh the resident ones in the eviction order before the next
-        write or eviction, off the reply's path (the order matters only
-        then). The same lookup again (a reader polling) adds nothing to do."""
-        touches = self._touches
-        if touches and touches[-1][1] == count and touches[-1][0] == keys:
-            return
-        touches.append((keys, count))
-        self._deferred += count
-        while len(touches) > _MAX_DEFERRED_TOUCHES or self._deferred > _MAX_DEFERRED_KEYS:
-            oldest, n = touches.popleft()
-            self._deferred -= n
-            self._touch_resident(islice(oldest, n))
+        """A lookup answered HIT for ``keys[:count]`` (the rest it missed), or
+        a read pinned them (``count == len(keys)``): refresh the resident ones
+        in the eviction order later, off the reply's path, and after the
+        writes of the blocks the lookup missed, so that the prompt's head
+        stays more recent than the blocks stored after it
+        (:class:`~kvtier.tiers.touches.DeferredTouches`). Until then no
+        eviction takes them. The same lookup again (a reader polling) adds
+        nothing to do."""
+        # (a lookup heard of late, from the lookup process, may come after
+        # the writes of what it missed: it waits for none then)
+        written = 0 < count < len(keys) and keys[count] in self._values
+        shown = self._reads.add(keys, count, written)
+        if shown is not None:
+            self._touch_resident(shown)
 
     def _apply_touches(self) -> None:
-        """Each key touched once, in the order of its latest lookup, and each
-        lookup's keys tail first (a chain's head is its most recent block: the
-        tail goes first, and no block is left behind a missing one). Lookups
-        of the same prefixes (a shared system prompt, a polling reader) cost
-        the policy one touch per key per window, not one per lookup."""
-        touches, self._touches = self._touches, deque()
-        self._deferred = 0
-        if len(touches) == 1:
-            keys, count = touches[0]
-            latest: Iterable[bytes] = reversed(keys[:count])
-        else:  # dict.fromkeys dedupes at C speed; built newest first, then reversed
-            newest = chain.from_iterable(islice(k, c) for k, c in reversed(touches))
-            latest = reversed(dict.fromkeys(newest))
-        self._touch_resident(latest)
+        """Show the policy every read still waiting."""
+        shown = self._reads.take_all()
+        if shown is not None:
+            self._touch_resident(shown)
 
     def _touch_resident(self, keys: Iterable[bytes]) -> None:
         """Show the policy a touch of each of ``keys`` still held, in order."""
@@ -325,8 +313,6 @@ class RamTier(LocalTier):
         ``retention``, or renew their lease; returns how many were resident.
         ``arrive``: the others are leased as they land (a peer's lease on
         blocks its push is bringing here)."""
-        if self._touches:
-            self._apply_touches()
         values = self._values
         held = [k for k in keys if k in values]
         if arrive and len(held) < len(keys):
@@ -337,20 +323,19 @@ class RamTier(LocalTier):
     def release_session(self, session: bytes, namespace: bytes) -> int:
         """End ``namespace``'s ``session``'s lease (after the reads it made
         are in the order: its blocks then go first)."""
-        if self._touches:
+        if self._reads.queue:
             self._apply_touches()
         return self.retention.release(session, namespace)
 
     def supersede(self, session: bytes, keys: Sequence[bytes]) -> int:
         """``keys`` are ``session``'s whole prompt: its other leases here end
-        (after the reads it made are in the order)."""
-        if self._touches:
-            self._apply_touches()
+        (each at the cold end; a read still waiting to be shown moves it
+        back, as a read after it would)."""
         return self.retention.supersede(session, keys)
 
     def expire_leases(self, now: float) -> int:
         """End the leases whose time passed, as :meth:`release_session` does."""
-        if self._touches:
+        if self._reads.queue and self.retention.due(now):
             self._apply_touches()
         self.arriving_leases.expire(now)
         return self.retention.expire(now)
@@ -374,8 +359,10 @@ class RamTier(LocalTier):
         about to be reused), so the tier keeps a copy. ``cold``: the writer
         expects no reuse (a TAIL hint): admitted first in the eviction order.
         """
-        if self._touches:
-            self._apply_touches()
+        if self._reads.queue:  # (the reads whose writes are over are shown first)
+            shown = self._reads.before_write(key)
+            if shown is not None:
+                self._touch_resident(shown)
         if key in self._values:
             self.budget.touch(key)
             self.drop_staged(value)
@@ -445,8 +432,6 @@ class RamTier(LocalTier):
         before any block of the batch takes one, so a block larger than the
         victims finds contiguous room more often than when each block evicts
         for itself as it is staged."""
-        if self._touches:
-            self._apply_touches()
         values_held, slots, min_slot = self._values, self.slots, self.min_slot
         need = 0
         for key, n in zip(keys, lengths, strict=True):
@@ -471,13 +456,21 @@ class RamTier(LocalTier):
     def _make_room(
         self, size: int, key: bytes | None, yielding: Collection[HeldKind] = YIELD_ORDER
     ) -> list[tuple[bytes, Buffer]]:
-        if self._touches:  # (every eviction sees every read before it)
-            self._apply_touches()
+        reads = self._reads
+        if reads.queue:  # (the reads whose writes are over are in the order it sees)
+            shown = reads.before_write(key)
+            if shown is not None:
+                self._touch_resident(shown)
         leased = self.retention.evicted_leased
         leased.clear()
         try:
-            victims = self.budget.evict_for(size, key)
+            # A read still waiting to be shown counts as just made: none of
+            # its keys goes, unless there is no room without them.
+            victims = self.budget.evict_for(size, key, reads.protected() if reads.queue else ())
         except NoRoom as exc:
+            if reads.queue:
+                self._apply_touches()
+                return self._make_room(size, key, yielding)
             victims = self._reclaim_for(size, key, yielding, exc)
         values = self._values
         if self.slots is None:
@@ -506,8 +499,6 @@ class RamTier(LocalTier):
         slots = self.slots
         if slots is None or not self.stages(length):
             return None, []
-        if self._touches:
-            self._apply_touches()
         size = slots.block_size(length)
         try:
             evicted = self._make_room(size, key)
@@ -579,8 +570,6 @@ class RamTier(LocalTier):
             raise ValueTooLargeError(
                 f"cannot reserve {size} bytes in a RAM tier of {self.capacity} bytes"
             )
-        if self._touches:
-            self._apply_touches()
         # (a reservation takes no room from others: only rooms nobody uses yield)
         evicted = self._make_room(size, key, (HeldKind.READY,))
         self.budget.hold(size)

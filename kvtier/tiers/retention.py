@@ -213,6 +213,11 @@ class RetentionBook:
         for own in touched:
             self._cap(own)
 
+    def due(self, now: float) -> bool:
+        """Whether a session's lease ends at or before ``now`` (:meth:`expire` has work)."""
+        ends = self._ends
+        return bool(ends) and ends[0][0] <= now
+
     def expire(self, now: float) -> int:
         """End every session's lease whose end is at or before ``now``;
         returns how many blocks they held."""
