@@ -139,7 +139,7 @@ def main() -> int:
     report["conversation"] = {"trace": str(args.conversation), "results": results}
     out = args.json or ROOT / "benchmarks" / "results" / f"{report['date']}-agents.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwritten to {out.relative_to(ROOT)}")
+    print(f"\nwritten to {out}")
     return 0
 
 

@@ -238,13 +238,13 @@ def replay(
             returning_hits += run
         elif chain:
             heads.add(chain[0])
-        touch_later(keys, run)
         if lease is not None:  # the lookup renews what the session said last
             said = leases.get(lease.session)
             if said is not None and run:
                 ram.retain(keys[:run], said, now)
             if said is not None:  # (it names the whole prompt: a prompt left ends)
                 ram.supersede(lease.session, keys)
+        touch_later(keys, run)  # (after the lease's renewal, as the daemon answers)
         _store_rest(ram, keys, run, value, len(keys) - 1 if tails is not None and tails[n] else -1)
         if lease is not None:  # the store says how long, and how much it matters
             ram.retain(keys, lease, now)

@@ -9,6 +9,7 @@ from kvtier.errors import NoCapacityError, ValueTooLargeError
 from kvtier.model import Buffer
 from kvtier.tiers.policy import LRUPolicy, make_policy
 from kvtier.tiers.ram import _MAX_DEFERRED_KEYS, Arena, RamTier
+from kvtier.tiers.shares import Quota, Shares
 
 
 def test_lru_policy_orders_by_recency() -> None:
@@ -62,15 +63,19 @@ def test_a_batch_read_counts_as_recent_at_the_next_eviction(write: str) -> None:
     assert ram.contains(b"a") and ram.contains(b"b")
 
 
-@pytest.mark.parametrize("policy", ["lru", "harc"])
+@pytest.mark.parametrize("policy", ["lru", "harc", "shares"])
 def test_a_prompts_head_stays_more_recent_than_the_blocks_stored_after_its_lookup(
     policy: str,
 ) -> None:
     """A lookup's hits are shown to the policy after the writes of the blocks
     it missed: under pressure a chain loses its new tail first, then its
     hits tail first, and never keeps a block behind a missing one. The
-    hits wait unevicted meanwhile, even at the cold end."""
-    ram = RamTier(8 * 10, make_policy(policy))
+    hits wait unevicted meanwhile, even at the cold end. (``shares``:
+    namespaces with quotas, whose eviction plans its own way.)"""
+    if policy == "shares":
+        ram = RamTier(8 * 10, Shares(8 * 10, {b"": Quota()}, LRUPolicy))
+    else:
+        ram = RamTier(8 * 10, make_policy(policy))
     turn1 = [b"h0", b"h1", b"h2"]
     for key in reversed(turn1):  # (a batch is admitted tail first)
         ram.put(key, b"x" * 10)
@@ -88,6 +93,20 @@ def test_a_prompts_head_stays_more_recent_than_the_blocks_stored_after_its_looku
     for i in range(6):
         gone += [k for k, _ in ram.put(b"z%d" % i, b"x" * 10)[1]]
     assert gone[:6] == [b"n2", b"n1", b"n0", b"h2", b"h1", b"h0"]
+
+
+def test_waiting_hits_go_when_nothing_else_is_left_to_evict() -> None:
+    """A lookup's hits are spared while they wait, unless the room its own
+    store needs can come from nowhere else: then they are shown and the
+    eviction takes the coldest of them, the last hit."""
+    ram = RamTier(3 * 10, LRUPolicy())
+    chain = [b"h0", b"h1", b"h2", b"n0"]
+    for key in reversed(chain[:3]):
+        ram.put(key, b"x" * 10)
+    ram.touch_later(chain, 3)
+    stored, evicted = ram.put(b"n0", b"x" * 10)
+    assert stored and [k for k, _ in evicted] == [b"h2"]
+    assert "deferred_touches=0" in repr(ram)
 
 
 def test_reads_without_a_write_keep_their_deferred_touches_bounded() -> None:

@@ -329,8 +329,10 @@ class RamTier(LocalTier):
 
     def supersede(self, session: bytes, keys: Sequence[bytes]) -> int:
         """``keys`` are ``session``'s whole prompt: its other leases here end
-        (each at the cold end; a read still waiting to be shown moves it
-        back, as a read after it would)."""
+        (after the reads made before it are in the order: its blocks then
+        go first)."""
+        if self._reads.queue:
+            self._apply_touches()
         return self.retention.supersede(session, keys)
 
     def expire_leases(self, now: float) -> int:
