@@ -84,15 +84,17 @@ async def test_a_daemon_reaches_the_offline_figure(
         assert abs(online.hits - offline.hits) <= offline.hits // 200
 
 
+@pytest.mark.parametrize("mode", [LookupMode.PREFIX, LookupMode.KEYS], ids=["prefix", "keys"])
 @pytest.mark.parametrize("lookup_process", [False, True], ids=["daemon", "lookup-process"])
 async def test_a_returning_prompt_loses_its_new_tail_before_its_head(
-    sock_dir: Path, lookup_process: bool
+    sock_dir: Path, lookup_process: bool, mode: LookupMode
 ) -> None:
     """A daemon on its defaults (but a small RAM, and no disk to hold what it
     lets go; its lookups answered by itself or by the lookup process, which
-    reports them to it): a session looks its prompt up and stores the
-    blocks it missed; under pressure RAM lets those go first, then the hits
-    tail first, and keeps no block behind a missing one."""
+    reports them to it; of the prompt's prefix, or of each key as vLLM's
+    tier asks): a session looks its prompt up and stores the blocks it
+    missed; under pressure RAM lets those go first, then the hits tail
+    first, and keeps no block behind a missing one."""
     size = 4096
     value = bytes(size)
     looked = 0
@@ -108,7 +110,7 @@ async def test_a_returning_prompt_loses_its_new_tail_before_its_head(
 
         async def turn(keys: list[bytes]) -> int:
             nonlocal looked
-            reply = await client.lookup_prefix(keys)
+            reply = await client.lookup(keys, mode=mode)
             rest = keys[reply.prefix_hits :]
             await client.put_many(rest, [value] * len(rest))
             looked += 1

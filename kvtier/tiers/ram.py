@@ -362,7 +362,7 @@ class RamTier(LocalTier):
         expects no reuse (a TAIL hint): admitted first in the eviction order.
         """
         if self._reads.queue:  # (the reads whose writes are over are shown first)
-            shown = self._reads.before_write(key)
+            shown = self._reads.before_write(key, self._values)
             if shown is not None:
                 self._touch_resident(shown)
         if key in self._values:
@@ -460,7 +460,7 @@ class RamTier(LocalTier):
     ) -> list[tuple[bytes, Buffer]]:
         reads = self._reads
         if reads.queue:  # (the reads whose writes are over are in the order it sees)
-            shown = reads.before_write(key)
+            shown = reads.before_write(key, self._values)
             if shown is not None:
                 self._touch_resident(shown)
         leased = self.retention.evicted_leased

@@ -1,17 +1,21 @@
 """Reads waiting to be shown to the eviction policy: a lookup's hits, shown
 after the writes of the blocks it missed. Pure; imports nothing of kvtier.
 
-An engine looks up a prompt's blocks, gets HIT for the first ones, computes
-the rest and stores them. In the eviction order a chain's head must be its
-most recent block (the tail goes first, and no block is left behind a
-missing one). Were the hits shown at once, the blocks stored after them
-would be more recent than the prompt's head, and the first to go under
-pressure would be the last hit, leaving the stored blocks stranded behind
-it. So a lookup's hits wait (:meth:`DeferredTouches.add`) until the writes
-of the blocks it missed are done: they are shown once a write serves
-another lookup (:meth:`before_write` of a key another lookup missed), or
-past the bounds, or when the tier settles every read (:meth:`take_all`).
+An engine looks up a prompt's blocks, gets HIT for the first ones (or, a
+lookup of each key, for some of them), computes the rest and stores them.
+In the eviction order a chain's head must be its most recent block (the
+tail goes first, and no block is left behind a missing one). Were the
+hits shown at once, the blocks stored after them would be more recent
+than the prompt's head, and the first to go under pressure would be the
+last hit, leaving the stored blocks stranded behind it. So a lookup's
+hits wait (:meth:`DeferredTouches.add`) until the writes of the blocks it
+missed are done: they are shown once a write serves another lookup
+(:meth:`before_write` of a key another lookup missed), or past the
+bounds, or when the tier settles every read (:meth:`take_all`).
 
+The blocks a lookup missed are those the tier does not hold when the
+first write after it comes: of the keys past its hits or, where all its
+keys count as read (a lookup of each key, or a read), of all of them.
 Each waiting lookup is *awaiting* while none of the blocks it missed has
 been written (a lookup that missed nothing awaits nothing), *writing* while
 the latest write served it, and *done* after. Before each write, the
@@ -33,19 +37,22 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from itertools import chain, islice
 
 
 class _Lookup:
-    __slots__ = ("awaiting", "count", "keys")
+    __slots__ = ("awaiting", "count", "keys", "missed")
 
     def __init__(self, keys: Sequence[bytes], count: int, awaiting: bool) -> None:
         self.keys = keys
-        #: the hits: ``keys[:count]``; the rest are the blocks it missed
+        #: the keys read: ``keys[:count]``
         self.count = count
-        #: none of the blocks it missed has been written yet
-        self.awaiting = awaiting and count < len(keys)
+        #: none of the blocks it missed has been written yet (until indexed:
+        #: whether it may have missed any)
+        self.awaiting = awaiting
+        #: the blocks it missed, once indexed
+        self.missed: list[bytes] = []
 
 
 class DeferredTouches:
@@ -94,18 +101,23 @@ class DeferredTouches:
             shown.append(self._pop())
         return _order(shown) if shown else None
 
-    def before_write(self, key: bytes | None) -> Iterable[bytes] | None:
+    def before_write(self, key: bytes | None, held: Container[bytes]) -> Iterable[bytes] | None:
         """``key`` is about to be written, or room made for it (None: for a
-        block whose key is not known yet): the keys to touch first (the
-        lookups done before it, see the module's docstring), or None."""
+        block whose key is not known yet), to a tier that holds ``held``:
+        the keys to touch first (the lookups done before it, see the
+        module's docstring), or None."""
         if not self.queue:
             return None
-        if self._unindexed:  # (the lookups added since: their misses indexed)
-            missed = self._missed
+        if self._unindexed:  # (the lookups added since: what they missed, indexed)
+            index = self._missed
             for entry in self._unindexed:
                 if entry.awaiting:
-                    for k in islice(entry.keys, entry.count, None):
-                        missed[k] = entry
+                    keys, count = entry.keys, entry.count
+                    rest = islice(keys, count, None) if count < len(keys) else keys
+                    entry.missed = [k for k in rest if k not in held]
+                    for k in entry.missed:
+                        index[k] = entry
+                    entry.awaiting = bool(entry.missed)
             self._unindexed.clear()
         served = self._missed.get(key) if key is not None else None
         if served is not None:
@@ -145,11 +157,10 @@ class DeferredTouches:
         self._protected = None
         if entry is self._writing:
             self._writing = None
-        if entry.count < len(entry.keys):
-            missed = self._missed
-            for key in islice(entry.keys, entry.count, None):
-                if missed.get(key) is entry:
-                    del missed[key]
+        index = self._missed
+        for key in entry.missed:
+            if index.get(key) is entry:
+                del index[key]
         if self._unindexed and entry in self._unindexed:
             self._unindexed.remove(entry)
         return entry
