@@ -75,7 +75,7 @@ def test_a_read_that_missed_nothing_is_shown_at_a_write_it_does_not_serve() -> N
 
 def test_a_lookup_heard_of_after_its_writes_awaits_none() -> None:
     t = DeferredTouches()
-    t.add(keys("a", "A"), 1, written=True)  # reported late: A is stored already
+    t.add(keys("a", "b"), 1)  # reported late: b is held already
     assert shown(t.before_write(b"x", HELD)) == ["a"]
 
 

@@ -208,10 +208,7 @@ class RamTier(LocalTier):
         (:class:`~kvtier.tiers.touches.DeferredTouches`). Until then no
         eviction takes them. The same lookup again (a reader polling) adds
         nothing to do."""
-        # (a lookup heard of late, from the lookup process, may come after
-        # the writes of what it missed: it waits for none then)
-        written = 0 < count < len(keys) and keys[count] in self._values
-        shown = self._reads.add(keys, count, written)
+        shown = self._reads.add(keys, count)
         if shown is not None:
             self._touch_resident(shown)
 

@@ -15,7 +15,9 @@ bounds, or when the tier settles every read (:meth:`take_all`).
 
 The blocks a lookup missed are those the tier does not hold when the
 first write after it comes: of the keys past its hits or, where all its
-keys count as read (a lookup of each key, or a read), of all of them.
+keys count as read (a lookup of each key, or a read), of all of them. (A
+lookup heard of after the writes of what it missed, as the lookup
+process reports one, missed nothing then, and awaits nothing.)
 Each waiting lookup is *awaiting* while none of the blocks it missed has
 been written (a lookup that missed nothing awaits nothing), *writing* while
 the latest write served it, and *done* after. Before each write, the
@@ -44,13 +46,13 @@ from itertools import chain, islice
 class _Lookup:
     __slots__ = ("awaiting", "count", "keys", "missed")
 
-    def __init__(self, keys: Sequence[bytes], count: int, awaiting: bool) -> None:
+    def __init__(self, keys: Sequence[bytes], count: int) -> None:
         self.keys = keys
         #: the keys read: ``keys[:count]``
         self.count = count
         #: none of the blocks it missed has been written yet (until indexed:
         #: whether it may have missed any)
-        self.awaiting = awaiting
+        self.awaiting = True
         #: the blocks it missed, once indexed
         self.missed: list[bytes] = []
 
@@ -78,20 +80,16 @@ class DeferredTouches:
             f"missed={len(self._missed)}>"
         )
 
-    def add(
-        self, keys: Sequence[bytes], count: int, written: bool = False
-    ) -> Iterable[bytes] | None:
+    def add(self, keys: Sequence[bytes], count: int) -> Iterable[bytes] | None:
         """A lookup answered HIT for ``keys[:count]`` (a read of ``count`` keys
-        passes ``count == len(keys)``); ``written``: the writes of the blocks
-        it missed came before it (a lookup heard of after it was answered),
-        so it awaits none. Returns the keys to touch now, when
+        passes ``count == len(keys)``). Returns the keys to touch now, when
         the bounds showed the oldest lookups; else None. A lookup that hit
         nothing, or the same lookup as the latest (a reader polling), adds
         nothing."""
         queue = self.queue
         if not count or (queue and queue[-1].count == count and queue[-1].keys == keys):
             return None
-        entry = _Lookup(keys, count, not written)
+        entry = _Lookup(keys, count)
         queue.append(entry)
         self._unindexed.append(entry)
         self.pending += count
