@@ -14,6 +14,7 @@ from kvtier import replay as rp
 from kvtier.cli import main
 from kvtier.client.aio import Client
 from kvtier.core.costs import Costs
+from kvtier.daemon import Daemon
 from kvtier.errors import ConfigError
 from kvtier.model import LookupMode
 from kvtier.tiers.shares import Quota
@@ -84,54 +85,87 @@ async def test_a_daemon_reaches_the_offline_figure(
         assert abs(online.hits - offline.hits) <= offline.hits // 200
 
 
+SIZE = 4096
+#: two sessions' prompts: ``a`` comes back with 3 blocks more, then ``b``
+A = [b"a%d" % i for i in range(6)]
+B = [b"b%d" % i for i in range(4)]
+
+
+async def two_sessions(d: Daemon, client: Client, mode: LookupMode, lookup_process: bool) -> None:
+    """Each turn looks its prompt up (``mode``) and stores the blocks it
+    missed; ``a`` returns with 3 blocks more, then ``b``'s next turn fills a
+    RAM of 10 blocks."""
+    looked = 0
+
+    async def turn(keys: list[bytes]) -> int:
+        nonlocal looked
+        reply = await client.lookup(keys, mode=mode)
+        looked += 1
+        if lookup_process:  # (its report reaches the daemon before the PUT, as
+            await answered(d, looked)  # it does before an engine's store)
+        rest = keys[reply.prefix_hits :]
+        await client.put_many(rest, [bytes(SIZE)] * len(rest))
+        return reply.prefix_hits
+
+    assert await turn(A[:3]) == 0
+    assert await turn(B[:3]) == 0
+    assert await turn(A) == 3
+    assert await turn(B) == 3
+
+
 @pytest.mark.parametrize("mode", [LookupMode.PREFIX, LookupMode.KEYS], ids=["prefix", "keys"])
 @pytest.mark.parametrize("lookup_process", [False, True], ids=["daemon", "lookup-process"])
 async def test_a_returning_prompt_loses_its_new_tail_before_its_head(
     sock_dir: Path, lookup_process: bool, mode: LookupMode
 ) -> None:
-    """A daemon on its defaults (but a small RAM, and no disk to hold what it
-    lets go; its lookups answered by itself or by the lookup process, which
-    reports them to it; of the prompt's prefix, or of each key as vLLM's
-    tier asks): a session looks its prompt up and stores the blocks it
-    missed; under pressure RAM lets those go first, then the hits tail
-    first, and keeps no block behind a missing one."""
-    size = 4096
-    value = bytes(size)
-    looked = 0
+    """A small RAM and no disk to hold what it lets go (its lookups answered
+    by the daemon or by the lookup process, which reports them to it; of
+    the prompt's prefix, or of each key as vLLM's tier asks): a session
+    looks its prompt up and stores the blocks it missed; under pressure
+    RAM lets those go first, then the hits tail first, and keeps no block
+    behind a missing one."""
     async with (
         running_daemon(
             sock_dir,
-            ram={"capacity": 10 * size},
+            ram={"capacity": 10 * SIZE},
             disk={"enabled": False},
             server={"lookup_process": lookup_process},
         ) as d,
         await Client.connect(d.socket_path) as client,
     ):
-
-        async def turn(keys: list[bytes]) -> int:
-            nonlocal looked
-            reply = await client.lookup(keys, mode=mode)
-            rest = keys[reply.prefix_hits :]
-            await client.put_many(rest, [value] * len(rest))
-            looked += 1
-            if lookup_process:  # (its report reaches the daemon before or after the PUT)
-                await answered(d, looked)
-            return reply.prefix_hits
-
-        a = [b"a%d" % i for i in range(6)]
-        b = [b"b%d" % i for i in range(4)]
-        assert await turn(a[:3]) == 0
-        assert await turn(b[:3]) == 0
-        assert await turn(a) == 3  # the session returns: 3 blocks more
-        assert await turn(b) == 3  # the other's next turn, later: RAM is full
+        await two_sessions(d, client, mode, lookup_process)
         held = []
         for i in range(6):  # pressure, one block at a time
-            await client.put_many([b"z%d" % i], [value])
-            reply = await client.lookup(a, mode=LookupMode.PREFIX, peek=True)
+            await client.put_many([b"z%d" % i], [bytes(SIZE)])
+            reply = await client.lookup(A, mode=LookupMode.PREFIX, peek=True)
             held.append(reply.prefix_hits)
     # a's new tail first, then its hits tail first (were the hits shown
     # before the writes, they would go first, stranding the new tail: 2, 1, 0, 0, 0, 0)
     assert held == [5, 4, 3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("mode", [LookupMode.PREFIX, LookupMode.KEYS], ids=["prefix", "keys"])
+async def test_on_the_defaults_a_returning_prompt_keeps_its_head_in_ram(
+    sock_dir: Path, mode: LookupMode
+) -> None:
+    """The same on the defaults (but a small RAM): the lookup process
+    answers, the disk below keeps what RAM lets go. After three blocks of
+    pressure RAM still holds the prompt's head, and only its new tail is
+    read from the disk."""
+    async with (
+        running_daemon(sock_dir, ram={"capacity": 10 * SIZE}, server={"lookup_process": True}) as d,
+        await Client.connect(d.socket_path) as client,
+    ):
+        await two_sessions(d, client, mode, lookup_process=True)
+        await client.put_many([b"z%d" % i for i in range(3)], [bytes(SIZE)] * 3)
+        await d.settle()  # (the disk has every block written through)
+        from_disk = []
+        for key in A:  # head first: a block read from RAM is then its most recent
+            before = (await client.stats())["tiers"]["disk"]["reads"]
+            assert await client.get(key) is not None
+            from_disk.append((await client.stats())["tiers"]["disk"]["reads"] - before)
+    # (were the hits shown before the writes, the head would be on the disk)
+    assert from_disk == [0, 0, 0, 1, 1, 1]
 
 
 def test_tail_hints_come_from_partial_last_blocks_and_help_lru(chains: list[rp.Chain]) -> None:

@@ -50,8 +50,8 @@ class _Lookup:
         self.keys = keys
         #: the keys read: ``keys[:count]``
         self.count = count
-        #: none of the blocks it missed has been written yet (until indexed:
-        #: whether it may have missed any)
+        #: none of the blocks it missed has been written yet (True until
+        #: indexed: what it missed is known at the first write after it)
         self.awaiting = True
         #: the blocks it missed, once indexed
         self.missed: list[bytes] = []
@@ -109,13 +109,12 @@ class DeferredTouches:
         if self._unindexed:  # (the lookups added since: what they missed, indexed)
             index = self._missed
             for entry in self._unindexed:
-                if entry.awaiting:
-                    keys, count = entry.keys, entry.count
-                    rest = islice(keys, count, None) if count < len(keys) else keys
-                    entry.missed = [k for k in rest if k not in held]
-                    for k in entry.missed:
-                        index[k] = entry
-                    entry.awaiting = bool(entry.missed)
+                keys, count = entry.keys, entry.count
+                rest = islice(keys, count, None) if count < len(keys) else keys
+                entry.missed = [k for k in rest if k not in held]
+                for k in entry.missed:
+                    index[k] = entry
+                entry.awaiting = bool(entry.missed)
             self._unindexed.clear()
         served = self._missed.get(key) if key is not None else None
         if served is not None:
